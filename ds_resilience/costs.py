@@ -1,0 +1,153 @@
+"""Cost model: how long each action takes, per stage, and what the links cost.
+
+Loaded from JSON (``configs/costs_*.json``). Every per-stage field takes one number (all stages) or
+a list with one number per stage. Times are in any consistent unit (the reference profiles use
+milliseconds; the default unit model uses 1 per pass). Pure Python.
+
+JSON fields (all optional, defaults in brackets)::
+
+    name               label                                         ["unit"]
+    t_f, t_b, t_w      forward, input-gradient, weight-gradient time  [1, 1, 1]
+    t_opt              optimizer step time per stage                  [0]
+    t_reduce           data-parallel gradient reduce time per stage   [0]
+    activation_bytes   bytes of one micro-batch's activation (or gradient) crossing a stage boundary [0]
+    p2p_latency        per-message latency                            [0]
+    p2p_bandwidth      bytes per time unit, null = infinite           [null]
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Sequence
+
+from .errors import CostModelError
+
+__all__ = ["CostModel", "StageCosts"]
+
+_PER_STAGE = ("t_f", "t_b", "t_w", "t_opt", "t_reduce", "activation_bytes")
+_SCALAR = ("p2p_latency", "p2p_bandwidth")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageCosts:
+    """Resolved costs of one stage."""
+
+    t_f: float
+    t_b: float
+    t_w: float
+    t_opt: float
+    t_reduce: float
+    activation_bytes: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CostModel:
+    """Per-stage compute costs and a latency/bandwidth link model.
+
+    A per-stage field is a tuple: of length 1 (applies to every stage) or one entry per stage.
+    """
+
+    name: str = "unit"
+    t_f: tuple[float, ...] = (1.0,)
+    t_b: tuple[float, ...] = (1.0,)
+    t_w: tuple[float, ...] = (1.0,)
+    t_opt: tuple[float, ...] = (0.0,)
+    t_reduce: tuple[float, ...] = (0.0,)
+    activation_bytes: tuple[float, ...] = (0.0,)
+    p2p_latency: float = 0.0
+    p2p_bandwidth: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in _PER_STAGE:
+            raw = getattr(self, name)
+            values = tuple(raw) if isinstance(raw, (list, tuple)) else (raw,)
+            if not values:
+                raise CostModelError(f"cost model {self.name!r}: {name} is empty")
+            for v in values:
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                    raise CostModelError(
+                        f"cost model {self.name!r}: {name} must hold finite numbers >= 0, got {v!r}"
+                    )
+            object.__setattr__(self, name, tuple(float(v) for v in values))
+        if isinstance(self.p2p_latency, bool) or not isinstance(self.p2p_latency, (int, float)) or self.p2p_latency < 0:
+            raise CostModelError(f"cost model {self.name!r}: p2p_latency must be >= 0, got {self.p2p_latency!r}")
+        bw = self.p2p_bandwidth
+        if bw is not None and (isinstance(bw, bool) or not isinstance(bw, (int, float)) or bw <= 0):
+            raise CostModelError(f"cost model {self.name!r}: p2p_bandwidth must be > 0 or null, got {bw!r}")
+        if self.t_f and all(f == 0 for f in self.t_f):
+            raise CostModelError(f"cost model {self.name!r}: t_f must be > 0 for some stage")
+
+    # --- construction ----------------------------------------------------------------------
+    @classmethod
+    def unit(cls) -> "CostModel":
+        """t_F = t_B = t_W = 1, free optimizer and communication (the reference model)."""
+        return cls()
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, source: str = "cost model") -> "CostModel":
+        """Build from a JSON object; unknown keys raise :class:`CostModelError`."""
+        if not isinstance(data, dict):
+            raise CostModelError(f"{source}: expected a JSON object, got {type(data).__name__}")
+        allowed = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - allowed - {"comment"})
+        if unknown:
+            raise CostModelError(f"{source}: unknown keys {unknown}; allowed: {sorted(allowed)}")
+        kwargs = {k: v for k, v in data.items() if k in allowed}
+        try:
+            return cls(**kwargs)
+        except TypeError as exc:
+            raise CostModelError(f"{source}: {exc}") from exc
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CostModel":
+        """Load a cost model from a JSON file."""
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError as exc:
+            raise CostModelError(f"cost model file {str(path)!r} does not exist") from exc
+        except json.JSONDecodeError as exc:
+            raise CostModelError(f"cost model file {str(path)!r} is not valid JSON: {exc}") from exc
+        return cls.from_dict(data, source=str(path))
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name}
+        for name in _PER_STAGE:
+            values = getattr(self, name)
+            out[name] = values[0] if len(values) == 1 else list(values)
+        out["p2p_latency"] = self.p2p_latency
+        out["p2p_bandwidth"] = self.p2p_bandwidth
+        return out
+
+    # --- queries ---------------------------------------------------------------------------
+    def check_stages(self, pp: int) -> None:
+        """Raise :class:`CostModelError` unless every per-stage list fits ``pp`` stages."""
+        for name in _PER_STAGE:
+            n = len(getattr(self, name))
+            if n not in (1, pp):
+                raise CostModelError(
+                    f"cost model {self.name!r}: {name} has {n} entries, expected 1 or pp={pp}"
+                )
+
+    def stage(self, stage: int) -> StageCosts:
+        """Costs of ``stage`` (a length-1 field applies to all stages)."""
+
+        def pick(values: Sequence[float]) -> float:
+            if len(values) == 1:
+                return values[0]
+            if stage >= len(values):
+                raise CostModelError(
+                    f"cost model {self.name!r} has {len(values)} stages, no entry for stage {stage}"
+                )
+            return values[stage]
+
+        return StageCosts(**{name: pick(getattr(self, name)) for name in _PER_STAGE})
+
+    def transfer_time(self, nbytes: float) -> float:
+        """Time a message of ``nbytes`` occupies a link (serialization), excluding latency."""
+        if self.p2p_bandwidth is None or nbytes <= 0:
+            return 0.0
+        return nbytes / self.p2p_bandwidth

@@ -1,0 +1,149 @@
+"""The unit of a schedule: one :class:`Action` that one worker performs.
+
+Text form (round-trips through :func:`parse_action`)::
+
+    p1s2F5       forward of micro-batch 5 of pipeline 1 at stage 2
+    p1s2B5       input-gradient backward (B)       p1s2W5   weight-gradient backward (W)
+    p1s2BW5      fused backward (B and W together)
+    p1s2SA5>7    send the activation of p1/mb5 (output of stage 2) to worker 7
+    p1s3RA5<6    receive the activation of p1/mb5 (input of stage 3) from worker 6
+    p1s2SG5>3    send the input gradient of p1/mb5 at stage 2 to worker 3
+    p1s1RG5<6    receive the output gradient of p1/mb5 at stage 1 from worker 6
+    s2RD         reduce stage 2's gradients over its surviving data-parallel group
+    s2OPT        optimizer step of stage 2
+    s2CS3>4      send checkpoint chunk 3 of stage 2 to worker 4    s2CR3<5  receive it
+
+``pipeline`` is whose micro-batch it is: after a failure a worker runs other pipelines' work.
+``stage`` is always the stage of the worker that performs the action. Pure Python.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import Enum
+
+from ..errors import ScheduleError
+
+__all__ = ["ActionKind", "Action", "parse_action", "COMPUTE_KINDS", "COMM_KINDS"]
+
+
+class ActionKind(str, Enum):
+    """What an action does; the value is its code in the text form."""
+
+    F = "F"
+    B = "B"
+    W = "W"
+    BW = "BW"
+    SEND_ACT = "SA"
+    RECV_ACT = "RA"
+    SEND_GRAD = "SG"
+    RECV_GRAD = "RG"
+    REDUCE_GRAD = "RD"
+    OPT_STEP = "OPT"
+    CKPT_SEND = "CS"
+    CKPT_RECV = "CR"
+
+    @property
+    def is_compute(self) -> bool:
+        return self in COMPUTE_KINDS
+
+    @property
+    def is_send(self) -> bool:
+        return self in (ActionKind.SEND_ACT, ActionKind.SEND_GRAD, ActionKind.CKPT_SEND)
+
+    @property
+    def is_recv(self) -> bool:
+        return self in (ActionKind.RECV_ACT, ActionKind.RECV_GRAD, ActionKind.CKPT_RECV)
+
+
+COMPUTE_KINDS = frozenset({ActionKind.F, ActionKind.B, ActionKind.W, ActionKind.BW})
+COMM_KINDS = frozenset(
+    {
+        ActionKind.SEND_ACT,
+        ActionKind.RECV_ACT,
+        ActionKind.SEND_GRAD,
+        ActionKind.RECV_GRAD,
+        ActionKind.CKPT_SEND,
+        ActionKind.CKPT_RECV,
+    }
+)
+_STAGE_ONLY = frozenset({ActionKind.REDUCE_GRAD, ActionKind.OPT_STEP})
+_CKPT = frozenset({ActionKind.CKPT_SEND, ActionKind.CKPT_RECV})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Action:
+    """One step of one worker.
+
+    Args:
+        kind: what the step does.
+        stage: stage of the worker performing it.
+        microbatch: micro-batch index within its pipeline (checkpoint chunk index for CKPT_*);
+            ``None`` for REDUCE_GRAD and OPT_STEP.
+        pipeline: the pipeline whose micro-batch this is; ``None`` for REDUCE_GRAD, OPT_STEP, CKPT_*.
+        peer: the other worker's index for sends and receives, else ``None``.
+    """
+
+    kind: ActionKind
+    stage: int
+    microbatch: int | None = None
+    pipeline: int | None = None
+    peer: int | None = None
+
+    def __post_init__(self) -> None:
+        kind = ActionKind(self.kind)
+        object.__setattr__(self, "kind", kind)
+        if self.stage < 0:
+            raise ScheduleError(f"action {kind.value}: stage must be >= 0, got {self.stage}")
+        needs_mb = kind not in _STAGE_ONLY
+        needs_pipeline = kind not in _STAGE_ONLY and kind not in _CKPT
+        needs_peer = kind in COMM_KINDS
+        for name, needed, value in (
+            ("microbatch", needs_mb, self.microbatch),
+            ("pipeline", needs_pipeline, self.pipeline),
+            ("peer", needs_peer, self.peer),
+        ):
+            if needed and (value is None or value < 0):
+                raise ScheduleError(f"action {kind.name}: {name} must be an integer >= 0, got {value!r}")
+            if not needed and value is not None:
+                raise ScheduleError(f"action {kind.name}: takes no {name}, got {value!r}")
+
+    @property
+    def key(self) -> tuple[int | None, int, int | None]:
+        """(pipeline, stage, microbatch): the identity of the work item."""
+        return (self.pipeline, self.stage, self.microbatch)
+
+    def __str__(self) -> str:
+        head = f"p{self.pipeline}" if self.pipeline is not None else ""
+        mb = "" if self.microbatch is None else str(self.microbatch)
+        tail = ""
+        if self.peer is not None:
+            tail = (">" if self.kind.is_send else "<") + str(self.peer)
+        return f"{head}s{self.stage}{self.kind.value}{mb}{tail}"
+
+
+_CODES = "|".join(sorted((k.value for k in ActionKind), key=len, reverse=True))
+_PATTERN = re.compile(rf"^(?:p(\d+))?s(\d+)({_CODES})(\d+)?(?:([<>])(\d+))?$")
+
+
+def parse_action(text: str) -> Action:
+    """Parse the text form of an action (see the module docstring).
+
+    Raises:
+        ScheduleError: the text is not a valid action.
+    """
+    match = _PATTERN.match(text.strip())
+    if not match:
+        raise ScheduleError(f"cannot parse action {text!r}; expected e.g. 'p1s2F5', 'p0s1SA3>4', 's2OPT'")
+    pipeline, stage, code, mb, arrow, peer = match.groups()
+    kind = ActionKind(code)
+    if arrow is not None and ((arrow == ">") != kind.is_send):
+        raise ScheduleError(f"action {text!r}: '>' is for sends and '<' for receives")
+    return Action(
+        kind=kind,
+        stage=int(stage),
+        microbatch=None if mb is None else int(mb),
+        pipeline=None if pipeline is None else int(pipeline),
+        peer=None if peer is None else int(peer),
+    )

@@ -1,0 +1,201 @@
+"""The one schedule validator. Every generator, the planner, the tests and the runtime use it.
+
+What a valid schedule satisfies (checked in this order; the first violation raises
+:class:`ScheduleError` whose message shows every worker's steps with the failing one marked):
+
+1. Shape: each action's stage is its worker's stage; pipelines, micro-batches and peers are in range;
+   no action on a failed worker and no message to one; activations go to stage s+1 and come from
+   s-1, gradients the other way.
+2. Order on each worker, for each (pipeline, stage, micro-batch) it runs: F, then B then W (or the
+   fused BW); F only after its activation was received (stages > 0); B/BW only after its output
+   gradient was received (stages < last); a send only after the value it sends exists.
+3. Coverage: every (pipeline, stage, micro-batch) of the grid runs exactly once per iteration, on one
+   worker, even the failed workers' micro-batches (they are re-routed).
+4. Messages: every send is matched by exactly one receive (same key, same pair of workers).
+5. Optimizer: every surviving worker ends each iteration with one REDUCE_GRAD and then one
+   OPT_STEP, after all its W (no pending backward at REDUCE_GRAD; no compute in between).
+6. No deadlock: the timed replay (:mod:`.replay`) under unit costs completes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+from ..errors import ScheduleError
+from .action import ActionKind
+from .render import format_steps
+from .replay import message_key, replay
+from .schedule import Schedule
+
+__all__ = ["validate"]
+
+
+def _fail(schedule: Schedule, worker: int | None, step: int | None, why: str) -> ScheduleError:
+    where = f"worker {worker} step {step}: " if worker is not None else ""
+    mark = (worker, step) if worker is not None and step is not None else None
+    grid = format_steps(schedule, mark=mark)
+    return ScheduleError(f"invalid schedule {schedule.name or ''}: {where}{why}\n{grid}", worker=worker, step=step)
+
+
+def _check_shape(schedule: Schedule) -> None:
+    dp, pp, mbs = schedule.dp, schedule.pp, schedule.microbatches
+    n = dp * pp
+    for w, actions in enumerate(schedule.workers):
+        stage = w // dp
+        for i, a in enumerate(actions):
+            if a.stage != stage:
+                raise _fail(schedule, w, i, f"{a} names stage {a.stage}, but worker {w} holds stage {stage}")
+            if a.pipeline is not None and not 0 <= a.pipeline < dp:
+                raise _fail(schedule, w, i, f"{a}: pipeline {a.pipeline} out of range 0..{dp - 1}")
+            if a.microbatch is not None and a.kind not in (ActionKind.CKPT_SEND, ActionKind.CKPT_RECV):
+                if not 0 <= a.microbatch < mbs:
+                    raise _fail(schedule, w, i, f"{a}: micro-batch {a.microbatch} out of range 0..{mbs - 1}")
+            if a.peer is None:
+                continue
+            if not 0 <= a.peer < n or a.peer == w:
+                raise _fail(schedule, w, i, f"{a}: peer {a.peer} must be another worker in 0..{n - 1}")
+            if a.peer in schedule.failed:
+                raise _fail(schedule, w, i, f"{a}: peer {a.peer} has failed")
+            want = {
+                ActionKind.SEND_ACT: stage + 1,
+                ActionKind.RECV_ACT: stage - 1,
+                ActionKind.SEND_GRAD: stage - 1,
+                ActionKind.RECV_GRAD: stage + 1,
+            }.get(a.kind)
+            if want is not None and a.peer // dp != want:
+                if not 0 <= want < pp:
+                    raise _fail(schedule, w, i, f"{a}: stage {stage} has no stage {want} to talk to")
+                raise _fail(
+                    schedule, w, i, f"{a}: peer {a.peer} holds stage {a.peer // dp}, a {a.kind.name} needs stage {want}"
+                )
+
+
+def _check_order(schedule: Schedule) -> Counter:
+    """Per-worker order rules; returns how often each (pipeline, stage, mb) ran forward."""
+    last = schedule.pp - 1
+    forwards: Counter = Counter()
+    for w, actions in enumerate(schedule.workers):
+        if w in schedule.failed:
+            continue
+        state: dict[tuple, str] = defaultdict(lambda: "done")  # done -> F -> B -> done
+        count: Counter = Counter()  # (what, key) -> occurrences on this worker
+        in_iteration: set[tuple] = set()
+        reduced = False
+        reduces = steps = 0
+        for i, a in enumerate(actions):
+            k, key = a.kind, a.key
+            if reduced and (k.is_compute or k is ActionKind.REDUCE_GRAD):
+                raise _fail(schedule, w, i, f"{a} between REDUCE_GRAD and OPT_STEP; the optimizer step must come next")
+            if k is ActionKind.F:
+                if state[key] != "done" or key in in_iteration:
+                    raise _fail(schedule, w, i, f"{a}: forward of {_name(key)} runs twice in one iteration")
+                if a.stage > 0 and count["ra", key] <= count["F", key]:
+                    raise _fail(schedule, w, i, f"{a}: its input activation was not received before it")
+                state[key] = "F"
+                count["F", key] += 1
+                in_iteration.add(key)
+                forwards[key] += 1
+            elif k in (ActionKind.B, ActionKind.BW):
+                if state[key] != "F":
+                    raise _fail(schedule, w, i, f"{a}: backward of {_name(key)} before its forward on this worker")
+                if a.stage < last and count["rg", key] <= count["bwd", key]:
+                    raise _fail(schedule, w, i, f"{a}: its output gradient was not received before it")
+                state[key] = "B" if k is ActionKind.B else "done"
+                count["bwd", key] += 1
+            elif k is ActionKind.W:
+                if state[key] != "B":
+                    raise _fail(schedule, w, i, f"{a}: W of {_name(key)} before its B on this worker")
+                state[key] = "done"
+            elif k is ActionKind.RECV_ACT:
+                count["ra", key] += 1
+            elif k is ActionKind.RECV_GRAD:
+                count["rg", key] += 1
+            elif k is ActionKind.SEND_ACT:
+                count["sa", key] += 1
+                if count["sa", key] > count["F", key]:
+                    raise _fail(schedule, w, i, f"{a}: sends an activation this worker has not computed")
+            elif k is ActionKind.SEND_GRAD:
+                count["sg", key] += 1
+                if count["sg", key] > count["bwd", key]:
+                    raise _fail(schedule, w, i, f"{a}: sends an input gradient this worker has not computed")
+            elif k is ActionKind.REDUCE_GRAD:
+                open_keys = sorted(_name(x) for x, st in state.items() if st != "done")
+                if open_keys:
+                    raise _fail(schedule, w, i, f"REDUCE_GRAD with backward still pending for {', '.join(open_keys[:4])}")
+                reduced = True
+                reduces += 1
+            elif k is ActionKind.OPT_STEP:
+                if not reduced:
+                    raise _fail(schedule, w, i, "OPT_STEP without a REDUCE_GRAD before it in this iteration")
+                reduced = False
+                steps += 1
+                in_iteration.clear()
+        if reduces != schedule.iterations or steps != schedule.iterations or reduced:
+            step = len(actions) - 1 if actions else None
+            raise _fail(
+                schedule,
+                w,
+                step,
+                f"worker has {reduces} REDUCE_GRAD and {steps} OPT_STEP; expected one of each per iteration "
+                f"({schedule.iterations}), OPT_STEP last",
+            )
+    return forwards
+
+
+def _name(key: tuple) -> str:
+    p, s, m = key
+    return f"p{p}s{s} mb{m}"
+
+
+def _check_coverage(schedule: Schedule, forwards: Counter) -> None:
+    expected = schedule.iterations
+    for p in range(schedule.dp):
+        for s in range(schedule.pp):
+            for m in range(schedule.microbatches):
+                got = forwards[(p, s, m)]
+                if got != expected:
+                    owner = schedule.index_of(p, s)
+                    why = "never runs" if got == 0 else f"runs {got} times"
+                    raise _fail(
+                        schedule,
+                        None if owner in schedule.failed else owner,
+                        None,
+                        f"micro-batch {m} of pipeline {p} at stage {s} {why}; expected {expected} (once per iteration)",
+                    )
+
+
+def _check_messages(schedule: Schedule) -> None:
+    sends: dict[tuple, list[tuple[int, int]]] = defaultdict(list)
+    recvs: dict[tuple, list[tuple[int, int]]] = defaultdict(list)
+    for w, actions in enumerate(schedule.workers):
+        for i, a in enumerate(actions):
+            if a.kind.is_send:
+                sends[message_key(w, a)].append((w, i))
+            elif a.kind.is_recv:
+                recvs[message_key(w, a)].append((w, i))
+    for key in sorted(set(sends) | set(recvs), key=repr):
+        s, r = sends.get(key, []), recvs.get(key, [])
+        if len(s) > len(r):
+            w, i = s[len(r)]
+            raise _fail(schedule, w, i, f"{schedule.workers[w][i]} has no matching receive on worker {key[5]}")
+        if len(r) > len(s):
+            w, i = r[len(s)]
+            raise _fail(schedule, w, i, f"{schedule.workers[w][i]} has no matching send on worker {key[4]}")
+
+
+def validate(schedule: Schedule) -> Schedule:
+    """Check every rule in the module docstring; return the schedule unchanged if it passes.
+
+    Raises:
+        ScheduleError: the first rule broken, with the per-worker grid and the failing step marked.
+    """
+    _check_shape(schedule)
+    forwards = _check_order(schedule)
+    _check_coverage(schedule, forwards)
+    _check_messages(schedule)
+    result = replay(schedule)
+    if result.blocked:
+        w, i = min(result.blocked.items())
+        stuck = ", ".join(f"w{x}@{schedule.workers[x][j]}" for x, j in sorted(result.blocked.items())[:8])
+        raise _fail(schedule, w, i, f"deadlock: no worker can proceed (waiting: {stuck})")
+    return schedule

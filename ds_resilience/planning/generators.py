@@ -1,0 +1,99 @@
+"""Fault-free schedule generators: 1F1B (DeepSpeed's order) and decoupled backward (ZB-H1 style).
+
+Both are pure functions of the grid (and, for the decoupled one, the cost model) that return a
+validated :class:`Schedule`.
+"""
+
+from __future__ import annotations
+
+from ..costs import CostModel
+from ..errors import PlanningError
+from ..ir import Action, ActionKind, Schedule, validate
+from .list_scheduler import list_schedule
+from .lowering import lower
+
+__all__ = ["one_f_one_b", "decoupled", "one_f_one_b_order", "activation_caps", "SCHEDULES", "generate"]
+
+
+def _check_grid(dp: int, pp: int, microbatches: int) -> None:
+    for name, value in (("dp", dp), ("pp", pp), ("microbatches", microbatches)):
+        if not isinstance(value, int) or value < 1:
+            raise PlanningError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def activation_caps(pp: int, microbatches: int) -> list[int]:
+    """1F1B's in-flight activations per stage: ``min(pp - s, microbatches)`` (DeepSpeed's buffers)."""
+    return [min(pp - s, microbatches) for s in range(pp)]
+
+
+def one_f_one_b_order(stage: int, pp: int, microbatches: int) -> list[tuple[str, int]]:
+    """DeepSpeed ``TrainSchedule``'s compute order at ``stage``: ``[("F", 0), ("F", 1), ("B", 0), ...]``.
+
+    ``pp - stage`` warm-up forwards (capped by the micro-batch count), then alternating backward and
+    forward, then the remaining backwards.
+    """
+    warmup = min(pp - stage, microbatches)
+    order = [("F", m) for m in range(warmup)]
+    next_f, next_b = warmup, 0
+    while next_b < microbatches:
+        order.append(("B", next_b))
+        next_b += 1
+        if next_f < microbatches:
+            order.append(("F", next_f))
+            next_f += 1
+    return order
+
+
+def one_f_one_b(dp: int, pp: int, microbatches: int) -> Schedule:
+    """The 1F1B schedule DeepSpeed runs today (fused backward, one global optimizer step)."""
+    _check_grid(dp, pp, microbatches)
+    orders = []
+    for w in range(dp * pp):
+        stage, pipeline = divmod(w, dp)
+        orders.append(
+            [
+                Action(kind=ActionKind.F if k == "F" else ActionKind.BW, stage=stage, microbatch=m, pipeline=pipeline)
+                for k, m in one_f_one_b_order(stage, pp, microbatches)
+            ]
+        )
+    return validate(lower(orders, dp=dp, pp=pp, microbatches=microbatches, name="1f1b"))
+
+
+def decoupled(dp: int, pp: int, microbatches: int, cost: CostModel | None = None) -> Schedule:
+    """Decoupled backward in the style of ZB-H1.
+
+    B (input gradient) stays on the critical path; W (weight gradient) fills what would be idle
+    time, mostly the cool-down bubble. In-flight activations (F done, B not yet) never exceed
+    1F1B's on any stage (``pp - s``); pending W at stage ``s`` are capped at ``s + 1``, so a worker
+    holds at most ``pp + 1`` micro-batches of state of either kind, as in ZB-H1.
+    """
+    _check_grid(dp, pp, microbatches)
+    cost = cost or CostModel.unit()
+    cost.check_stages(pp)
+    caps = activation_caps(pp, microbatches)
+    assignment = {
+        (p, s, m): s * dp + p for p in range(dp) for s in range(pp) for m in range(microbatches)
+    }
+    result = list_schedule(
+        dp=dp,
+        pp=pp,
+        microbatches=microbatches,
+        cost=cost,
+        assignment=assignment,
+        split_backward=True,
+        act_caps=[caps[w // dp] for w in range(dp * pp)],
+        w_caps=[min(w // dp + 1, microbatches) for w in range(dp * pp)],
+    )
+    return validate(lower(result.orders, dp=dp, pp=pp, microbatches=microbatches, name="decoupled"))
+
+
+SCHEDULES = ("1f1b", "decoupled")
+
+
+def generate(name: str, dp: int, pp: int, microbatches: int, cost: CostModel | None = None) -> Schedule:
+    """Build the fault-free schedule called ``name`` (one of :data:`SCHEDULES`)."""
+    if name == "1f1b":
+        return one_f_one_b(dp, pp, microbatches)
+    if name == "decoupled":
+        return decoupled(dp, pp, microbatches, cost)
+    raise PlanningError(f"unknown schedule {name!r}; allowed: {', '.join(SCHEDULES)}")

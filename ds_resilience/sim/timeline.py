@@ -1,0 +1,165 @@
+"""Timeline simulator: replay a schedule under a cost model and measure it.
+
+Returns the makespan, per-worker busy and idle spans, per-link network busy and idle spans (the
+windows the checkpoint interleaver fills), the bubble ratio, peak in-flight activations and pending
+W per worker, and, for staggered schedules, the steady-state iteration period. Pure Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..costs import CostModel
+from ..errors import ScheduleError
+from ..ir import ActionKind, Schedule, format_steps, replay
+
+__all__ = ["Span", "Timeline", "simulate", "merge_spans", "complement"]
+
+Span = tuple[float, float]
+
+
+def merge_spans(spans: list[Span]) -> list[Span]:
+    """Union of intervals, sorted and non-overlapping (zero-length spans dropped)."""
+    out: list[Span] = []
+    for s, e in sorted(x for x in spans if x[1] > x[0]):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
+def complement(busy: list[Span], start: float, end: float) -> list[Span]:
+    """The gaps of ``busy`` (merged) within ``[start, end]``."""
+    gaps, cursor = [], start
+    for s, e in busy:
+        if s > cursor:
+            gaps.append((cursor, min(s, end)))
+        cursor = max(cursor, e)
+    if cursor < end:
+        gaps.append((cursor, end))
+    return [g for g in gaps if g[1] > g[0]]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Timeline:
+    """What the replay of one schedule measured.
+
+    Attributes:
+        makespan: time from the first action to the last (all iterations).
+        iteration_time: ``makespan / iterations`` for one iteration; for several, the steady-state
+            period (time between the last two iterations' ends, averaged over the tail).
+        starts, ends: per worker, per action.
+        busy, idle: per surviving worker, merged compute spans and their gaps within [0, makespan].
+        link_busy, link_idle: per directed link (src, dst) that carried messages.
+        bubble_ratio: idle compute time over (surviving workers x makespan).
+        peak_activations: per worker, the most micro-batches between F and B at any time.
+        peak_pending_w: per worker, the most B's whose W had not run yet.
+    """
+
+    makespan: float
+    iteration_time: float
+    starts: tuple[tuple[float, ...], ...]
+    ends: tuple[tuple[float, ...], ...]
+    busy: dict[int, list[Span]]
+    idle: dict[int, list[Span]]
+    link_busy: dict[tuple[int, int], list[Span]]
+    link_idle: dict[tuple[int, int], list[Span]]
+    bubble_ratio: float
+    peak_activations: tuple[int, ...]
+    peak_pending_w: tuple[int, ...]
+
+    def stage_peak_activations(self, dp: int, pp: int) -> list[int]:
+        """Peak in-flight activations per stage (max over its workers)."""
+        return [max(self.peak_activations[s * dp:(s + 1) * dp]) for s in range(pp)]
+
+
+def _memory_peaks(schedule: Schedule) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    acts, pend = [], []
+    for actions in schedule.workers:
+        a = p = peak_a = peak_p = 0
+        for x in actions:
+            if x.kind is ActionKind.F:
+                a += 1
+            elif x.kind is ActionKind.BW:
+                a -= 1
+            elif x.kind is ActionKind.B:
+                a -= 1
+                p += 1
+            elif x.kind is ActionKind.W:
+                p -= 1
+            peak_a, peak_p = max(peak_a, a), max(peak_p, p)
+        acts.append(peak_a)
+        pend.append(peak_p)
+    return tuple(acts), tuple(pend)
+
+
+def _iteration_ends(schedule: Schedule, ends: tuple[tuple[float, ...], ...]) -> list[float]:
+    """End time of each iteration: the last OPT_STEP of that iteration over all workers."""
+    per_iter = [0.0] * schedule.iterations
+    for w, actions in enumerate(schedule.workers):
+        k = 0
+        for a, e in zip(actions, ends[w]):
+            if a.kind is ActionKind.OPT_STEP:
+                per_iter[k] = max(per_iter[k], e)
+                k += 1
+    return per_iter
+
+
+def simulate(schedule: Schedule, cost: CostModel | None = None, *, ckpt_chunk_bytes: float = 0.0) -> Timeline:
+    """Replay ``schedule`` under ``cost`` (unit costs by default) and measure it.
+
+    Raises:
+        ScheduleError: the schedule deadlocks (validate it first for a precise message).
+    """
+    cost = cost or CostModel.unit()
+    cost.check_stages(schedule.pp)
+    r = replay(schedule, cost, ckpt_chunk_bytes=ckpt_chunk_bytes)
+    if r.blocked:
+        w, i = min(r.blocked.items())
+        raise ScheduleError(
+            f"schedule deadlocks in replay at worker {w} step {i}\n{format_steps(schedule, mark=(w, i))}",
+            worker=w,
+            step=i,
+        )
+    makespan = r.makespan
+    busy: dict[int, list[Span]] = {}
+    idle: dict[int, list[Span]] = {}
+    total_idle = 0.0
+    alive = list(schedule.alive())
+    for w in alive:
+        spans = [
+            (s, e)
+            for a, s, e in zip(schedule.workers[w], r.starts[w], r.ends[w])
+            if a.kind.is_compute or a.kind in (ActionKind.OPT_STEP, ActionKind.REDUCE_GRAD)
+        ]
+        busy[w] = merge_spans(spans)
+        idle[w] = complement(busy[w], 0.0, makespan)
+        total_idle += sum(e - s for s, e in idle[w])
+    link_spans: dict[tuple[int, int], list[Span]] = {}
+    for t in r.transfers:
+        link_spans.setdefault((t.src, t.dst), []).append((t.start, t.end))
+    link_busy = {k: merge_spans(v) for k, v in link_spans.items()}
+    link_idle = {k: complement(v, 0.0, makespan) for k, v in link_busy.items()}
+    bubble = total_idle / (len(alive) * makespan) if alive and makespan > 0 else 0.0
+    ends_per_iter = _iteration_ends(schedule, r.ends)
+    if schedule.iterations == 1:
+        iteration_time = makespan
+    else:
+        # Steady state: average period over the second half of the iterations.
+        half = max(1, schedule.iterations // 2)
+        iteration_time = (ends_per_iter[-1] - ends_per_iter[half - 1]) / (schedule.iterations - half)
+    acts, pend = _memory_peaks(schedule)
+    return Timeline(
+        makespan=makespan,
+        iteration_time=iteration_time,
+        starts=r.starts,
+        ends=r.ends,
+        busy=busy,
+        idle=idle,
+        link_busy=link_busy,
+        link_idle=link_idle,
+        bubble_ratio=bubble,
+        peak_activations=acts,
+        peak_pending_w=pend,
+    )
