@@ -76,7 +76,7 @@ def format_grid(
         e - s
         for w, acts in enumerate(schedule.workers)
         for a, s, e in zip(acts, starts[w], ends[w])
-        if (a.kind.is_compute or a.kind is ActionKind.OPT_STEP) and e > s
+        if a.kind.is_compute and e > s
     ]
     if not durations:
         return "(empty schedule)"
@@ -93,7 +93,7 @@ def format_grid(
         for a, s, e in zip(acts, starts[w], ends[w]):
             if not (a.kind.is_compute or a.kind is ActionKind.OPT_STEP) or e <= s:
                 continue
-            c0, c1 = int(round(s / unit)), int(round(e / unit))
+            c0, c1 = int(round(s / unit)), max(int(round(e / unit)), int(round(s / unit)) + 1)
             label = cell_label(schedule, w, a.kind, a.pipeline, a.microbatch)
             for c in range(c0, min(c1, columns)):
                 row[c] = label if c == c0 else "="

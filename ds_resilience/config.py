@@ -1,0 +1,385 @@
+"""The ``"resilience"`` section of a DeepSpeed JSON config, parsed into frozen dataclasses.
+
+Strict: an unknown key, a value of the wrong type (``true`` is not an integer; an integer is a
+number) or out of range raises :class:`~ds_resilience.errors.ConfigError` naming the full key path,
+the value and what is allowed. Each field declares its type and constraints once, in its
+``dataclasses.field`` metadata; one walker (``_parse``) and one checker (``_coerce``) enforce them.
+Pure Python: no torch.
+
+Keys (under ``"resilience"``), defaults in brackets::
+
+    enabled                         bool                                  [true]
+    schedule                        "1f1b" | "decoupled"                  ["1f1b"]
+    variant                         "adaptive" | "decoupled" | "recycle"  ["recycle"]
+    max_failures                    int >= 0                              [1]
+    microbatches                    int >= 1 | null                       [null]
+    simulate_failed                 list of "p:s" strings, no duplicates  [[]]
+    cost_model                      null | path (string) | object         [null]
+    planner.solver                  "heuristic" | "cpsat" | "highs"       ["cpsat"]
+    planner.time_limit_s            number > 0                            [10.0]
+    planner.cache_dir               string                                [".plan_cache"]
+    planner.workers                 int >= 0 (0 = cpu count)              [0]
+    planner.memory_cap              int >= 1 | null                       [null]
+    planner.all_coverable           bool                                  [false]
+    detector.heartbeat_interval_s   number > 0                            [0.5]
+    detector.heartbeat_timeout_s    number > heartbeat_interval_s         [5.0]
+    detector.store_timeout_s        number > 0                            [30.0]
+    detector.pg_timeout_s           number > 0                            [60.0]
+    fault_injection                 list of objects, each with all of:    [[]]
+    fault_injection[].rank          int >= 0
+    fault_injection[].step          int >= 0
+    fault_injection[].point         "before_forward" | "mid_backward" | "in_reduce" | "in_optimizer"
+    fault_injection[].kind          "exit" | "sigkill" | "hang"
+    checkpoint.enabled              bool                                  [true]
+    checkpoint.interval             int >= 1                              [1]
+    checkpoint.replicas             int >= 1                              [2]
+    checkpoint.gpu_buffer_mb        int >= 1                              [128]
+    checkpoint.num_sub_buffers      int >= 1                              [4]
+    checkpoint.persistent_interval  int >= 1                              [100]
+    checkpoint.persistent_dir       string | null                         [null]
+    checkpoint.keep_last            int >= 1                              [2]
+    checkpoint.stall_budget         number in (0, 1]                      [0.02]
+
+``configs/default_resilience.json`` is a complete CPU DeepSpeed config with every key at its default.
+A dataclass built directly in Python is checked the same way; its error paths are then relative to
+the section (``max_failures`` rather than ``resilience.max_failures``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable, ClassVar
+
+from .costs import CostModel
+from .errors import ConfigError, CostModelError, TopologyError
+from .topology import Worker, format_worker, parse_worker
+
+__all__ = [
+    "ResilienceConfig",
+    "PlannerConfig",
+    "DetectorConfig",
+    "FaultInjection",
+    "CheckpointConfig",
+    "load_resilience_config",
+    "SCHEDULES",
+    "VARIANTS",
+    "SOLVERS",
+    "FAULT_POINTS",
+    "FAULT_KINDS",
+]
+
+SCHEDULES = ("1f1b", "decoupled")
+VARIANTS = ("adaptive", "decoupled", "recycle")
+SOLVERS = ("heuristic", "cpsat", "highs")
+FAULT_POINTS = ("before_forward", "mid_backward", "in_reduce", "in_optimizer")
+FAULT_KINDS = ("exit", "sigkill", "hang")
+
+_JSON_NAMES = {bool: "boolean", int: "integer", float: "number", str: "string", dict: "object",
+               list: "list", tuple: "list", type(None): "null"}
+
+
+# --- the generic mechanism --------------------------------------------------------------------
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Spec:
+    """Type and constraints of one config value (a field, or the elements of a list field)."""
+
+    types: tuple[type, ...]  # accepted types; float accepts int; a _Section accepts a dict
+    what: str  # the expected type in words, for messages
+    nullable: bool = False
+    choices: tuple[Any, ...] | None = None
+    minimum: float | None = None
+    maximum: float | None = None
+    exclusive_minimum: float | None = None
+    items: "_Spec | None" = None  # element spec of a list (types == (tuple,))
+    unique: bool = False  # list elements must be distinct
+    convert: Callable[[Any, str], Any] | None = None  # (value, path) -> value, after the type check
+
+    def bounds(self) -> str:
+        parts = [f">= {self.minimum}" if self.minimum is not None else "",
+                 f"> {self.exclusive_minimum}" if self.exclusive_minimum is not None else "",
+                 f"<= {self.maximum}" if self.maximum is not None else ""]
+        return " and ".join(p for p in parts if p)
+
+
+_WHAT = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
+
+
+def _opt(kind: Any, doc: str, *, default: Any = MISSING, factory: Any = MISSING, **constraints: Any) -> Any:
+    """A dataclass field of type ``kind`` with its doc and constraints in the metadata."""
+    what = constraints.pop("what", None) or _WHAT.get(kind, "an object" if isinstance(kind, type) else "")
+    types = kind if isinstance(kind, tuple) else (kind,)
+    spec = _Spec(types=types, what=what, **constraints)
+    return field(default=default, default_factory=factory, metadata={"spec": spec, "doc": doc})
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    text = text if len(text) <= 60 else text[:57] + "..."
+    return f"{text} ({_JSON_NAMES.get(type(value), type(value).__name__)})"
+
+
+def _matches(value: Any, kind: type) -> bool:
+    if kind in (int, float) and isinstance(value, bool):
+        return False
+    if kind is float:
+        return isinstance(value, (int, float))
+    if kind is tuple:
+        return isinstance(value, (list, tuple))
+    if isinstance(kind, type) and issubclass(kind, _Section):
+        return isinstance(value, (dict, kind))
+    return isinstance(value, kind)
+
+
+def _coerce(spec: _Spec, value: Any, path: str) -> Any:
+    """Check ``value`` against ``spec`` and return its stored form; raise ConfigError at ``path``."""
+    if value is None:
+        if spec.nullable:
+            return None
+        raise ConfigError(path, f"expected {spec.what}, got null")
+    if not any(_matches(value, kind) for kind in spec.types):
+        expected = spec.what + (" or null" if spec.nullable else "")
+        raise ConfigError(path, f"expected {expected}, got {_show(value)}")
+    kind = next(kind for kind in spec.types if _matches(value, kind))
+    if kind is float:
+        if not math.isfinite(value):
+            raise ConfigError(path, f"expected a finite number, got {_show(value)}")
+        value = float(value)
+    elif isinstance(kind, type) and issubclass(kind, _Section) and isinstance(value, dict):
+        value = _parse(kind, value, path)
+    elif kind is tuple:
+        value = tuple(_coerce(spec.items, v, f"{path}[{i}]") for i, v in enumerate(value))
+        if spec.unique:
+            for i, v in enumerate(value):
+                if v in value[:i]:
+                    raise ConfigError(f"{path}[{i}]", f"duplicate of entry {value.index(v)} ({v})")
+    if spec.convert is not None:
+        value = spec.convert(value, path)
+    if spec.choices is not None and value not in spec.choices:
+        allowed = ", ".join(repr(c) for c in spec.choices)
+        close = difflib.get_close_matches(str(value), [str(c) for c in spec.choices], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(path, f"got {value!r}, allowed values: {allowed}{hint}")
+    low_ok = spec.minimum is None or value >= spec.minimum
+    excl_ok = spec.exclusive_minimum is None or value > spec.exclusive_minimum
+    high_ok = spec.maximum is None or value <= spec.maximum
+    if not (low_ok and excl_ok and high_ok):
+        raise ConfigError(path, f"must be {spec.bounds()}, got {value!r}")
+    return value
+
+
+def _reroot(exc: ConfigError, prefix: str) -> ConfigError:
+    """``exc`` with its (relative) key path put under ``prefix``."""
+    message = str(exc).removeprefix(f"{exc.path}: ")
+    return ConfigError(f"{prefix}.{exc.path}", message)
+
+
+def _parse(cls: type, data: Any, path: str) -> Any:
+    """Build section ``cls`` from the JSON object ``data`` found at key path ``path``."""
+    if not isinstance(data, dict):
+        raise ConfigError(path, f"expected an object, got {_show(data)}")
+    names = [f.name for f in fields(cls)]
+    for key in data:
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(f"{path}.{key}", f"unknown key; {hint}allowed keys: {', '.join(names)}")
+    for f in fields(cls):
+        if f.name not in data and f.default is MISSING and f.default_factory is MISSING:
+            raise ConfigError(f"{path}.{f.name}", "required key is missing")
+    try:
+        return cls(**data)
+    except ConfigError as exc:
+        raise _reroot(exc, path) from None
+
+
+def _dump(value: Any) -> Any:
+    if isinstance(value, (_Section, CostModel)):
+        return value.to_dict()
+    if isinstance(value, Worker):
+        return format_worker(value)
+    if isinstance(value, tuple):
+        return [_dump(v) for v in value]
+    return value
+
+
+class _Section:
+    """Base of the config dataclasses: checks every field on construction; to/from JSON objects."""
+
+    __slots__ = ()
+    _PATH: ClassVar[str] = "resilience"  # key path of this section in a DeepSpeed config
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            object.__setattr__(self, f.name, _coerce(f.metadata["spec"], getattr(self, f.name), f.name))
+        self._check_together()
+
+    def _check_together(self) -> None:
+        """Cross-field invariants; raise ConfigError with a path relative to the section."""
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None, path: str | None = None) -> Any:
+        """Parse the JSON object ``data`` (``None``: all defaults) found at key path ``path``."""
+        return cls() if data is None else _parse(cls, data, path or cls._PATH)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict that :meth:`from_dict` turns back into an equal object."""
+        return {f.name: _dump(getattr(self, f.name)) for f in fields(self)}
+
+
+def _to_worker(value: Any, path: str) -> Worker:
+    if isinstance(value, Worker):
+        return value
+    try:
+        return parse_worker(value)
+    except TopologyError as exc:
+        raise ConfigError(path, str(exc)) from None
+
+
+def _to_cost_model(value: Any, path: str) -> str | CostModel:
+    if not isinstance(value, dict):
+        return value
+    try:
+        return CostModel.from_dict(value, source="inline cost model")
+    except CostModelError as exc:
+        raise ConfigError(path, str(exc)) from exc
+
+
+# --- the schema -------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlannerConfig(_Section):
+    """How the plan table (one schedule per failure set) is computed and cached."""
+
+    _PATH: ClassVar[str] = "resilience.planner"
+    solver: str = _opt(str, "optimizer of the schedules", default="cpsat", choices=SOLVERS)
+    time_limit_s: float = _opt(float, "solver time limit per failure set, seconds",
+                               default=10.0, exclusive_minimum=0)
+    cache_dir: str = _opt(str, "directory of the on-disk plan cache", default=".plan_cache")
+    workers: int = _opt(int, "parallel processes for the plan table; 0 = cpu count", default=0, minimum=0)
+    memory_cap: int | None = _opt(int, "max micro-batches of activation state per worker; "
+                                  "null = 1F1B's own bound per stage", default=None, nullable=True, minimum=1)
+    all_coverable: bool = _opt(bool, "also precompute every failure set that leaves each stage a replica",
+                               default=False)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DetectorConfig(_Section):
+    """Failure detection: heartbeats and the timeouts of every blocking call."""
+
+    _PATH: ClassVar[str] = "resilience.detector"
+    heartbeat_interval_s: float = _opt(float, "seconds between heartbeats", default=0.5, exclusive_minimum=0)
+    heartbeat_timeout_s: float = _opt(float, "silence after which a peer is suspected; > interval",
+                                      default=5.0, exclusive_minimum=0)
+    store_timeout_s: float = _opt(float, "timeout of TCPStore reads", default=30.0, exclusive_minimum=0)
+    pg_timeout_s: float = _opt(float, "timeout of process-group operations", default=60.0, exclusive_minimum=0)
+
+    def _check_together(self) -> None:
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ConfigError("heartbeat_timeout_s", f"must be > heartbeat_interval_s "
+                              f"({self.heartbeat_interval_s!r}), got {self.heartbeat_timeout_s!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FaultInjection(_Section):
+    """Kill global rank ``rank`` at ``point`` of iteration ``step`` (for tests and demos)."""
+
+    _PATH: ClassVar[str] = "resilience.fault_injection[]"
+    rank: int = _opt(int, "global rank that fails", minimum=0)
+    step: int = _opt(int, "iteration at which it fails", minimum=0)
+    point: str = _opt(str, "where in the iteration it fails", choices=FAULT_POINTS)
+    kind: str = _opt(str, "how: exit cleanly, SIGKILL itself, or hang forever", choices=FAULT_KINDS)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointConfig(_Section):
+    """In-memory checkpoints replicated to peers, with a low-frequency persistent tier."""
+
+    _PATH: ClassVar[str] = "resilience.checkpoint"
+    enabled: bool = _opt(bool, "take in-memory checkpoints", default=True)
+    interval: int = _opt(int, "iterations between in-memory checkpoints", default=1, minimum=1)
+    replicas: int = _opt(int, "copies of each snapshot, the own one included", default=2, minimum=1)
+    gpu_buffer_mb: int = _opt(int, "GPU staging buffer size, MiB", default=128, minimum=1)
+    num_sub_buffers: int = _opt(int, "pipelined sub-buffers the staging buffer is split into",
+                                default=4, minimum=1)
+    persistent_interval: int = _opt(int, "iterations between disk checkpoints", default=100, minimum=1)
+    persistent_dir: str | None = _opt(str, "directory of disk checkpoints; null = none", default=None,
+                                      nullable=True)
+    keep_last: int = _opt(int, "disk checkpoints kept", default=2, minimum=1)
+    stall_budget: float = _opt(float, "max fraction of iteration time checkpointing may stall training",
+                               default=0.02, exclusive_minimum=0, maximum=1)
+
+
+_WORKER = _Spec(types=(str, Worker), what="a 'pipeline:stage' string", convert=_to_worker)
+_FAULT = _Spec(types=(FaultInjection,), what="an object")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResilienceConfig(_Section):
+    """The whole ``"resilience"`` section; :meth:`from_dict` parses it, :meth:`to_dict` writes it."""
+
+    enabled: bool = _opt(bool, "turn the plugin on", default=True)
+    schedule: str = _opt(str, "fault-free schedule", default="1f1b", choices=SCHEDULES)
+    variant: str = _opt(str, "techniques when degraded: re-routing only; + decoupled backward; "
+                        "+ staggered optimizer", default="recycle", choices=VARIANTS)
+    max_failures: int = _opt(int, "plans are precomputed for every failure set up to this size",
+                             default=1, minimum=0)
+    microbatches: int | None = _opt(int, "micro-batches per pipeline; null = DeepSpeed's "
+                                    "gradient_accumulation_steps", default=None, nullable=True, minimum=1)
+    simulate_failed: tuple[Worker, ...] = _opt(tuple, "workers left idle (alive, running nothing)",
+                                               default=(), what="a list", items=_WORKER, unique=True)
+    cost_model: str | CostModel | None = _opt(
+        (str, dict, CostModel), "null = unit model; a path to a cost-model JSON file; or one inline",
+        default=None, nullable=True, what="a path (string) or an object", convert=_to_cost_model)
+    planner: PlannerConfig = _opt(PlannerConfig, "plan-table computation", factory=PlannerConfig)
+    detector: DetectorConfig = _opt(DetectorConfig, "failure detection", factory=DetectorConfig)
+    fault_injection: tuple[FaultInjection, ...] = _opt(tuple, "failures to inject", default=(),
+                                                       what="a list", items=_FAULT)
+    checkpoint: CheckpointConfig = _opt(CheckpointConfig, "checkpointing", factory=CheckpointConfig)
+
+    def cost(self, base_dir: str | Path | None = None) -> CostModel:
+        """The cost model: the unit model for null, the file's (relative to ``base_dir``) for a path.
+
+        Raises:
+            ConfigError: at ``resilience.cost_model`` if the file is missing or invalid.
+        """
+        if self.cost_model is None:
+            return CostModel.unit()
+        if isinstance(self.cost_model, CostModel):
+            return self.cost_model
+        path = Path(self.cost_model)
+        if base_dir is not None and not path.is_absolute():
+            path = Path(base_dir) / path
+        try:
+            return CostModel.load(path)
+        except CostModelError as exc:
+            raise ConfigError(f"{self._PATH}.cost_model", str(exc)) from exc
+
+
+def load_resilience_config(ds_config: dict[str, Any] | str | Path) -> ResilienceConfig:
+    """Parse the ``"resilience"`` section of a DeepSpeed config (a dict or a JSON file's path).
+
+    A missing section gives the defaults. Raises :class:`ConfigError` for a bad section, or (with
+    the file's path) for a file that cannot be read or is not a JSON object.
+    """
+    if isinstance(ds_config, (str, Path)):
+        source = str(ds_config)
+        try:
+            ds_config = json.loads(Path(ds_config).read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise ConfigError(source, f"cannot read the DeepSpeed config: {exc.strerror or exc}") from exc
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(source, f"the DeepSpeed config is not valid JSON: {exc}") from exc
+    else:
+        source = "ds_config"
+    if not isinstance(ds_config, dict):
+        raise ConfigError(source, f"a DeepSpeed config must be a JSON object, got {_show(ds_config)}")
+    if "resilience" not in ds_config:
+        return ResilienceConfig()
+    section = ds_config["resilience"]
+    if not isinstance(section, dict):
+        raise ConfigError("resilience", f"expected an object (omit the section for the defaults), "
+                          f"got {_show(section)}")
+    return ResilienceConfig.from_dict(section)

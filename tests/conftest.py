@@ -1,0 +1,31 @@
+"""Shared pytest setup: GPU markers skip where no CUDA device exists."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+
+def _cuda_devices() -> int:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def pytest_collection_modifyitems(config, items):
+    gpus = None
+    for item in items:
+        if "gpu" in item.keywords or "multigpu" in item.keywords:
+            if gpus is None:
+                gpus = _cuda_devices()
+            need = 2 if "multigpu" in item.keywords else 1
+            if gpus < need:
+                item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA device(s), found {gpus}"))

@@ -1,0 +1,55 @@
+import json
+
+import pytest
+
+from ds_resilience.costs import CostModel
+from ds_resilience.errors import CostModelError
+
+
+def test_unit_defaults():
+    c = CostModel.unit().stage(5)
+    assert (c.t_f, c.t_b, c.t_w, c.t_opt) == (1.0, 1.0, 1.0, 0.0)
+
+
+def test_per_stage_values_and_round_trip(tmp_path):
+    cm = CostModel(name="x", t_f=(1, 2), t_b=(2, 4), t_w=1.5, p2p_latency=0.1, p2p_bandwidth=10.0)
+    assert cm.stage(1).t_f == 2.0 and cm.stage(0).t_w == 1.5
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(cm.to_dict()))
+    assert CostModel.load(path) == cm
+    assert cm.transfer_time(20) == 2.0
+
+
+@pytest.mark.parametrize(
+    "data, fragment",
+    [
+        ({"t_f": -1}, "t_f must hold finite numbers >= 0"),
+        ({"t_f": [1, "a"]}, "t_f must hold finite numbers"),
+        ({"tf": 1}, "unknown keys \\['tf'\\]"),
+        ({"p2p_bandwidth": 0}, "p2p_bandwidth must be > 0"),
+        ({"t_b": []}, "t_b is empty"),
+        ({"t_f": 0}, "t_f must be > 0"),
+    ],
+)
+def test_bad_values(data, fragment):
+    with pytest.raises(CostModelError, match=fragment):
+        CostModel.from_dict(data)
+
+
+def test_missing_and_bad_files(tmp_path):
+    with pytest.raises(CostModelError, match="does not exist"):
+        CostModel.load(tmp_path / "nope.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    with pytest.raises(CostModelError, match="not valid JSON"):
+        CostModel.load(bad)
+
+
+def test_shipped_profiles_load():
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "configs"
+    files = sorted(root.glob("costs_*.json"))
+    assert files, "configs/ ships cost profiles"
+    for f in files:
+        CostModel.load(f)
