@@ -59,17 +59,8 @@ from .errors import ConfigError, CostModelError, TopologyError
 from .topology import Worker, format_worker, parse_worker
 
 __all__ = [
-    "ResilienceConfig",
-    "PlannerConfig",
-    "DetectorConfig",
-    "FaultInjection",
-    "CheckpointConfig",
-    "load_resilience_config",
-    "SCHEDULES",
-    "VARIANTS",
-    "SOLVERS",
-    "FAULT_POINTS",
-    "FAULT_KINDS",
+    "ResilienceConfig", "PlannerConfig", "DetectorConfig", "FaultInjection", "CheckpointConfig",
+    "load_resilience_config", "SCHEDULES", "VARIANTS", "SOLVERS", "FAULT_POINTS", "FAULT_KINDS",
 ]
 
 SCHEDULES = ("1f1b", "decoupled")
@@ -99,10 +90,8 @@ class _Spec:
     convert: Callable[[Any, str], Any] | None = None  # (value, path) -> value, after the type check
 
     def bounds(self) -> str:
-        parts = [f">= {self.minimum}" if self.minimum is not None else "",
-                 f"> {self.exclusive_minimum}" if self.exclusive_minimum is not None else "",
-                 f"<= {self.maximum}" if self.maximum is not None else ""]
-        return " and ".join(p for p in parts if p)
+        parts = (("> ", self.exclusive_minimum), (">= ", self.minimum), ("<= ", self.maximum))
+        return " and ".join(f"{op}{bound}" for op, bound in parts if bound is not None)
 
 
 _WHAT = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
