@@ -45,7 +45,30 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--schedule", choices=("1f1b", "decoupled"), default="1f1b", help="fault-free schedule")
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of the grid")
     plan.add_argument("--png", metavar="FILE", help="also write a Gantt chart")
+    plan.add_argument("--fail", metavar="P:S[,P:S]", help="failed workers: plan the re-routed schedule")
+    plan.add_argument(
+        "--variant",
+        choices=("adaptive", "decoupled", "recycle"),
+        default="recycle",
+        help="with --fail: re-routing only / + decoupled backward / + staggered optimizer (default)",
+    )
+    plan.add_argument("--solver", choices=("heuristic", "cpsat"), default="cpsat", help="with --fail (default cpsat)")
+    plan.add_argument("--time-limit", type=float, default=10.0, help="solver time limit in seconds (default 10)")
+    plan.add_argument("--memory-cap", type=_positive_int, help="micro-batch states per worker (default 2*pp)")
     plan.set_defaults(handler=_cmd_plan)
+
+    table = sub.add_parser("plan-table", help="precompute plans for every normalized failure set")
+    _add_grid(table)
+    table.add_argument("--max-failures", type=int, default=1, help="tolerance: failures per set (default 1)")
+    table.add_argument("--all-coverable", action="store_true", help="also every set leaving each stage a replica")
+    table.add_argument("--variant", choices=("adaptive", "decoupled", "recycle"), default="recycle")
+    table.add_argument("--solver", choices=("heuristic", "cpsat"), default="heuristic")
+    table.add_argument("--time-limit", type=float, default=10.0)
+    table.add_argument("--memory-cap", type=_positive_int)
+    table.add_argument("--workers", type=int, default=0, help="parallel processes (default: CPU count)")
+    table.add_argument("--out", metavar="DIR", default=".plan_cache", help="cache directory (default .plan_cache)")
+    table.add_argument("--json", action="store_true")
+    table.set_defaults(handler=_cmd_plan_table)
     return parser
 
 
@@ -55,13 +78,40 @@ def _load_cost(path: str | None):
     return CostModel.load(path) if path else CostModel.unit()
 
 
+def _parse_failed(text: str | None):
+    from .topology import parse_worker
+
+    if not text:
+        return []
+    return [parse_worker(part) for part in text.split(",") if part.strip()]
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from .planning import generate
     from .sim import simulate
 
     cost = _load_cost(args.cost)
     cost.check_stages(args.pp)
-    schedule = generate(args.schedule, args.dp, args.pp, args.microbatches, cost)
+    failed = _parse_failed(args.fail)
+    plan_report: dict = {}
+    if failed:
+        from .planning.planner import plan
+
+        result = plan(
+            args.dp,
+            args.pp,
+            args.microbatches,
+            failed,
+            cost=cost,
+            variant=args.variant,
+            solver=args.solver,
+            time_limit_s=args.time_limit,
+            memory_cap=args.memory_cap,
+        )
+        schedule = result.schedule
+        plan_report = result.to_dict(with_schedule=False)
+    else:
+        schedule = generate(args.schedule, args.dp, args.pp, args.microbatches, cost)
     timeline = simulate(schedule, cost)
     report = {
         "dp": args.dp,
@@ -78,6 +128,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         ],
         "schedule": [" ".join(str(a) for a in actions) for actions in schedule.workers],
     }
+    report.update(plan_report)
     if args.png:
         from .sim.gantt import render_gantt
 
@@ -94,8 +145,50 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         f"makespan={timeline.makespan:g} bubble_ratio={timeline.bubble_ratio:.3f} "
         f"peak_activations={report['peak_activations']} peak_pending_w={report['peak_pending_w']}"
     )
+    if plan_report:
+        solver = plan_report["solver"]
+        gap = "n/a" if solver["gap"] is None else f"{solver['gap']:.1%}"
+        print(
+            f"failed={','.join(plan_report['failed'])} variant={plan_report['variant']} "
+            f"iteration_time={plan_report['iteration_time']:g} (fault-free 1F1B {plan_report['fault_free_iteration_time']:g}, "
+            f"best fault-free {plan_report['best_fault_free_iteration_time']:g})\n"
+            f"degradation={plan_report['degradation']:.1%} degradation_vs_best={plan_report['degradation_vs_best']:.1%} "
+            f"lower_bound={plan_report['lower_bound']:g} gap_to_bound={plan_report['gap_to_bound']:.1%} "
+            f"solver={solver['name']} status={solver['status']} gap={gap} seconds={solver['seconds']:.2f}"
+        )
     if args.png:
         print(f"wrote {args.png}")
+    return 0
+
+
+def _cmd_plan_table(args: argparse.Namespace) -> int:
+    from .planning.table import TableSpec, build_table
+
+    cost = _load_cost(args.cost)
+    cost.check_stages(args.pp)
+    if args.max_failures < 0:
+        raise SystemExit("ds-resilience plan-table: --max-failures must be >= 0")
+    spec = TableSpec(
+        dp=args.dp,
+        pp=args.pp,
+        microbatches=args.microbatches,
+        cost=cost,
+        variant=args.variant,
+        solver=args.solver,
+        time_limit_s=args.time_limit,
+        memory_cap=args.memory_cap,
+        max_failures=args.max_failures,
+        all_coverable=args.all_coverable,
+    )
+    table, summary = build_table(spec, cache_dir=args.out, workers=args.workers, progress=not args.json)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        how = "loaded from cache" if summary["cached"] else f"computed with {args.workers or 'all'} workers"
+        print(
+            f"{summary['plans']} plans ({summary['uncoverable']} uncoverable sets recorded) "
+            f"in {summary['seconds']:.2f}s, {how}: {summary['path']}"
+        )
     return 0
 
 

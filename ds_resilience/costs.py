@@ -132,6 +132,11 @@ class CostModel:
                     f"cost model {self.name!r}: {name} has {n} entries, expected 1 or pp={pp}"
                 )
 
+    def stages(self, pp: int) -> tuple[StageCosts, ...]:
+        """Costs of stages ``0..pp-1``, resolved once (for hot loops)."""
+        self.check_stages(pp)
+        return tuple(self.stage(s) for s in range(pp))
+
     def stage(self, stage: int) -> StageCosts:
         """Costs of ``stage`` (a length-1 field applies to all stages)."""
 

@@ -47,14 +47,18 @@ class Replay:
 
     starts: tuple[tuple[float, ...], ...]
     ends: tuple[tuple[float, ...], ...]
-    transfers: tuple[Transfer, ...]
+    messages: tuple[tuple[int, int, ActionKind, float, float, float], ...]
     blocked: dict[int, int]
 
     @property
+    def transfers(self) -> tuple[Transfer, ...]:
+        """Every message as a :class:`Transfer` (built on demand; the replay keeps plain tuples)."""
+        return tuple(Transfer(src=s, dst=d, kind=k, start=b, end=e, arrival=a) for s, d, k, b, e, a in self.messages)
+
+    @property
     def makespan(self) -> float:
-        last = [ends[-1] for ends in self.ends if ends]
-        arrivals = [t.arrival for t in self.transfers]
-        return max(last + arrivals, default=0.0)
+        last = max((ends[-1] for ends in self.ends if ends), default=0.0)
+        return max([last] + [m[5] for m in self.messages])
 
     @property
     def deadlocked(self) -> bool:
@@ -83,117 +87,158 @@ def message_key(worker: int, action: Action) -> tuple:
     raise ValueError(f"{action} is not a message")
 
 
-def _compute_time(cost: CostModel, action: Action) -> float:
-    c = cost.stage(action.stage)
-    return {
-        ActionKind.F: c.t_f,
-        ActionKind.B: c.t_b,
-        ActionKind.W: c.t_w,
-        ActionKind.BW: c.t_b + c.t_w,
-        ActionKind.REDUCE_GRAD: c.t_reduce,
-        ActionKind.OPT_STEP: c.t_opt,
-    }[action.kind]
+def _duration_table(cost: CostModel, pp: int) -> dict[tuple[ActionKind, int], float]:
+    table: dict[tuple[ActionKind, int], float] = {}
+    for s, c in enumerate(cost.stages(pp)):
+        table[ActionKind.F, s] = c.t_f
+        table[ActionKind.B, s] = c.t_b
+        table[ActionKind.W, s] = c.t_w
+        table[ActionKind.BW, s] = c.t_b + c.t_w
+        table[ActionKind.REDUCE_GRAD, s] = c.t_reduce
+        table[ActionKind.OPT_STEP, s] = c.t_opt
+    return table
 
 
-def replay(schedule: Schedule, cost: CostModel | None = None, *, ckpt_chunk_bytes: float = 0.0) -> Replay:
+_COMPUTE, _SEND, _RECV, _COLLECTIVE = range(4)
+
+
+def _compile(schedule: Schedule, cost: CostModel, ckpt_chunk_bytes: float) -> list[list[tuple]]:
+    """Each worker's actions as flat tuples the replay loop can run without attribute lookups.
+
+    ``(_COMPUTE, duration)``, ``(_SEND, peer, key_id, busy)``, ``(_RECV, key_id)``,
+    ``(_COLLECTIVE, group_id, duration)``. Message keys become small integers.
+    """
+    duration = _duration_table(cost, schedule.pp)
+    act_busy = [cost.transfer_time(c.activation_bytes) for c in cost.stages(schedule.pp)]
+    ckpt_busy = cost.transfer_time(ckpt_chunk_bytes)
+    key_ids: dict[tuple, int] = {}
+    program: list[list[tuple]] = []
+    for w, actions in enumerate(schedule.workers):
+        ops = []
+        for a in actions:
+            kind = a.kind
+            if kind.is_send:
+                kid = key_ids.setdefault(message_key(w, a), len(key_ids))
+                busy = ckpt_busy if kind is ActionKind.CKPT_SEND else act_busy[a.stage]
+                ops.append((_SEND, a.peer, kid, busy))
+            elif kind.is_recv:
+                ops.append((_RECV, key_ids.setdefault(message_key(w, a), len(key_ids))))
+            elif kind is ActionKind.REDUCE_GRAD:
+                ops.append((_COLLECTIVE, a.stage, duration[kind, a.stage]))
+            elif kind is ActionKind.OPT_STEP and schedule.optimizer == "global":
+                ops.append((_COLLECTIVE, -1, duration[kind, a.stage]))
+            else:
+                ops.append((_COMPUTE, duration[kind, a.stage]))
+        program.append(ops)
+    return program
+
+
+def replay(
+    schedule: Schedule, cost: CostModel | None = None, *, ckpt_chunk_bytes: float = 0.0, repeat: int = 1
+) -> Replay:
     """Replay ``schedule`` under ``cost`` (unit costs when ``None``).
 
     Args:
         schedule: the schedule to replay (not validated here; see :func:`validate`).
         cost: the cost model; its per-stage lists must fit ``schedule.pp``.
         ckpt_chunk_bytes: size of one checkpoint chunk message (CKPT_SEND).
+        repeat: run every worker's list this many times back to back (steady-state replays);
+            the result then covers ``repeat`` copies of each list.
 
     Returns:
         The :class:`Replay`; check ``blocked`` for a deadlock.
     """
     cost = cost or CostModel.unit()
-    workers = schedule.workers
-    n = len(workers)
+    program = _compile(schedule, cost, ckpt_chunk_bytes)
+    latency = cost.p2p_latency
+    n = len(program)
+    lengths = [len(ops) * repeat for ops in program]
     pcs = [0] * n
     clock = [0.0] * n
-    starts: list[list[float]] = [[0.0] * len(a) for a in workers]
-    ends: list[list[float]] = [[0.0] * len(a) for a in workers]
-    mailbox: dict[tuple, deque[float]] = defaultdict(deque)
+    starts: list[list[float]] = [[0.0] * k for k in lengths]
+    ends: list[list[float]] = [[0.0] * k for k in lengths]
+    mailbox: dict[int, deque[float]] = defaultdict(deque)
     link_free: dict[tuple[int, int], float] = defaultdict(float)
-    transfers: list[Transfer] = []
+    transfers: list[tuple] = []
     alive = [i for i in range(n) if i not in schedule.failed]
-    stage_group = {s: [i for i in alive if i // schedule.dp == s] for s in range(schedule.pp)}
-    # collective instance -> {worker: arrival clock}; instance id = (name, group key, occurrence)
-    arrived: dict[tuple, dict[int, float]] = defaultdict(dict)
-    occurrence: dict[tuple[int, str], int] = defaultdict(int)
+    groups = {s: [i for i in alive if i // schedule.dp == s] for s in range(schedule.pp)}
+    groups[-1] = alive
+    # (group id, occurrence) -> {worker: arrival clock}
+    arrived: dict[tuple[int, int], dict[int, float]] = defaultdict(dict)
+    occurrence: dict[tuple[int, int], int] = defaultdict(int)
+    woken: set[int] = set()  # workers a step of the current one may have unblocked
 
-    def collective(w: int, action: Action) -> tuple[tuple, list[int]] | None:
-        if action.kind is ActionKind.REDUCE_GRAD:
-            return ("rd", action.stage), stage_group[action.stage]
-        if action.kind is ActionKind.OPT_STEP and schedule.optimizer == "global":
-            return ("opt", None), alive
-        return None
-
-    def advance(w: int) -> bool:
-        """Run worker ``w`` as far as it can go; True if it ran anything."""
-        moved = False
-        actions = workers[w]
-        while pcs[w] < len(actions):
+    def advance(w: int) -> None:
+        """Run worker ``w`` as far as it can go."""
+        ops = program[w]
+        size = len(ops)
+        total = lengths[w]
+        st, en = starts[w], ends[w]
+        while pcs[w] < total:
             i = pcs[w]
-            action = actions[i]
-            kind = action.kind
-            if kind.is_send:
-                nbytes = ckpt_chunk_bytes if kind is ActionKind.CKPT_SEND else cost.stage(action.stage).activation_bytes
-                link = (w, action.peer)
-                busy = cost.transfer_time(nbytes)
-                begin = max(clock[w], link_free[link])
+            op = ops[i % size]
+            code = op[0]
+            now = clock[w]
+            if code == _COMPUTE:
+                st[i] = now
+                clock[w] = en[i] = now + op[1]
+            elif code == _SEND:
+                _, peer, kid, busy = op
+                link = (w, peer)
+                begin = now if now >= link_free[link] else link_free[link]
                 link_free[link] = begin + busy
-                arrival = begin + busy + cost.p2p_latency
-                mailbox[message_key(w, action)].append(arrival)
-                transfers.append(Transfer(src=w, dst=action.peer, kind=kind, start=begin, end=begin + busy, arrival=arrival))
-                starts[w][i] = ends[w][i] = clock[w]
-            elif kind.is_recv:
-                box = mailbox.get(message_key(w, action))
+                arrival = begin + busy + latency
+                mailbox[kid].append(arrival)
+                woken.add(peer)
+                transfers.append((w, peer, i % size, begin, begin + busy, arrival))
+                st[i] = en[i] = now
+            elif code == _RECV:
+                box = mailbox.get(op[1])
                 if not box:
-                    return moved
+                    return
                 arrival = box.popleft()
-                starts[w][i] = clock[w]
-                clock[w] = max(clock[w], arrival)
-                ends[w][i] = clock[w]
+                st[i] = now
+                clock[w] = en[i] = arrival if arrival > now else now
             else:
-                group = collective(w, action)
-                if group is None:
-                    starts[w][i] = clock[w]
-                    clock[w] += _compute_time(cost, action)
-                    ends[w][i] = clock[w]
-                else:
-                    name, members = group
-                    occ_key = (w, repr(name))
-                    instance = (name, occurrence[occ_key])
-                    arrived[instance][w] = clock[w]
-                    if len(arrived[instance]) < len(members):
-                        return moved
-                    begin = max(arrived[instance].values())
-                    end = begin + _compute_time(cost, action)
-                    for m in members:
-                        occurrence[(m, repr(name))] += 1
-                        j = pcs[m]
-                        starts[m][j] = begin
-                        ends[m][j] = end
-                        clock[m] = end
-                        pcs[m] += 1
-                    del arrived[instance]
-                    moved = True
-                    continue
+                gid = op[1]
+                members = groups[gid]
+                instance = (gid, occurrence[w, gid])
+                waiting = arrived[instance]
+                waiting[w] = now
+                if len(waiting) < len(members):
+                    return
+                begin = max(waiting.values())
+                end = begin + op[2]
+                for m in members:
+                    occurrence[m, gid] += 1
+                    j = pcs[m]
+                    starts[m][j] = begin
+                    ends[m][j] = end
+                    clock[m] = end
+                    pcs[m] += 1
+                    woken.add(m)
+                del arrived[instance]
+                continue
             pcs[w] += 1
-            moved = True
-        return moved
 
-    progress = True
-    while progress:
-        progress = False
-        for w in range(n):
-            if advance(w):
-                progress = True
-    blocked = {w: pcs[w] for w in range(n) if pcs[w] < len(workers[w])}
+    # Worklist: a worker is looked at again only when something it may wait for happened.
+    pending = deque(range(n))
+    queued = [True] * n
+    while pending:
+        w = pending.popleft()
+        queued[w] = False
+        woken.clear()
+        advance(w)
+        for v in woken:
+            if not queued[v]:
+                queued[v] = True
+                pending.append(v)
+    blocked = {w: pcs[w] for w in range(n) if pcs[w] < lengths[w]}
     return Replay(
-        starts=tuple(tuple(s) for s in starts),
-        ends=tuple(tuple(e) for e in ends),
-        transfers=tuple(transfers),
+        starts=tuple(tuple(x) for x in starts),
+        ends=tuple(tuple(x) for x in ends),
+        messages=tuple(
+            (src, dst, schedule.workers[src][j].kind, b, e, arr) for src, dst, j, b, e, arr in transfers
+        ),
         blocked=blocked,
     )

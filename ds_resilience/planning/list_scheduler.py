@@ -44,6 +44,7 @@ def list_schedule(
     split_backward: bool,
     act_caps: Sequence[int],
     w_caps: Sequence[int | None],
+    mem_caps: Sequence[int | None] | None = None,
     start_times: Sequence[float] | None = None,
 ) -> ListResult:
     """Order every worker's F/B/W for the given placement.
@@ -55,6 +56,8 @@ def list_schedule(
         split_backward: emit B and W separately (decoupled backward); else fused BW.
         act_caps: per worker, the most micro-batches between F and B (activation memory).
         w_caps: per worker, the most B's whose W is still pending (``None``: no cap).
+        mem_caps: per worker, the most micro-batch states held at once, activations (F to B) and
+            pending W (B to W) together (``None``: no cap beyond the two above).
         start_times: per worker, the earliest time it may start (default 0).
 
     Returns:
@@ -80,19 +83,24 @@ def list_schedule(
     b_ready_set: list[list[Key]] = [[] for _ in range(n)]  # forwards done, backward not started
     w_pending: list[list[Key]] = [[] for _ in range(n)]
     remaining = sum(len(ks) for ks in todo) * (3 if split_backward else 2)
-    events = sorted({0.0, *free_at})
+    # (time, worker): the worker may have something new to do at that time (it became free, or a
+    # message arrived for it). Only those workers are looked at, which keeps this O(tasks log tasks).
+    events: list[tuple[float, int]] = [(free_at[w], w) for w in range(n) if todo[w]]
     heapq.heapify(events)
     last = pp - 1
 
+    stage_costs = cost.stages(pp)
+    links = [comm + cost.transfer_time(c.activation_bytes) for c in stage_costs]
+
     def transfer(stage: int) -> float:
-        return comm + cost.transfer_time(cost.stage(stage).activation_bytes)
+        return links[stage]
 
     def emit(w: int, kind: ActionKind, key: Key, t: float, duration: float) -> float:
         p, s, m = key
         orders[w].append(Action(kind=kind, stage=s, microbatch=m, pipeline=p))
         end = t + duration
         free_at[w] = end
-        heapq.heappush(events, end)
+        heapq.heappush(events, (end, w))
         return end
 
     makespan = 0.0
@@ -100,17 +108,20 @@ def list_schedule(
         if not events:
             stuck = {w: (len(f_pending[w]), len(b_ready_set[w]), len(w_pending[w])) for w in range(n) if todo[w]}
             raise PlanningError(f"list scheduling cannot proceed (caps too tight?); per worker (F, B, W) left: {stuck}")
-        t = heapq.heappop(events)
-        while events and events[0] <= t:
-            heapq.heappop(events)
-        for w in range(n):
-            if free_at[w] > t or not todo[w]:
+        t, first = heapq.heappop(events)
+        woken = {first}
+        while events and events[0][0] <= t:
+            woken.add(heapq.heappop(events)[1])
+        for w in sorted(woken):
+            if free_at[w] > t:
                 continue
-            c = cost.stage(w // dp)
+            c = stage_costs[w // dp]
             ready_b = [k for k in b_ready_set[w] if k[1] == last or grad_arrival.get(k, float("inf")) <= t]
             ready_f = [k for k in f_pending[w] if act_arrival.get(k, float("inf")) <= t]
             w_cap = w_caps[w]
             must_w = split_backward and w_pending[w] and w_cap is not None and len(w_pending[w]) >= w_cap
+            mem_cap = mem_caps[w] if mem_caps is not None else None
+            mem_full = mem_cap is not None and in_flight[w] + len(w_pending[w]) >= mem_cap
             if ready_b and not must_w:
                 key = min(ready_b, key=lambda k: (grad_arrival.get(k, 0.0), k[2], k[0]))
                 b_ready_set[w].remove(key)
@@ -118,15 +129,14 @@ def list_schedule(
                 if split_backward:
                     end = emit(w, ActionKind.B, key, t, c.t_b)
                     w_pending[w].append(key)
-                    remaining -= 1
                 else:
                     end = emit(w, ActionKind.BW, key, t, c.t_b + c.t_w)
-                    remaining -= 1
+                remaining -= 1
                 if key[1] > 0:
                     prev = (key[0], key[1] - 1, key[2])
                     grad_arrival[prev] = end + transfer(key[1])
-                    heapq.heappush(events, grad_arrival[prev])
-            elif ready_f and in_flight[w] < act_caps[w]:
+                    heapq.heappush(events, (grad_arrival[prev], assignment[prev]))
+            elif ready_f and in_flight[w] < act_caps[w] and not mem_full:
                 key = min(ready_f, key=lambda k: (act_arrival[k], k[2], k[0]))
                 f_pending[w].remove(key)
                 in_flight[w] += 1
@@ -136,7 +146,7 @@ def list_schedule(
                 if key[1] < last:
                     nxt = (key[0], key[1] + 1, key[2])
                     act_arrival[nxt] = end + transfer(key[1])
-                    heapq.heappush(events, act_arrival[nxt])
+                    heapq.heappush(events, (act_arrival[nxt], assignment[nxt]))
             elif w_pending[w]:
                 key = w_pending[w].pop(0)
                 end = emit(w, ActionKind.W, key, t, c.t_w)

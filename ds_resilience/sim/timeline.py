@@ -13,7 +13,7 @@ from ..costs import CostModel
 from ..errors import ScheduleError
 from ..ir import ActionKind, Schedule, format_steps, replay
 
-__all__ = ["Span", "Timeline", "simulate", "merge_spans", "complement"]
+__all__ = ["Span", "Timeline", "simulate", "merge_spans", "complement", "iteration_ends", "steady_period", "memory_peaks"]
 
 Span = tuple[float, float]
 
@@ -55,6 +55,7 @@ class Timeline:
         bubble_ratio: idle compute time over (surviving workers x makespan).
         peak_activations: per worker, the most micro-batches between F and B at any time.
         peak_pending_w: per worker, the most B's whose W had not run yet.
+        peak_state: per worker, the most micro-batch states (activations and pending W) held at once.
     """
 
     makespan: float
@@ -68,53 +69,76 @@ class Timeline:
     bubble_ratio: float
     peak_activations: tuple[int, ...]
     peak_pending_w: tuple[int, ...]
+    peak_state: tuple[int, ...]
 
     def stage_peak_activations(self, dp: int, pp: int) -> list[int]:
         """Peak in-flight activations per stage (max over its workers)."""
         return [max(self.peak_activations[s * dp:(s + 1) * dp]) for s in range(pp)]
 
 
-def _memory_peaks(schedule: Schedule) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    acts, pend = [], []
+def memory_peaks(schedule: Schedule) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """Per worker: peak activations (F to B), peak pending W (B to W), and peak of their sum.
+
+    Counted in action order, which is what a worker holds whatever the timing.
+    """
+    acts, pend, state = [], [], []
     for actions in schedule.workers:
-        a = p = peak_a = peak_p = 0
+        a = p = peak_a = peak_p = peak_s = 0
         for x in actions:
-            if x.kind is ActionKind.F:
+            kind = x.kind
+            if kind is ActionKind.F:
                 a += 1
-            elif x.kind is ActionKind.BW:
+            elif kind is ActionKind.BW:
                 a -= 1
-            elif x.kind is ActionKind.B:
+            elif kind is ActionKind.B:
                 a -= 1
                 p += 1
-            elif x.kind is ActionKind.W:
+            elif kind is ActionKind.W:
                 p -= 1
-            peak_a, peak_p = max(peak_a, a), max(peak_p, p)
+            else:
+                continue
+            peak_a, peak_p, peak_s = max(peak_a, a), max(peak_p, p), max(peak_s, a + p)
         acts.append(peak_a)
         pend.append(peak_p)
-    return tuple(acts), tuple(pend)
+        state.append(peak_s)
+    return tuple(acts), tuple(pend), tuple(state)
 
 
-def _iteration_ends(schedule: Schedule, ends: tuple[tuple[float, ...], ...]) -> list[float]:
+def iteration_ends(schedule: Schedule, ends: tuple[tuple[float, ...], ...], repeat: int = 1) -> list[float]:
     """End time of each iteration: the last OPT_STEP of that iteration over all workers."""
-    per_iter = [0.0] * schedule.iterations
+    per_iter = [0.0] * (schedule.iterations * repeat)
     for w, actions in enumerate(schedule.workers):
         k = 0
-        for a, e in zip(actions, ends[w]):
+        for a, e in zip(actions * repeat, ends[w]):
             if a.kind is ActionKind.OPT_STEP:
                 per_iter[k] = max(per_iter[k], e)
                 k += 1
     return per_iter
 
 
-def simulate(schedule: Schedule, cost: CostModel | None = None, *, ckpt_chunk_bytes: float = 0.0) -> Timeline:
+def steady_period(ends_per_iteration: list[float]) -> float:
+    """Average time between iteration ends over the second half of the iterations."""
+    k = len(ends_per_iteration)
+    if k == 1:
+        return ends_per_iteration[0]
+    half = max(1, k // 2)
+    return (ends_per_iteration[-1] - ends_per_iteration[half - 1]) / (k - half)
+
+
+def simulate(
+    schedule: Schedule, cost: CostModel | None = None, *, ckpt_chunk_bytes: float = 0.0, repeat: int = 1
+) -> Timeline:
     """Replay ``schedule`` under ``cost`` (unit costs by default) and measure it.
+
+    ``repeat`` runs each worker's list that many times back to back (steady state); the spans then
+    cover all repetitions and ``iteration_time`` is the steady-state period.
 
     Raises:
         ScheduleError: the schedule deadlocks (validate it first for a precise message).
     """
     cost = cost or CostModel.unit()
     cost.check_stages(schedule.pp)
-    r = replay(schedule, cost, ckpt_chunk_bytes=ckpt_chunk_bytes)
+    r = replay(schedule, cost, ckpt_chunk_bytes=ckpt_chunk_bytes, repeat=repeat)
     if r.blocked:
         w, i = min(r.blocked.items())
         raise ScheduleError(
@@ -130,7 +154,7 @@ def simulate(schedule: Schedule, cost: CostModel | None = None, *, ckpt_chunk_by
     for w in alive:
         spans = [
             (s, e)
-            for a, s, e in zip(schedule.workers[w], r.starts[w], r.ends[w])
+            for a, s, e in zip(schedule.workers[w] * repeat, r.starts[w], r.ends[w])
             if a.kind.is_compute or a.kind in (ActionKind.OPT_STEP, ActionKind.REDUCE_GRAD)
         ]
         busy[w] = merge_spans(spans)
@@ -142,14 +166,9 @@ def simulate(schedule: Schedule, cost: CostModel | None = None, *, ckpt_chunk_by
     link_busy = {k: merge_spans(v) for k, v in link_spans.items()}
     link_idle = {k: complement(v, 0.0, makespan) for k, v in link_busy.items()}
     bubble = total_idle / (len(alive) * makespan) if alive and makespan > 0 else 0.0
-    ends_per_iter = _iteration_ends(schedule, r.ends)
-    if schedule.iterations == 1:
-        iteration_time = makespan
-    else:
-        # Steady state: average period over the second half of the iterations.
-        half = max(1, schedule.iterations // 2)
-        iteration_time = (ends_per_iter[-1] - ends_per_iter[half - 1]) / (schedule.iterations - half)
-    acts, pend = _memory_peaks(schedule)
+    iterations = schedule.iterations * repeat
+    iteration_time = makespan if iterations == 1 else steady_period(iteration_ends(schedule, r.ends, repeat))
+    acts, pend, state = memory_peaks(schedule)
     return Timeline(
         makespan=makespan,
         iteration_time=iteration_time,
@@ -162,4 +181,5 @@ def simulate(schedule: Schedule, cost: CostModel | None = None, *, ckpt_chunk_by
         bubble_ratio=bubble,
         peak_activations=acts,
         peak_pending_w=pend,
+        peak_state=state,
     )

@@ -1,0 +1,58 @@
+"""Re-routing: which surviving data-parallel peer runs each micro-batch of a failed worker.
+
+Only the failed stage's work moves: micro-batch m of pipeline p at stage s runs on a survivor
+(p', s), which receives the activation from (p, s-1) and sends its output to (p, s+1) (gradients
+take the mirror path). Re-routed micro-batches are dealt out so that every survivor of the stage
+ends with the same load (to within one) and the extra work is spread over the iteration rather
+than bunched at its end. Pure Python.
+"""
+
+from __future__ import annotations
+
+from ..errors import PlanningError
+from ..topology import Topology, Worker
+
+__all__ = ["check_coverable", "reroute_assignment"]
+
+Key = tuple[int, int, int]
+
+
+def check_coverable(topology: Topology) -> None:
+    """Raise :class:`PlanningError` if some stage lost every replica."""
+    lost = topology.uncovered_stages()
+    if lost:
+        names = ", ".join(str(s) for s in lost)
+        raise PlanningError(
+            f"stage {names} lost every replica (failed: {sorted(str(w) for w in topology.failed)}); "
+            "re-routing needs a surviving data-parallel peer of each stage and cannot cover this failure set "
+            "(fall back to pipeline templates or restart from a checkpoint)"
+        )
+
+
+def reroute_assignment(topology: Topology, microbatches: int) -> dict[Key, int]:
+    """Map every (pipeline, stage, micro-batch) to the worker index that runs it.
+
+    Healthy workers keep their own micro-batches. For each stage, the failed workers' micro-batches
+    (taken in micro-batch order, interleaving failed pipelines) go to the survivor with the least
+    load so far, ties to the one whose own work comes latest in pipeline order; this balances the
+    counts exactly and alternates between survivors.
+
+    Raises:
+        PlanningError: a stage has no survivor.
+    """
+    check_coverable(topology)
+    dp = topology.dp
+    assignment: dict[Key, int] = {}
+    for s in range(topology.pp):
+        survivors = [w.pipeline for w in topology.stage_peers(s)]
+        failed = [p for p in range(dp) if Worker(pipeline=p, stage=s) in topology.failed]
+        load = {p: microbatches for p in survivors}
+        for p in survivors:
+            for m in range(microbatches):
+                assignment[(p, s, m)] = s * dp + p
+        for m in range(microbatches):
+            for p in failed:
+                target = min(survivors, key=lambda q: (load[q], q))
+                load[target] += 1
+                assignment[(p, s, m)] = s * dp + target
+    return assignment
