@@ -130,3 +130,11 @@ def test_plan_round_trips_through_json():
     p = plan(3, 4, 6, [W(pipeline=2, stage=2)])
     q = Plan.from_dict(p.to_dict())
     assert q.schedule == p.schedule and q.iteration_time == p.iteration_time and q.failed == p.failed
+
+
+def test_cpsat_with_a_single_survivor_places_rerouted_work_on_it():
+    # dp=2: the failed worker's micro-batches have exactly one possible peer.
+    p = plan(2, 4, 4, [W(pipeline=1, stage=2)], variant="adaptive", solver="cpsat", time_limit_s=10)
+    validate(p.schedule)
+    assert p.schedule.workers[2 * 2 + 1] == ()
+    assert p.iteration_time == pytest.approx(simulated_time(p))

@@ -90,7 +90,8 @@ def improve(
                 hint_worker[a.key] = w  # type: ignore[index]
 
     model = cp_model.CpModel()
-    tasks: dict[tuple[str, Key], object] = {}
+    tasks: dict[tuple, object] = {}
+    fixed_worker: dict[Key, int] = {}  # micro-batches with a single possible worker
     per_worker: dict[int, list] = {w: [] for w in range(dp * pp)}
     memory: dict[int, list] = {w: [] for w in range(dp * pp)}
     ends = []
@@ -103,6 +104,8 @@ def improve(
             choices = [home] if home in peers else peers
             for m in range(microbatches):
                 key = (p, s, m)
+                if len(choices) == 1:
+                    fixed_worker[key] = choices[0]
                 f = model.NewIntVar(0, horizon, f"F{key}")
                 b = model.NewIntVar(0, horizon, f"B{key}")
                 tasks[("F", key)] = f
@@ -174,8 +177,10 @@ def improve(
             continue
         key = rest[0]
         p, s, m = key
-        choice = [x for x in range(s * dp, (s + 1) * dp) if ("on", key, x) in tasks]
-        w = next(x for x in choice if solver.Value(tasks[("on", key, x)])) if choice else s * dp + p
+        if key in fixed_worker:
+            w = fixed_worker[key]
+        else:
+            w = next(x for x in range(s * dp, (s + 1) * dp) if ("on", key, x) in tasks and solver.Value(tasks[("on", key, x)]))
         kind = {"F": ActionKind.F, "B": ActionKind.B if split else ActionKind.BW, "W": ActionKind.W}[code]
         placed[w].append((solver.Value(var), rank[code], m, Action(kind=kind, stage=s, microbatch=m, pipeline=p)))
     orders = [[a for *_, a in sorted(placed[w], key=lambda t: t[:3])] for w in range(dp * pp)]

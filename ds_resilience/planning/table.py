@@ -22,6 +22,7 @@ import os
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -142,6 +143,11 @@ def _plan_one(args: tuple[TableSpec, FailureKey]) -> tuple[FailureKey, dict[str,
     return key, data, None
 
 
+@lru_cache(maxsize=1 << 16)
+def _parse_cached(token: str) -> Action:
+    return parse_action(token)
+
+
 @dataclass(frozen=True, slots=True)
 class PlanView:
     """A stored plan seen through a pipeline relabelling (the actual failure set's labels)."""
@@ -158,20 +164,22 @@ class PlanView:
     @property
     def figures(self) -> dict[str, Any]:
         """The plan's figures (iteration time, degradation, bound, solver, memory per canonical worker)."""
-        return {k: v for k, v in self.data.items() if k != "schedule_text"}
+        return {k: v for k, v in self.data.items() if k not in ("schedule_text", "_lines")}
 
     def actions_for(self, worker_index: int) -> tuple[Action, ...]:
         """One worker's actions (by its actual index), relabelled; cheap enough for a failure path."""
         stage, p = divmod(worker_index, self.dp)
         canonical_index = stage * self.dp + self.to_canonical[p]
-        line = self.data["schedule_text"].splitlines()[canonical_index + 1]
-        body = line.partition(": ")[2]
+        lines = self.data.get("_lines")
+        if lines is None:  # split once per stored plan, then every lookup is O(one line)
+            lines = self.data["_lines"] = self.data["schedule_text"].splitlines()
+        body = lines[canonical_index + 1].partition(": ")[2]
         if body.strip() in ("", "(failed)"):
             return ()
         perm = self.from_canonical
         out = []
         for token in body.split():
-            a = parse_action(token)
+            a = _parse_cached(token)
             peer = None if a.peer is None else (a.peer // self.dp) * self.dp + perm[a.peer % self.dp]
             out.append(
                 Action(
@@ -236,12 +244,12 @@ class PlanTable:
         """Write the table atomically (gzip JSON)."""
         payload = {
             "spec": self.spec.to_dict(),
-            "plans": [[list(map(list, k[2])), v] for k, v in self._plans.items()],
+            "plans": [[list(map(list, k[2])), {x: y for x, y in v.items() if x != "_lines"}] for k, v in self._plans.items()],
             "uncoverable": [[list(map(list, k[2])), v] for k, v in self._uncoverable.items()],
         }
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
-        with gzip.open(tmp, "wt", encoding="utf-8") as fh:
+        with gzip.open(tmp, "wt", encoding="utf-8", compresslevel=1) as fh:
             json.dump(payload, fh)
         os.replace(tmp, path)
 

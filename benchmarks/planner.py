@@ -1,0 +1,155 @@
+"""Planner figures: the reference case, a grid, and plan-table scale.
+
+    python benchmarks/planner.py [--quick] [--skip-scale] [--json FILE]
+
+Reference: 3 pipelines x 4 stages, 6 micro-batches per pipeline, unit costs, one failed worker at
+each stage in turn: degradation of (a) adaptive, (b) decoupled, (c) recycle, and the bounds.
+Grid: D in {2,4,8}, P in {4,8}, M in {P,2P,4P}, 1-3 failures spread over stages or concentrated
+in one: degradation per variant, the bound and the heuristic's time; CP-SAT on the smaller cases.
+Scale: D=16, P=16, M=32, every normalized set with <= 2 failures, heuristic, 2 processes, and the
+lookup latency. All times are wall-clock on this machine; the degradations are simulator figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ds_resilience.costs import CostModel  # noqa: E402
+from ds_resilience.planning.planner import plan  # noqa: E402
+from ds_resilience.planning.table import TableSpec, build_table  # noqa: E402
+from ds_resilience.topology import Worker  # noqa: E402
+
+VARIANTS = ("adaptive", "decoupled", "recycle")
+
+
+def reference(solver: str) -> list[dict]:
+    rows = []
+    print("\n== Reference: 3 x 4, 6 micro-batches/pipeline, unit costs, one failure ==")
+    print(f"{'stage':>5} | {'(a) adaptive':>22} | {'(b) decoupled':>22} | {'(c) recycle':>22} | vs best (c)")
+    for s in range(4):
+        row = {"stage": s}
+        cells = []
+        for v in VARIANTS:
+            p = plan(3, 4, 6, [Worker(pipeline=1, stage=s)], variant=v, solver=solver, time_limit_s=20)
+            row[v] = {
+                "iteration_time": p.iteration_time,
+                "degradation": p.degradation,
+                "lower_bound": p.lower_bound,
+                "bound_degradation": p.lower_bound / p.fault_free_iteration_time - 1,
+                "gap_to_bound": p.gap_to_bound,
+                "degradation_vs_best": p.degradation_vs_best,
+                "solver": p.solver.to_dict(),
+            }
+            cells.append(f"{p.iteration_time:4g} {p.degradation:6.1%} (lb {p.lower_bound / p.fault_free_iteration_time - 1:5.1%})")
+        rows.append(row)
+        print(f"{s:>5} | " + " | ".join(f"{c:>22}" for c in cells) + f" | {row['recycle']['degradation_vs_best']:.1%}")
+    print("fault-free 1F1B = 27; cells: iteration time, degradation vs 1F1B (bound's degradation)")
+    return rows
+
+
+def failure_sets(dp: int, pp: int) -> list[tuple[str, list[Worker]]]:
+    sets = [("1", [Worker(pipeline=dp - 1, stage=pp // 2)])]
+    sets.append(("2 spread", [Worker(pipeline=0, stage=0), Worker(pipeline=dp - 1, stage=pp - 1)]))
+    if dp >= 3:
+        sets.append(("2 same stage", [Worker(pipeline=0, stage=1), Worker(pipeline=1, stage=1)]))
+    sets.append(("3 spread", [Worker(pipeline=p % dp, stage=s) for p, s in ((0, 0), (1, pp // 2), (dp - 1, pp - 1))]))
+    if dp >= 4:
+        sets.append(("3 same stage", [Worker(pipeline=p, stage=pp - 1) for p in range(3)]))
+    return sets
+
+
+def grid(quick: bool, cpsat_limit: float) -> list[dict]:
+    rows = []
+    dps = (2, 4) if quick else (2, 4, 8)
+    print("\n== Grid: degradation (a)/(b)/(c) | bound of (c) | heuristic seconds | cpsat (a) where run ==")
+    for dp in dps:
+        for pp in (4, 8):
+            for mult in (1, 2, 4):
+                m = pp * mult
+                for label, failed in failure_sets(dp, pp):
+                    row = {"dp": dp, "pp": pp, "microbatches": m, "failures": label}
+                    t0 = time.perf_counter()
+                    plans = {v: plan(dp, pp, m, failed, variant=v) for v in VARIANTS}
+                    row["heuristic_seconds"] = time.perf_counter() - t0
+                    for v, p in plans.items():
+                        row[v] = {"degradation": p.degradation, "bound": p.lower_bound / p.fault_free_iteration_time - 1, "gap": p.gap_to_bound}
+                    extra = ""
+                    if cpsat_limit > 0 and dp * pp * m <= 256:
+                        solved = plan(dp, pp, m, failed, variant="adaptive", solver="cpsat", time_limit_s=cpsat_limit)
+                        row["cpsat_adaptive"] = {"degradation": solved.degradation, "solver": solved.solver.to_dict()}
+                        extra = f" cpsat(a) {solved.degradation:6.1%} {solved.solver.status} {solved.solver.seconds:.1f}s"
+                    rows.append(row)
+                    print(
+                        f"D={dp} P={pp} M={m:>2} {label:>12}: "
+                        + " / ".join(f"{row[v]['degradation']:6.1%}" for v in VARIANTS)
+                        + f" | lb(c) {row['recycle']['bound']:6.1%} | {row['heuristic_seconds']:.2f}s{extra}",
+                        flush=True,
+                    )
+    return rows
+
+
+def scale(workers: int) -> dict:
+    print("\n== Scale: D=16 P=16 M=32, every normalized set with <= 2 failures (heuristic) ==", flush=True)
+    spec = TableSpec(dp=16, pp=16, microbatches=32, cost=CostModel.unit(), variant="recycle", solver="heuristic", max_failures=2)
+    with tempfile.TemporaryDirectory() as tmp:
+        table, summary = build_table(spec, cache_dir=tmp, workers=workers, progress=True)
+        rng = random.Random(0)
+        cells = [Worker(pipeline=p, stage=s) for p in range(16) for s in range(16)]
+        samples = [rng.sample(cells, rng.randint(0, 2)) for _ in range(2000)]
+        lat = []
+        for failed in samples:
+            w = rng.randrange(256)
+            t0 = time.perf_counter()
+            view = table.lookup(failed)
+            view.actions_for(w)
+            lat.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        view.schedule()
+        full = time.perf_counter() - t0
+    lat.sort()
+    out = {
+        "plans": summary["plans"],
+        "precompute_seconds": summary["seconds"],
+        "lookup_ms_median": statistics.median(lat) * 1e3,
+        "lookup_ms_p99": lat[int(0.99 * len(lat))] * 1e3,
+        "full_schedule_relabel_ms": full * 1e3,
+        "workers": workers,
+    }
+    print(
+        f"{out['plans']} plans in {out['precompute_seconds']:.1f}s with {workers} processes; lookup (normalize + fetch + one "
+        f"worker's actions) median {out['lookup_ms_median']:.3f} ms, p99 {out['lookup_ms_p99']:.3f} ms; "
+        f"whole-schedule relabel {out['full_schedule_relabel_ms']:.0f} ms"
+    )
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smaller grid")
+    parser.add_argument("--skip-scale", action="store_true")
+    parser.add_argument("--only-scale", action="store_true")
+    parser.add_argument("--cpsat-limit", type=float, default=5.0, help="CP-SAT seconds per grid case (0: off)")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--json", metavar="FILE")
+    args = parser.parse_args()
+    results: dict = {}
+    if not args.only_scale:
+        results = {"reference_heuristic": reference("heuristic"), "reference_cpsat": reference("cpsat")}
+        results["grid"] = grid(args.quick, args.cpsat_limit)
+    if not args.skip_scale:
+        results["scale"] = scale(args.workers)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
