@@ -9,6 +9,16 @@ from .topology import Topology, Worker
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    """``ds_resilience.initialize`` loads the DeepSpeed integration (and torch) on first use."""
+    if name in ("initialize", "ResilientPipelineEngine"):
+        from .integrations import deepspeed as _ds
+
+        return getattr(_ds, name)
+    raise AttributeError(f"module 'ds_resilience' has no attribute {name!r}")
+
+
 __all__ = [
     "ConfigError",
     "PlanningError",
@@ -18,4 +28,6 @@ __all__ = [
     "TopologyError",
     "Worker",
     "__version__",
+    "initialize",
+    "ResilientPipelineEngine",
 ]

@@ -1,0 +1,381 @@
+"""DeepSpeed integration: :class:`ResilientPipelineEngine` and :func:`initialize`.
+
+The engine is a :class:`deepspeed.runtime.pipe.engine.PipelineEngine` subclass, as DeepSpeed's own
+``DualPipeVEngine`` is: it overrides ``_train_schedule`` to return this worker's actions from the IR
+schedule (fault-free, or the planner's re-routed plan for ``resilience.simulate_failed``), adds one
+``PipeInstruction`` per action kind and maps each to an ``_exec_*`` method in a re-declared
+``_INSTRUCTION_MAP``; every method hands the action to the :class:`StageWorker` handler of the same
+kind. Communication goes to explicit global ranks (across pipelines), gradients are reduced over the
+stage's surviving replicas, and each stage steps its own optimizer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.pipe import schedule as ds_schedule
+from deepspeed.runtime.pipe.engine import PipelineEngine
+
+from ..config import ResilienceConfig, load_resilience_config
+from ..errors import ConfigError, ResilienceError
+from ..ir import Action, ActionKind, Schedule
+from ..planning import generate
+from ..planning.planner import plan as plan_failure
+from ..runtime.groups import build_groups
+from ..runtime.p2p import Messenger
+from ..runtime.stage_worker import BatchSource, StageWorker
+from ..topology import Topology, Worker
+
+__all__ = ["ResilientPipelineEngine", "initialize", "ActionSchedule", "INSTRUCTIONS"]
+
+
+class _ActionInstruction(ds_schedule.PipeInstruction):
+    """A pipeline instruction carrying one IR action."""
+
+    def __init__(self, action: Action) -> None:
+        super().__init__(action=action)
+
+
+class ForwardMicroBatch(_ActionInstruction):
+    """F: forward of (pipeline, micro-batch)."""
+
+
+class BackwardInput(_ActionInstruction):
+    """B: input gradient only."""
+
+
+class BackwardWeight(_ActionInstruction):
+    """W: weight gradient of an earlier B."""
+
+
+class BackwardFused(_ActionInstruction):
+    """BW: full backward."""
+
+
+class SendActivationTo(_ActionInstruction):
+    """Send an activation to any global rank."""
+
+
+class RecvActivationFrom(_ActionInstruction):
+    """Receive an activation from any global rank."""
+
+
+class SendGradTo(_ActionInstruction):
+    """Send an input gradient to any global rank."""
+
+
+class RecvGradFrom(_ActionInstruction):
+    """Receive an output gradient from any global rank."""
+
+
+class ReduceStageGrads(_ActionInstruction):
+    """Sum gradients over this stage's surviving replicas."""
+
+
+class StageOptimizerStep(_ActionInstruction):
+    """This stage's optimizer step."""
+
+
+INSTRUCTIONS: dict[ActionKind, type[_ActionInstruction]] = {
+    ActionKind.F: ForwardMicroBatch,
+    ActionKind.B: BackwardInput,
+    ActionKind.W: BackwardWeight,
+    ActionKind.BW: BackwardFused,
+    ActionKind.SEND_ACT: SendActivationTo,
+    ActionKind.RECV_ACT: RecvActivationFrom,
+    ActionKind.SEND_GRAD: SendGradTo,
+    ActionKind.RECV_GRAD: RecvGradFrom,
+    ActionKind.REDUCE_GRAD: ReduceStageGrads,
+    ActionKind.OPT_STEP: StageOptimizerStep,
+}
+
+
+class ActionSchedule(ds_schedule.PipeSchedule):
+    """A DeepSpeed ``PipeSchedule`` that yields one worker's IR actions, one per step."""
+
+    def __init__(self, actions: tuple[Action, ...], micro_batches: int, stages: int, stage_id: int, buffers: int) -> None:
+        super().__init__(micro_batches=micro_batches, stages=stages, stage_id=stage_id)
+        self._actions = actions
+        self._buffers = buffers
+
+    def steps(self):
+        for action in self._actions:
+            yield [INSTRUCTIONS[action.kind](action)]
+
+    def num_pipe_buffers(self) -> int:
+        return max(2, self._buffers)
+
+
+class _IteratorSource:
+    """A batch source over a DeepSpeed-style data iterator: own pipeline's micro-batches only."""
+
+    def __init__(self, engine: "ResilientPipelineEngine") -> None:
+        self.engine = engine
+        self.cache: dict[tuple[int, int], Any] = {}
+        self.next_mb: dict[int, int] = {}
+
+    def __call__(self, pipeline: int, iteration: int, microbatch: int) -> tuple[Any, Any]:
+        if pipeline != self.engine.me.pipeline:
+            raise ResilienceError(
+                f"re-routed micro-batch {microbatch} of pipeline {pipeline} needs that pipeline's data: pass "
+                "batch_source=(pipeline, iteration, microbatch) -> (inputs, labels) to ds_resilience.initialize"
+            )
+        key = (iteration, microbatch)
+        while key not in self.cache:
+            m = self.next_mb.get(iteration, 0)
+            self.cache[(iteration, m)] = next(self.engine.data_iterator)
+            self.next_mb[iteration] = m + 1
+        return self.cache.pop(key)
+
+
+class ResilientPipelineEngine(PipelineEngine):
+    """A PipelineEngine that runs IR schedules (fault-free or re-routed around failed workers).
+
+    Extra keyword arguments:
+        resilience: the parsed ``"resilience"`` section.
+        batch_source: ``(pipeline, iteration, microbatch) -> (inputs, labels)``; needed when this
+            worker runs other pipelines' micro-batches (first and last stages).
+    """
+
+    def __init__(self, *args: Any, resilience: ResilienceConfig, batch_source: BatchSource | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.resilience = resilience
+        if self.grid.model_parallel_size != 1:
+            raise ConfigError("resilience", "tensor parallelism is not supported yet (model_parallel_size must be 1)")
+        self.topology = Topology(dp=self.grid.data_parallel_size, pp=self.num_stages)
+        self.me = Worker(pipeline=self.grid.data_parallel_id, stage=self.stage_id)
+        self.my_index = self.topology.worker_index(self.me)
+        if resilience.microbatches is not None and resilience.microbatches != self.micro_batches:
+            raise ConfigError(
+                "resilience.microbatches",
+                f"{resilience.microbatches} differs from gradient_accumulation_steps={self.micro_batches}",
+            )
+        try:
+            failed = [self.topology.check(w) for w in resilience.simulate_failed]
+        except Exception as exc:
+            raise ConfigError("resilience.simulate_failed", str(exc)) from exc
+        self.current = self.topology.without(failed)
+        self.schedule = self._make_schedule()
+        self.alive = self.me not in self.current.failed
+        self.iteration_log: list[dict[str, Any]] = []
+        self.last_stats = None
+        self.worker: StageWorker | None = None
+        if self.alive:
+            groups = build_groups(
+                self.current, self.me, session=self.session, timeout_s=resilience.detector.pg_timeout_s
+            )
+            self.groups = groups
+            self.worker = StageWorker(
+                module=self.module,
+                parameters=[p for p in self.module.parameters() if p.requires_grad],
+                stage=self.stage_id,
+                pipeline=self.me.pipeline,
+                num_stages=self.num_stages,
+                dp=self.topology.dp,
+                microbatches=self.micro_batches,
+                rank_of=lambda index: self.topology.rank(self.topology.worker(index)),
+                batch_source=batch_source or _IteratorSource(self),
+                loss_fn=self.module.loss_fn,
+                messenger=Messenger(group=groups.world, timeout_s=resilience.detector.pg_timeout_s),
+                stage_group=groups.stage,
+                world_group=groups.world,
+                stage_replicas=len(groups.stage),
+                step_fn=self._stage_step,
+                gradient_clipping=float(self.gradient_clipping() or 0.0),
+                seed=int(os.environ.get("DSR_SEED", "1234")),
+            )
+
+    # --- planning ------------------------------------------------------------------------------
+    def _make_schedule(self) -> Schedule:
+        """The schedule for the current failure set, computed on rank 0 and broadcast.
+
+        Rank 0 also draws the session id that names this engine's process groups.
+        """
+        cfg = self.resilience
+        cost = cfg.cost()
+        payload = [None, None]
+        if dist.get_rank() == 0:
+            if not self.current.failed:
+                schedule = generate(cfg.schedule, self.topology.dp, self.topology.pp, self.micro_batches, cost)
+            else:
+                result = plan_failure(
+                    self.topology.dp,
+                    self.topology.pp,
+                    self.micro_batches,
+                    self.current.failed,
+                    cost=cost,
+                    variant=cfg.variant,
+                    solver=cfg.planner.solver,
+                    time_limit_s=cfg.planner.time_limit_s,
+                    memory_cap=cfg.planner.memory_cap,
+                )
+                schedule = result.schedule
+                self.plan_figures = result.to_dict(with_schedule=False)
+            payload = [schedule.to_text(), uuid.uuid4().hex[:12]]
+        dist.broadcast_object_list(payload, src=0)
+        self.session = payload[1]
+        return Schedule.from_text(payload[0])
+
+    @property
+    def actions(self) -> tuple[Action, ...]:
+        return self.schedule.workers[self.my_index]
+
+    def _train_schedule(self):
+        forwards = sum(1 for a in self.actions if a.kind is ActionKind.F)
+        return ActionSchedule(self.actions, self.micro_batches, self.num_stages, self.stage_id, forwards)
+
+    # --- the optimizer step of one stage ---------------------------------------------------------
+    def _stage_step(self) -> None:
+        self._force_grad_boundary = True
+        self.optimizer.step()
+        self.zero_grad()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self._force_grad_boundary = False
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+
+    # --- training --------------------------------------------------------------------------------
+    def train_batch(self, data_iter=None):
+        """Run one iteration of this worker's schedule; returns the global mean loss (survivors).
+
+        A worker left idle by ``simulate_failed`` runs nothing and returns ``None``.
+        """
+        if not torch._C.is_grad_enabled():
+            raise RuntimeError("train_batch() requires gradients enabled")
+        if data_iter is not None:
+            self.set_dataiterator(data_iter)
+        if not self.alive:
+            return None
+        self.module.train()
+        started = time.perf_counter()
+        self.worker.begin_iteration(self.global_steps)
+        self._exec_schedule(self._train_schedule())
+        self.worker.end_iteration()
+        stats = self.worker.stats
+        total = torch.tensor([stats.loss_sum], dtype=torch.float64)
+        self.groups.world.all_reduce(total)
+        loss = total / (self.topology.dp * self.micro_batches)
+        elapsed = time.perf_counter() - started
+        self.last_stats = stats
+        self.iteration_log.append(
+            {"step": self.global_steps, "loss": float(loss), "seconds": elapsed, "rerouted": stats.rerouted, "forwards": stats.forwards}
+        )
+        self.agg_train_loss = loss.float()
+        return self.agg_train_loss
+
+    def _exec_action(self, action: Action) -> None:
+        self.worker.execute(action)
+
+    _exec_ir_forward = _exec_ir_backward_input = _exec_ir_backward_weight = _exec_ir_backward_fused = _exec_action
+    _exec_ir_send_activation = _exec_ir_recv_activation = _exec_ir_send_grad = _exec_ir_recv_grad = _exec_action
+    _exec_ir_reduce_grads = _exec_ir_optimizer_step = _exec_action
+
+    _INSTRUCTION_MAP = {
+        **PipelineEngine._INSTRUCTION_MAP,
+        ForwardMicroBatch: _exec_ir_forward,
+        BackwardInput: _exec_ir_backward_input,
+        BackwardWeight: _exec_ir_backward_weight,
+        BackwardFused: _exec_ir_backward_fused,
+        SendActivationTo: _exec_ir_send_activation,
+        RecvActivationFrom: _exec_ir_recv_activation,
+        SendGradTo: _exec_ir_send_grad,
+        RecvGradFrom: _exec_ir_recv_grad,
+        ReduceStageGrads: _exec_ir_reduce_grads,
+        StageOptimizerStep: _exec_ir_optimizer_step,
+    }
+
+
+def _split_config(config: Any) -> tuple[dict[str, Any], ResilienceConfig, Path | None]:
+    """Load the DeepSpeed config, parse and remove its ``"resilience"`` section."""
+    base_dir = None
+    if isinstance(config, (str, Path)):
+        path = Path(config)
+        base_dir = path.resolve().parent
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(str(path), "DeepSpeed config file does not exist") from None
+        except json.JSONDecodeError as exc:
+            raise ConfigError(str(path), f"not valid JSON: {exc}") from None
+    elif isinstance(config, dict):
+        data = dict(config)
+    else:
+        raise ConfigError("config", f"expected a path or a dict, got {type(config).__name__}")
+    resilience = load_resilience_config(data)
+    data.pop("resilience", None)
+    for key in ("fp16", "bf16"):
+        if isinstance(data.get(key), dict) and data[key].get("enabled"):
+            raise ConfigError(key, "the resilient engine trains in fp32/fp64 only for now; set enabled: false")
+    zero = data.get("zero_optimization", {})
+    if isinstance(zero, dict) and int(zero.get("stage", 0)) > 0:
+        raise ConfigError("zero_optimization.stage", f"{zero.get('stage')}: only stage 0 is supported with the resilient engine")
+    return data, resilience, base_dir
+
+
+def initialize(
+    args: Any = None,
+    model: Any = None,
+    optimizer: Any = None,
+    model_parameters: Any = None,
+    training_data: Any = None,
+    lr_scheduler: Any = None,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn: Any = None,
+    config: Any = None,
+    config_params: Any = None,
+    *,
+    batch_source: BatchSource | None = None,
+):
+    """``deepspeed.initialize`` for a ``PipelineModule``, returning a :class:`ResilientPipelineEngine`.
+
+    Same arguments and return value ``(engine, optimizer, training_dataloader, lr_scheduler)``;
+    the config's ``"resilience"`` section is validated here (a :class:`ConfigError` names the key)
+    and removed before DeepSpeed sees the rest.
+    """
+    from deepspeed import comm as ds_dist
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.pipe import PipelineModule
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    if config is None:
+        config = config_params
+    if config is None and args is not None and getattr(args, "deepspeed_config", None):
+        config = args.deepspeed_config
+        args.deepspeed_config = None
+    if config is None:
+        raise ConfigError("deepspeed_config", "no DeepSpeed config given (pass config= or --deepspeed_config)")
+    ds_config, resilience, base_dir = _split_config(config)
+    if resilience.cost_model is not None and isinstance(resilience.cost_model, str) and base_dir is not None:
+        resilience.cost(base_dir)  # fail early on a bad path
+    if not isinstance(model, PipelineModule):
+        raise ConfigError("model", f"ds_resilience needs a deepspeed.pipe.PipelineModule, got {type(model).__name__}")
+    if mpu is not None:
+        raise ConfigError("mpu", "must be None with pipeline parallelism")
+    ds_dist.init_distributed(dist_backend=get_accelerator().communication_backend_name(), dist_init_required=dist_init_required)
+    mpu = model.mpu()
+    config_class = DeepSpeedConfig(ds_config, mpu)
+    engine = ResilientPipelineEngine(
+        args=args,
+        model=model,
+        optimizer=optimizer,
+        model_parameters=model_parameters,
+        training_data=training_data,
+        lr_scheduler=lr_scheduler,
+        mpu=mpu,
+        dist_init_required=dist_init_required,
+        collate_fn=collate_fn,
+        config=ds_config,
+        config_class=config_class,
+        resilience=resilience,
+        batch_source=batch_source,
+    )
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

@@ -1,0 +1,397 @@
+"""Decoupled backward: B (input gradient, now) and W (weight gradient, later) for any stage.
+
+B runs one autograd pass from the stage outputs to its inputs; a pre-hook on each *boundary node*
+(a node on the input-gradient path that a parameter feeds directly) captures the gradient arriving
+there. W seeds those nodes with the captured gradients and runs autograd over the parameter side
+only, so the shared part of the backward is not recomputed. The idea is that of torch's private
+``torch.distributed.pipelining._backward``, re-written on the public graph API because that module
+writes ``inp.grad``, ``detach_()``-es the outputs (fails on views), drops parameters that reach an
+output without crossing the input path, and frees buffers that a later group needs when tied weights
+cross.
+
+Modes of :class:`PendingW`: ``"split"`` (above); ``"full"`` when no input needs a gradient (first
+stage: B has nothing to send, W is the whole parameter backward); ``"recompute"``, the fallback when
+the split cannot be used (a non-leaf input, an input that is also a parameter, or a torch without
+``GradientEdge``): B is ``autograd.grad(..., retain_graph=True)`` and W re-runs the backward
+restricted to the parameters; ``"empty"`` when nothing needs a gradient. W always accumulates through
+autograd's ``AccumulateGrad``: ``.grad`` semantics and grad hooks are those of ``loss.backward()``.
+Callers should drop the stage outputs after B; in "split" mode W then frees the whole graph.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable, Iterable, Iterator
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+from torch.autograd.function import BackwardCFunction
+from torch.autograd.graph import Node
+
+from ..errors import ResilienceError
+
+try:  # public since torch 2.4; without it every stage takes the "recompute" fallback
+    from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+    _HAS_EDGE_API = True
+except ImportError:  # pragma: no cover - the tests monkeypatch _HAS_EDGE_API instead
+    _HAS_EDGE_API = False
+
+__all__ = ["BackwardSplitError", "PendingW", "Strategy", "WeightGradStore",
+           "backward_fused", "backward_input", "backward_weight"]
+
+Strategy = Literal["auto", "split", "recompute"]
+
+
+class BackwardSplitError(ResilienceError, RuntimeError):
+    """A B/W split was misused (W twice, unknown or duplicate key, W left pending) or is impossible."""
+
+
+def _tensors_in(obj: Any) -> Iterator[Tensor]:
+    if isinstance(obj, Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from _tensors_in(item)
+
+
+class PendingW:
+    """What W needs for one micro-batch; made by :func:`backward_input`, consumed once.
+
+    ``nbytes`` sums distinct storages (whole storage, once each; parameters' storages excluded) of
+    (a) the gradients captured for W: boundary-node gradients in "split" mode, the output gradients
+    in "full"/"recompute" mode, and (b) the activations saved in every autograd node this object
+    keeps alive, read from the nodes' raw saved tensors without unpacking (behind saved-tensor hooks
+    only a packed tensor or tuple of tensors is seen). The stage input counts when a layer saved it;
+    output-side nodes kept alive only by the caller's references to the outputs do not. Computed on
+    first access; 0 after W.
+    """
+
+    def __init__(self, mode: str, params: list[Tensor], *, groups: Iterable[tuple] = (),
+                 outputs: Iterable[Tensor] = (), grads: Iterable[Tensor] = (), keep: Any = None) -> None:
+        self._mode, self._params, self._done = mode, params, mode == "empty"
+        self._groups = list(groups)  # (params, seed edges, seed grads, clamps [(node, grads)])
+        self._outputs, self._grads = list(outputs), list(grads)  # "full"/"recompute" modes
+        self._keep = keep  # output edges owning Python-function boundary nodes (older torch)
+        self._nbytes: int | None = None
+
+    @property
+    def mode(self) -> str:
+        """``"split"``, ``"full"``, ``"recompute"`` or ``"empty"``."""
+        return self._mode
+
+    @property
+    def done(self) -> bool:
+        """True once W has run (or when there was nothing to do)."""
+        return self._done
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes kept alive for W (see the class docstring); 0 after W."""
+        if self._done:
+            return 0
+        if self._nbytes is None:
+            self._nbytes = self._count_bytes()
+        return self._nbytes
+
+    def _count_bytes(self) -> int:
+        params = {p.untyped_storage().data_ptr() for p in self._params}
+        sizes: dict[tuple, int] = {}
+        nodes = [o.grad_fn for o in self._outputs]
+        tensors = list(self._grads)
+        for _, edges, seeds, clamps in self._groups:
+            nodes += [e.node for e in edges] + [n for n, _ in clamps]
+            tensors += list(_tensors_in(seeds))
+        seen: set[Node] = set()
+        queue = deque(n for n in nodes if n is not None)
+        while queue:
+            node = queue.popleft()
+            if node not in seen:
+                seen.add(node)
+                for name in dir(node):
+                    if name.startswith("_raw_saved_"):
+                        raw = getattr(node, name, None)
+                        for saved in raw if isinstance(raw, (tuple, list)) else (raw,):
+                            tensors += list(_tensors_in(getattr(saved, "data", None)))
+                queue.extend(n for n, _ in node.next_functions if n is not None)
+        for t in tensors:
+            st = t.untyped_storage()
+            if st.data_ptr() not in params:
+                sizes[(str(t.device), st.data_ptr())] = st.nbytes()
+        return sum(sizes.values())
+
+    def __repr__(self) -> str:
+        return f"PendingW(mode={self._mode!r}, done={self._done}, params={len(self._params)})"
+
+
+def _output_pairs(outputs: Any, grad_outputs: Any) -> tuple[list[Tensor], list[Tensor]]:
+    """Flatten outputs needing a gradient and their gradients. ``grad_outputs=None``: ones for all
+    (a scalar loss gets 1.0); a ``None`` entry: that output sends no gradient; non-tensors ignored."""
+    outs: list[Tensor] = []
+    grads: list[Tensor] = []
+
+    def visit(out: Any, grad: Any, implicit: bool) -> None:
+        if isinstance(out, Tensor):
+            grad = grad[0] if isinstance(grad, (tuple, list)) and len(grad) == 1 else grad
+            if out.requires_grad and (implicit or grad is not None):
+                if grad is not None and not isinstance(grad, Tensor):
+                    raise BackwardSplitError(f"an output gradient must be a Tensor, not {type(grad).__name__}")
+                outs.append(out)
+                grads.append(torch.ones_like(out) if grad is None else grad)
+        elif isinstance(out, (tuple, list, dict)):
+            items = list(out.items()) if isinstance(out, dict) else list(enumerate(out))
+            if not implicit and grad is not None and (
+                    isinstance(out, dict) != isinstance(grad, dict) or len(grad) != len(out)):
+                raise BackwardSplitError(f"grad_outputs does not match the {len(out)} outputs")
+            for k, o in items:
+                if implicit or grad is not None:
+                    visit(o, None if implicit else grad[k], implicit)
+
+    visit(outputs, grad_outputs, grad_outputs is None)
+    return outs, grads
+
+
+def _prepare(outputs: Any, grad_outputs: Any, inputs: Any, params: Iterable[Tensor]):
+    outs, grads = _output_pairs(outputs, grad_outputs)
+    ins = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
+    idx = [i for i, x in enumerate(ins) if isinstance(x, Tensor) and x.requires_grad]
+    plist = list({id(p): p for p in params if isinstance(p, Tensor) and p.requires_grad}.values())
+    return outs, grads, ins, idx, plist
+
+
+def _grad_state(params: list[Tensor]) -> list[tuple]:
+    return [(id(p.grad), -1 if p.grad is None else p.grad._version) for p in params]
+
+
+def _split_blocker(inputs: list[Tensor], params: list[Tensor]) -> str | None:
+    if not _HAS_EDGE_API:
+        return "this torch has no torch.autograd.graph.get_gradient_edge"
+    if any(not x.is_leaf for x in inputs):
+        return "an input is not a leaf (pass x.detach().requires_grad_())"
+    if {id(x) for x in inputs} & {id(p) for p in params}:
+        return "a tensor is both an input and a parameter"
+    return None
+
+
+def _split(outs: list[Tensor], grads: list[Tensor], inputs: list[Tensor], params: list[Tensor]):
+    """B in "split" mode: returns (input grads, W groups, keep-alive tokens or None)."""
+    out_edges = [get_gradient_edge(o) for o in outs]
+    consumers: dict[Node, list[Node]] = {e.node: [] for e in out_edges}
+    queue = deque(consumers)
+    while queue:  # every node reachable from the outputs -> the nodes consuming its result
+        node = queue.popleft()
+        for nxt, _ in node.next_functions:
+            if nxt is not None:
+                if nxt not in consumers:
+                    consumers[nxt] = []
+                    queue.append(nxt)
+                consumers[nxt].append(node)
+    path = {n for n in (get_gradient_edge(x).node for x in inputs) if n in consumers}
+    queue = deque(path)
+    while queue:  # the input-gradient path: nodes downstream of an input
+        for c in consumers[queue.popleft()]:
+            if c not in path:
+                path.add(c)
+                queue.append(c)
+    roots = {e.node for e in out_edges} - path  # outputs that do not depend on any input
+    owner: dict[Node, dict] = {}
+    for p in params:  # walk forward from each parameter to the input path or such an output
+        start = get_gradient_edge(p).node
+        if start not in consumers:
+            continue  # unused by these outputs: .grad stays as it is, as with loss.backward()
+        hits, seen, queue = set(), {start}, deque([start])
+        while queue:
+            node = queue.popleft()
+            if node in roots:
+                hits.add(node)
+            for c in consumers[node]:
+                if c in path:
+                    hits.add(c)
+                elif c not in seen:
+                    seen.add(c)
+                    queue.append(c)
+        group = {"params": [p], "hits": hits}  # parameters sharing a boundary node share a W pass
+        for old in {id(owner[h]): owner[h] for h in hits if h in owner}.values():
+            group = {"params": old["params"] + group["params"], "hits": old["hits"] | group["hits"]}
+        for h in group["hits"]:
+            owner[h] = group
+    groups = list({id(g): g for g in owner.values()}.values())
+    targets = [n for n in owner if n in path]
+    captured: dict[Node, tuple] = {}
+    handles = [n.register_prehook(lambda g, n=n: captured.__setitem__(n, tuple(g))) for n in targets]
+    try:
+        dinputs = torch.autograd.grad(outs, inputs, grads, retain_graph=bool(groups), allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    if len(captured) != len(targets):
+        raise BackwardSplitError(f"{len(targets) - len(captured)} boundary node(s) did not run in B")
+    packed = []
+    for g in groups:
+        clamps = [(n, captured[n]) for n in g["hits"] if n in path]
+        edges = [GradientEdge(n, i) for n, gs in clamps for i, x in enumerate(gs) if x is not None]
+        seeds = [x for _, gs in clamps for x in gs if x is not None]
+        for e, gr in zip(out_edges, grads):
+            if e.node in g["hits"] and e.node in roots:
+                edges.append(e)
+                seeds.append(gr)
+        packed.append((g["params"], edges, seeds, clamps))
+    python_nodes = any(isinstance(n, BackwardCFunction) for n in owner)
+    return dinputs, packed, (out_edges if python_nodes else None)
+
+
+def backward_input(outputs: Any, grad_outputs: Any, inputs: Any, params: Iterable[Tensor], *,
+                   strategy: Strategy = "auto") -> tuple[tuple[Tensor | None, ...], PendingW]:
+    """B: gradients of ``outputs`` w.r.t. ``inputs``, touching no ``.grad``, and the state for W.
+
+    Args:
+        outputs: a tensor or a (nested) tuple/list/dict of them; a scalar loss on the last stage.
+        grad_outputs: the same structure (``None`` entries send no gradient), or ``None`` for ones.
+        inputs: the stage inputs, a tensor or a sequence (integer tensors and non-tensors allowed).
+        params: the stage's parameters (duplicates and frozen ones are skipped).
+        strategy: ``"auto"`` (split when possible, else recompute), ``"split"`` (raise if it
+            cannot be used) or ``"recompute"`` (the simple, slower fallback).
+
+    Returns:
+        One gradient per input (``None`` where the input needs none or is unused) and the
+        :class:`PendingW` for :func:`backward_weight`.
+    """
+    if strategy not in ("auto", "split", "recompute"):
+        raise BackwardSplitError(f"strategy must be 'auto', 'split' or 'recompute', not {strategy!r}")
+    outs, grads, ins, idx, plist = _prepare(outputs, grad_outputs, inputs, params)
+    result: list[Tensor | None] = [None] * len(ins)
+    if not outs:
+        return tuple(result), PendingW("empty", plist)
+    if not idx:  # first stage: nothing to send, W does the whole parameter backward
+        return tuple(result), PendingW("full", plist, outputs=outs, grads=grads)
+    req = [ins[i] for i in idx]
+    blocker = _split_blocker(req, plist)
+    if strategy == "split" and blocker:
+        raise BackwardSplitError(f"cannot split this backward: {blocker}")
+    before = _grad_state(plist)
+    if strategy == "recompute" or blocker:
+        dins = torch.autograd.grad(outs, req, grads, retain_graph=True, allow_unused=True)
+        pending = PendingW("recompute", plist, outputs=outs, grads=grads)
+    else:
+        dins, groups, keep = _split(outs, grads, req, plist)
+        pending = PendingW("split", plist, groups=groups, keep=keep)
+    if _grad_state(plist) != before:
+        raise BackwardSplitError(
+            "B accumulated into parameters' .grad (a custom Function that runs backward itself, "
+            "e.g. reentrant checkpointing); use backward_fused for this stage")
+    for i, d in zip(idx, dins):
+        result[i] = d
+    return tuple(result), pending
+
+
+def backward_weight(pending: PendingW) -> None:
+    """W: add the parameter gradients of one micro-batch to ``.grad``, then free its state."""
+    if pending._done:
+        if pending._mode != "empty":
+            raise BackwardSplitError("backward_weight called twice for the same PendingW")
+        return
+    try:
+        if pending._mode != "split":
+            if pending._params:
+                torch.autograd.backward(pending._outputs, pending._grads, inputs=pending._params)
+        for k, (params, edges, seeds, clamps) in enumerate(pending._groups):
+            # a boundary node's gradient is the one captured in B, whatever reaches it again here
+            handles = [n.register_prehook(lambda _g, s=s: s) for n, s in clamps]
+            try:  # retain until the last group: tied weights' groups may cross the same nodes
+                torch.autograd.backward(edges, seeds, inputs=params,
+                                        retain_graph=k < len(pending._groups) - 1)
+            finally:
+                for h in handles:
+                    h.remove()
+    finally:
+        pending._done = True
+        pending._groups, pending._outputs, pending._grads, pending._keep = [], [], [], None
+
+
+def backward_fused(outputs: Any, grad_outputs: Any, inputs: Any,
+                   params: Iterable[Tensor]) -> tuple[Tensor | None, ...]:
+    """B and W in one autograd pass (a fused BW action); the inputs' ``.grad`` is left as it was."""
+    outs, grads, ins, idx, plist = _prepare(outputs, grad_outputs, inputs, params)
+    pids = {id(p) for p in plist}
+    req = list({id(ins[i]): ins[i] for i in idx if id(ins[i]) not in pids}.values())
+    result: list[Tensor | None] = [None] * len(ins)
+    if not outs or not (plist or req):
+        return tuple(result)
+    old = [x.grad for x in req]
+    for x in req:
+        x.grad = None
+    try:
+        torch.autograd.backward(outs, grads, inputs=plist + req)
+        got = {id(x): x.grad for x in req}
+    finally:
+        for x, g in zip(req, old):
+            x.grad = g
+    for i in idx:
+        result[i] = got.get(id(ins[i]), ins[i].grad)
+    return tuple(result)
+
+
+class WeightGradStore:
+    """A worker's pending W's keyed by ``(pipeline, microbatch)`` (or any hashable): keyed, not FIFO,
+    because a worker mixes its own and re-routed micro-batches.
+
+    ``pending_count``/``pending_bytes``: W's held now and the sum of their :attr:`PendingW.nbytes`
+    (a storage shared by two W's counts twice); ``peak_count``/``peak_bytes``: the largest values
+    seen right after a :meth:`put` since construction.
+    """
+
+    def __init__(self) -> None:
+        self._pending: dict[Hashable, PendingW] = {}
+        self._peak_count = self._peak_bytes = 0
+
+    def put(self, key: Hashable, pending: PendingW) -> None:
+        """Hold the W of ``key``; raises if ``key`` is already pending or this W already ran."""
+        if key in self._pending:
+            raise BackwardSplitError(f"a W for {key!r} is already pending")
+        if pending.done and pending.mode != "empty":
+            raise BackwardSplitError(f"the PendingW given for {key!r} has already run")
+        self._pending[key] = pending
+        self._peak_count = max(self._peak_count, len(self._pending))
+        self._peak_bytes = max(self._peak_bytes, self.pending_bytes)
+
+    def pop(self, key: Hashable) -> None:
+        """Run the W of ``key`` (adding to ``.grad``) and forget it."""
+        if key not in self._pending:
+            raise BackwardSplitError(f"no W pending for {key!r}; pending: {list(self._pending)!r}")
+        backward_weight(self._pending.pop(key))
+
+    def pop_all(self) -> None:
+        """Run every pending W, oldest first."""
+        for key in list(self._pending):
+            self.pop(key)
+
+    def keys(self) -> list[Hashable]:
+        """Pending keys, oldest first."""
+        return list(self._pending)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._pending
+
+    @property
+    def pending_count(self) -> int:
+        return len(self._pending)
+
+    @property
+    def pending_bytes(self) -> int:
+        return sum(p.nbytes for p in self._pending.values())
+
+    @property
+    def peak_count(self) -> int:
+        return self._peak_count
+
+    @property
+    def peak_bytes(self) -> int:
+        return self._peak_bytes
+
+    def assert_empty(self) -> None:
+        """Raise :class:`BackwardSplitError` naming the keys whose W has not run."""
+        if self._pending:
+            raise BackwardSplitError(
+                f"{len(self._pending)} weight-gradient pass(es) still pending for "
+                f"{list(self._pending)!r}; run their W before reducing gradients or stepping")

@@ -1,0 +1,127 @@
+"""Point-to-point messages between any two global ranks, across pipelines.
+
+DeepSpeed's own p2p asserts that both ends are adjacent stages of one pipeline; after a failure,
+stage s-1 of pipeline p talks to stage s of pipeline p'. Here a message is one small header
+(count, dtypes, shapes, requires-grad flags) and one payload per tensor, sent with ``isend`` under
+a tag derived from the message's identity, so messages between one pair of ranks never match the
+wrong receive, whatever order they are posted in.
+
+Sends never block the sender (the runtime's execution model); :meth:`Messenger.wait_sends` waits
+for the posted ones, with a timeout, at the end of an iteration.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from ..errors import ResilienceError
+from .groups import Group
+
+__all__ = ["CommError", "Messenger", "message_tag", "DTYPES"]
+
+DTYPES = (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool, torch.uint8,
+)
+_HEADER = 64  # int64 slots: [count, (dtype, requires_grad, ndim, dims... up to 6) per tensor]
+_MAX_TENSORS = 6
+_MAX_DIMS = 6
+_CHANNELS = {"act": 0, "grad": 1, "ctl": 2}
+
+
+class CommError(ResilienceError):
+    """A point-to-point operation failed: it timed out or the peer went away."""
+
+
+def message_tag(channel: str, pipeline: int, microbatch: int, part: int, *, dp: int, microbatches: int) -> int:
+    """A tag unique per (channel, pipeline, micro-batch, part) within an iteration."""
+    base = (_CHANNELS[channel] * dp + pipeline) * microbatches + microbatch
+    return base * (2 * _MAX_TENSORS + 2) + part
+
+
+def _encode(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    if len(tensors) > _MAX_TENSORS:
+        raise ResilienceError(f"a stage may pass at most {_MAX_TENSORS} tensors, got {len(tensors)}")
+    header = torch.zeros(_HEADER, dtype=torch.int64)
+    header[0] = len(tensors)
+    pos = 1
+    for t in tensors:
+        if t.dtype not in DTYPES:
+            raise ResilienceError(f"cannot send dtype {t.dtype}; supported: {DTYPES}")
+        if t.dim() > _MAX_DIMS:
+            raise ResilienceError(f"cannot send a {t.dim()}-d tensor; at most {_MAX_DIMS} dims")
+        header[pos] = DTYPES.index(t.dtype)
+        header[pos + 1] = int(t.requires_grad)
+        header[pos + 2] = t.dim()
+        for i, d in enumerate(t.shape):
+            header[pos + 3 + i] = d
+        pos += 3 + _MAX_DIMS
+    return header
+
+
+def _decode(header: torch.Tensor) -> list[tuple[torch.dtype, bool, tuple[int, ...]]]:
+    count = int(header[0])
+    out, pos = [], 1
+    for _ in range(count):
+        dtype = DTYPES[int(header[pos])]
+        requires_grad = bool(header[pos + 1])
+        ndim = int(header[pos + 2])
+        shape = tuple(int(x) for x in header[pos + 3: pos + 3 + ndim])
+        out.append((dtype, requires_grad, shape))
+        pos += 3 + _MAX_DIMS
+    return out
+
+
+@dataclass
+class Messenger:
+    """Sends and receives tensors between global ranks on one :class:`~.groups.Group`.
+
+    Args:
+        group: the group (global ranks at its interface).
+        timeout_s: how long :meth:`recv` and :meth:`wait_sends` wait before :class:`CommError`.
+    """
+
+    group: Group
+    timeout_s: float = 300.0
+    _pending: list = field(default_factory=list)
+
+    def send(self, tensors: Sequence[torch.Tensor], dst: int, tag: int) -> None:
+        """Post the tensors to ``dst`` without waiting; they are kept alive until delivered."""
+        header = _encode(tensors)
+        payload = [t.detach().contiguous() for t in tensors]
+        works = [self.group.isend(header, dst, tag)]
+        for i, t in enumerate(payload):
+            works.append(self.group.isend(t, dst, tag + 1 + i))
+        self._pending.append((works, header, payload))
+
+    def recv(self, src: int, tag: int) -> list[torch.Tensor]:
+        """Receive the tensors ``src`` sent under ``tag`` (blocking, with the timeout)."""
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        self._wait(self.group.irecv(header, src, tag), f"header from rank {src} tag {tag}")
+        tensors = []
+        for i, (dtype, requires_grad, shape) in enumerate(_decode(header)):
+            buf = torch.empty(shape, dtype=dtype)
+            self._wait(self.group.irecv(buf, src, tag + 1 + i), f"tensor {i} from rank {src}")
+            buf.requires_grad_(requires_grad)
+            tensors.append(buf)
+        return tensors
+
+    def wait_sends(self) -> None:
+        """Wait for every posted send to complete."""
+        pending, self._pending = self._pending, []
+        for works, _header, _payload in pending:
+            for work in works:
+                self._wait(work, "a posted send")
+
+    @property
+    def pending_sends(self) -> int:
+        return len(self._pending)
+
+    def _wait(self, work, what: str) -> None:
+        try:
+            work.wait(timeout=timedelta(seconds=self.timeout_s))
+        except RuntimeError as exc:  # gloo: timeout, or the peer closed the connection
+            raise CommError(f"{what}: {exc}") from exc

@@ -1,0 +1,293 @@
+"""One worker's execution of its schedule: forward, B, W, fused backward, messages, reduce, step.
+
+:class:`StageWorker` holds a stage's module and per-iteration state, and runs actions through a
+handler table (:data:`HANDLERS`, action kind -> method name). It knows nothing about DeepSpeed: the
+DeepSpeed integration dispatches the same methods from its ``_INSTRUCTION_MAP`` and supplies the
+optimizer step.
+
+What keeps the math of fault-free training, wherever a micro-batch runs:
+
+* micro-batch identity is global, (pipeline, index): its data come from ``batch_source(pipeline,
+  iteration, index)`` and its forward runs under an RNG seeded from (seed, iteration, pipeline,
+  index, stage), the same on whichever replica runs it;
+* each micro-batch's loss is scaled by 1 / (dp * microbatches), the global count, and REDUCE_GRAD
+  sums gradients over the stage's surviving replicas: the sum over every micro-batch of the
+  iteration, exactly what the fault-free average is (up to summation order);
+* gradient clipping uses the global norm: every stage contributes its squared norm once (each
+  replica a 1/n share) to one sum over all surviving workers.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..errors import ResilienceError
+from ..ir import Action, ActionKind
+from .bw_split import WeightGradStore, backward_fused, backward_input
+from .p2p import Messenger, message_tag
+
+__all__ = ["HANDLERS", "StageWorker", "BatchSource", "IterationStats"]
+
+BatchSource = Callable[[int, int, int], tuple[Any, Any]]
+"""(pipeline, iteration, microbatch) -> (inputs, labels)."""
+
+HANDLERS: dict[ActionKind, str] = {
+    ActionKind.F: "forward",
+    ActionKind.B: "backward_input",
+    ActionKind.W: "backward_weight",
+    ActionKind.BW: "backward_fused",
+    ActionKind.SEND_ACT: "send_activation",
+    ActionKind.RECV_ACT: "recv_activation",
+    ActionKind.SEND_GRAD: "send_grad",
+    ActionKind.RECV_GRAD: "recv_grad",
+    ActionKind.REDUCE_GRAD: "reduce_grads",
+    ActionKind.OPT_STEP: "optimizer_step",
+}
+"""The executor's dispatch table: every compute and communication kind a training schedule uses."""
+
+
+def _as_tuple(x: Any) -> tuple:
+    return x if isinstance(x, tuple) else (x,)
+
+
+def _rng_seed(seed: int, iteration: int, pipeline: int, microbatch: int, stage: int) -> int:
+    value = seed
+    for part in (iteration, pipeline, microbatch, stage):
+        value = (value * 1_000_003 + part) % (2**62)
+    return value
+
+
+@dataclass
+class IterationStats:
+    """What one iteration of this worker did (for progress output and tests)."""
+
+    forwards: int = 0
+    rerouted: int = 0
+    loss_sum: float = 0.0
+    losses: int = 0
+    seconds: float = 0.0
+    peak_pending_w: int = 0
+    peak_pending_w_bytes: int = 0
+    compute_seconds: float = 0.0
+
+
+@dataclass
+class StageWorker:
+    """Executes one worker's actions for a stage module.
+
+    Args:
+        module: the stage's callable (its layers); called as ``module(inputs)``.
+        parameters: the stage's trainable parameters.
+        stage, pipeline: this worker's position; ``num_stages`` the pipeline depth.
+        dp, microbatches: the grid (micro-batches per pipeline).
+        rank_of: worker index (``stage * dp + pipeline``) -> global rank.
+        batch_source: loads any pipeline's micro-batch (first and last stages).
+        loss_fn: ``loss_fn(outputs, labels)`` on the last stage.
+        messenger: point-to-point messages.
+        stage_group: this stage's surviving replicas (:class:`~.groups.Group`).
+        world_group: all surviving workers (for the global gradient norm).
+        stage_replicas: number of surviving replicas of this stage.
+        step_fn: the optimizer step, called with the clip coefficient already applied.
+        gradient_clipping: max global norm (0 = off).
+        seed: base of the per-micro-batch RNG streams.
+        forward_fn: optional wrapper ``forward_fn(inputs) -> outputs`` (e.g. DeepSpeed's forward).
+    """
+
+    module: Callable[[Any], Any]
+    parameters: Sequence[torch.nn.Parameter]
+    stage: int
+    pipeline: int
+    num_stages: int
+    dp: int
+    microbatches: int
+    rank_of: Callable[[int], int]
+    batch_source: BatchSource | None
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None
+    messenger: Messenger
+    stage_group: Any
+    world_group: Any
+    stage_replicas: int
+    step_fn: Callable[[], None]
+    gradient_clipping: float = 0.0
+    seed: int = 1234
+    forward_fn: Callable[[Any], Any] | None = None
+    iteration: int = 0
+    stats: IterationStats = field(default_factory=IterationStats)
+    wstore: WeightGradStore = field(default_factory=WeightGradStore)
+    _inputs: dict = field(default_factory=dict)
+    _outputs: dict = field(default_factory=dict)
+    _grads_out: dict = field(default_factory=dict)
+    _received: dict = field(default_factory=dict)
+
+    # --- driving ---------------------------------------------------------------------------
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    def begin_iteration(self, iteration: int) -> None:
+        self.iteration = iteration
+        self.stats = IterationStats()
+        self.wstore = WeightGradStore()  # fresh peaks per iteration
+
+    def run(self, actions: Sequence[Action]) -> IterationStats:
+        """Run a whole action list (one iteration) through the handler table."""
+        started = time.perf_counter()
+        for action in actions:
+            self.execute(action)
+        self.end_iteration()
+        self.stats.seconds = time.perf_counter() - started
+        return self.stats
+
+    def execute(self, action: Action) -> None:
+        try:
+            name = HANDLERS[action.kind]
+        except KeyError:
+            raise ResilienceError(f"the executor has no handler for {action.kind.name} ({action})") from None
+        getattr(self, name)(action)
+
+    def end_iteration(self) -> None:
+        """Wait for posted sends and check nothing is left over."""
+        self.messenger.wait_sends()
+        self.wstore.assert_empty()
+        left = [k for d in (self._inputs, self._outputs, self._grads_out, self._received) for k in d]
+        if left:
+            raise ResilienceError(f"worker p{self.pipeline}s{self.stage}: iteration ended with state left for {left[:4]}")
+        self.stats.peak_pending_w = self.wstore.peak_count
+        self.stats.peak_pending_w_bytes = self.wstore.peak_bytes
+
+    # --- compute -----------------------------------------------------------------------------
+    def _load(self, pipeline: int, microbatch: int) -> tuple[Any, Any]:
+        if self.batch_source is None:
+            raise ResilienceError("this worker needs micro-batches but no batch_source was given")
+        return self.batch_source(pipeline, self.iteration, microbatch)
+
+    def forward(self, a: Action) -> None:
+        key = (a.pipeline, a.microbatch)
+        t0 = time.perf_counter()
+        labels = None
+        if self.is_first:
+            inputs, labels = self._load(a.pipeline, a.microbatch)
+            inputs = tuple(t.clone() if torch.is_tensor(t) else t for t in _as_tuple(inputs))
+        else:
+            inputs = tuple(self._received.pop(("act",) + key))
+        if self.is_last and labels is None:
+            _, labels = self._load(a.pipeline, a.microbatch)
+        arg = inputs[0] if len(inputs) == 1 else inputs
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_rng_seed(self.seed, self.iteration, a.pipeline, a.microbatch, self.stage))
+            outputs = (self.forward_fn or self.module)(arg)
+        if self.is_last:
+            if self.loss_fn is None:
+                raise ResilienceError("the last stage needs a loss_fn")
+            loss = self.loss_fn(outputs, labels)
+            self.stats.loss_sum += float(loss.detach())
+            self.stats.losses += 1
+            outputs = loss / (self.dp * self.microbatches)
+        self._inputs[key] = inputs
+        self._outputs[key] = outputs
+        self.stats.forwards += 1
+        self.stats.rerouted += int(a.pipeline != self.pipeline)
+        self.stats.compute_seconds += time.perf_counter() - t0
+
+    def _backward_args(self, key: tuple[int, int]):
+        inputs = self._inputs.pop(key)
+        outputs = self._outputs.pop(key)
+        grads = None if self.is_last else self._received.pop(("grad",) + key)
+        out_t = [t for t in _as_tuple(outputs) if torch.is_tensor(t) and t.requires_grad]
+        if grads is not None and len(grads) != len(out_t):
+            raise ResilienceError(f"received {len(grads)} gradients for {len(out_t)} outputs of {key}")
+        grad_inputs = [t for t in inputs if torch.is_tensor(t) and t.requires_grad]
+        return out_t, grads, grad_inputs
+
+    def backward_input(self, a: Action) -> None:
+        key = (a.pipeline, a.microbatch)
+        t0 = time.perf_counter()
+        outputs, grads, inputs = self._backward_args(key)
+        input_grads, pending = backward_input(outputs, grads, inputs, list(self.parameters))
+        self.wstore.put(key, pending)
+        if not self.is_first:
+            self._grads_out[key] = [g for g in input_grads if g is not None]
+        self.stats.compute_seconds += time.perf_counter() - t0
+
+    def backward_weight(self, a: Action) -> None:
+        t0 = time.perf_counter()
+        self.wstore.pop((a.pipeline, a.microbatch))
+        self.stats.compute_seconds += time.perf_counter() - t0
+
+    def backward_fused(self, a: Action) -> None:
+        key = (a.pipeline, a.microbatch)
+        t0 = time.perf_counter()
+        outputs, grads, inputs = self._backward_args(key)
+        input_grads = backward_fused(outputs, grads, inputs, list(self.parameters))
+        if not self.is_first:
+            self._grads_out[key] = [g for g in input_grads if g is not None]
+        self.stats.compute_seconds += time.perf_counter() - t0
+
+    # --- messages ----------------------------------------------------------------------------
+    def _tag(self, channel: str, a: Action) -> int:
+        return message_tag(channel, a.pipeline, a.microbatch, 0, dp=self.dp, microbatches=self.microbatches)
+
+    def send_activation(self, a: Action) -> None:
+        outputs = self._outputs[(a.pipeline, a.microbatch)]
+        tensors = [t for t in _as_tuple(outputs) if torch.is_tensor(t)]
+        self.messenger.send(tensors, self.rank_of(a.peer), self._tag("act", a))
+
+    def recv_activation(self, a: Action) -> None:
+        tensors = self.messenger.recv(self.rank_of(a.peer), self._tag("act", a))
+        for t in tensors:
+            if t.is_floating_point():
+                t.requires_grad_(True)
+        self._received[("act", a.pipeline, a.microbatch)] = tensors
+
+    def send_grad(self, a: Action) -> None:
+        grads = self._grads_out.pop((a.pipeline, a.microbatch))
+        self.messenger.send(grads, self.rank_of(a.peer), self._tag("grad", a))
+
+    def recv_grad(self, a: Action) -> None:
+        self._received[("grad", a.pipeline, a.microbatch)] = self.messenger.recv(self.rank_of(a.peer), self._tag("grad", a))
+
+    # --- optimizer ---------------------------------------------------------------------------
+    def _grads(self) -> list[torch.Tensor]:
+        out = []
+        for p in self.parameters:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            out.append(p.grad)
+        return out
+
+    def reduce_grads(self, a: Action) -> None:
+        """Sum this stage's gradients over its surviving replicas (one flat all-reduce)."""
+        grads = self._grads()
+        if self.stage_replicas <= 1 or not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.stage_group.all_reduce(flat)
+        offset = 0
+        for g in grads:
+            n = g.numel()
+            g.copy_(flat[offset: offset + n].view_as(g))
+            offset += n
+
+    def global_grad_norm(self) -> float:
+        """sqrt(sum over stages of the stage's squared gradient norm), from all survivors."""
+        local = sum(float(g.double().pow(2).sum()) for g in self._grads())
+        share = torch.tensor([local / self.stage_replicas], dtype=torch.float64)
+        self.world_group.all_reduce(share)
+        return float(share.item()) ** 0.5
+
+    def optimizer_step(self, a: Action) -> None:
+        if self.gradient_clipping > 0:
+            norm = self.global_grad_norm()
+            coef = self.gradient_clipping / (norm + 1e-6)
+            if coef < 1.0:
+                for g in self._grads():
+                    g.mul_(coef)
+        self.step_fn()
