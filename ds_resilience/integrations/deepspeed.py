@@ -15,6 +15,7 @@ import json
 import os
 import time
 import uuid
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -165,6 +166,7 @@ class ResilientPipelineEngine(PipelineEngine):
         self.schedule = self._make_schedule()
         self.alive = self.me not in self.current.failed
         self.iteration_log: list[dict[str, Any]] = []
+        self._batches = 0
         self.last_stats = None
         self.worker: StageWorker | None = None
         if self.alive:
@@ -252,7 +254,9 @@ class ResilientPipelineEngine(PipelineEngine):
             raise RuntimeError("train_batch() requires gradients enabled")
         if data_iter is not None:
             self.set_dataiterator(data_iter)
+        self._batches += 1
         if not self.alive:
+            self._park()
             return None
         self.module.train()
         started = time.perf_counter()
@@ -260,9 +264,7 @@ class ResilientPipelineEngine(PipelineEngine):
         self._exec_schedule(self._train_schedule())
         self.worker.end_iteration()
         stats = self.worker.stats
-        total = torch.tensor([stats.loss_sum], dtype=torch.float64)
-        self.groups.world.all_reduce(total)
-        loss = total / (self.topology.dp * self.micro_batches)
+        loss = self._aggregate_loss(stats.loss_sum)
         elapsed = time.perf_counter() - started
         self.last_stats = stats
         self.iteration_log.append(
@@ -270,6 +272,48 @@ class ResilientPipelineEngine(PipelineEngine):
         )
         self.agg_train_loss = loss.float()
         return self.agg_train_loss
+
+    # --- loss aggregation without a global barrier -------------------------------------------------
+    def _store(self):
+        return dist.distributed_c10d._get_default_store()
+
+    def _loss_key(self, batch: int) -> str:
+        return f"dsr/{self.session}/loss/{batch}"
+
+    def _aggregate_loss(self, local_sum: float) -> torch.Tensor:
+        """Global mean loss of the iteration, without a barrier over all stages.
+
+        The last stage's survivors sum their losses among themselves; the first of them publishes
+        the mean in the store, where every other worker reads it when it finishes its iteration
+        (after the last stage's final backward, so the value is already there). The last stage
+        never waits for the first, and with the staggered optimizer the next iteration starts
+        stage by stage. The key of iteration k-2 is deleted at k: by then every worker has read it
+        (each worker's next forwards feed the last stage's reduce).
+        """
+        key = self._loss_key(self._batches)
+        last = self.topology.pp - 1
+        if self.stage_id == last:
+            total = torch.tensor([local_sum], dtype=torch.float64)
+            self.groups.stage.all_reduce(total)
+            loss = total / (self.topology.dp * self.micro_batches)
+            if self.me == self.current.stage_peers(last)[0]:
+                store = self._store()
+                store.set(key, repr(float(loss)))
+                if self._batches > 2:
+                    store.delete_key(self._loss_key(self._batches - 2))
+            return loss
+        store = self._store()
+        store.wait([key], timedelta(seconds=self.resilience.detector.store_timeout_s))
+        return torch.tensor([float(store.get(key))], dtype=torch.float64)
+
+    # --- idle (simulated failed) workers ---------------------------------------------------------
+    def _park(self) -> None:
+        """Block (not spin) until the survivors published this iteration's loss.
+
+        A simulated-failed worker must not race ahead into collectives of later code, where
+        DeepSpeed's CPU communication backend busy-waits and steals a core from the survivors.
+        """
+        self._store().wait([self._loss_key(self._batches)], timedelta(seconds=self.resilience.detector.pg_timeout_s * 10))
 
     def _exec_action(self, action: Action) -> None:
         self.worker.execute(action)
