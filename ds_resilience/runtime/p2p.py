@@ -12,6 +12,7 @@ for the posted ones, with a timeout, at the end of an iteration.
 
 from __future__ import annotations
 
+import zlib
 from datetime import timedelta
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -30,6 +31,8 @@ _HEADER = 64  # int64 slots: [count, (dtype, requires_grad, ndim, dims... up to 
 _MAX_TENSORS = 6
 _MAX_DIMS = 6
 _CHANNELS = {"act": 0, "grad": 1, "ctl": 2}
+_META_TAG_BASE = 1 << 28
+_META_TAG_SPAN = 1 << 20
 
 
 class CommError(ResilienceError):
@@ -79,6 +82,11 @@ def _decode(header: torch.Tensor) -> list[tuple[torch.dtype, bool, tuple[int, ..
 class Messenger:
     """Sends and receives tensors between global ranks on one :class:`~.groups.Group`.
 
+    Shapes are static per channel (a kind of message between one pair of ranks, e.g. activations
+    from rank 3 to rank 6): the header (count, dtypes, shapes) goes once per channel, on a tag of
+    its own, and every message after that is payload only. A shape that changes on a channel
+    raises a :class:`~ds_resilience.errors.ResilienceError` rather than corrupting the receiver.
+
     Args:
         group: the group (global ranks at its interface).
         timeout_s: how long :meth:`recv` and :meth:`wait_sends` wait before :class:`CommError`.
@@ -87,24 +95,44 @@ class Messenger:
     group: Group
     timeout_s: float = 300.0
     _pending: list = field(default_factory=list)
+    _sent_meta: dict = field(default_factory=dict)
+    _recv_meta: dict = field(default_factory=dict)
 
-    def send(self, tensors: Sequence[torch.Tensor], dst: int, tag: int) -> None:
+    @staticmethod
+    def _meta_tag(channel: str) -> int:
+        return _META_TAG_BASE + zlib.crc32(channel.encode()) % _META_TAG_SPAN
+
+    def send(self, tensors: Sequence[torch.Tensor], dst: int, tag: int, channel: str = "msg") -> None:
         """Post the tensors to ``dst`` without waiting; they are kept alive until delivered."""
         header = _encode(tensors)
+        key = (channel, dst)
+        works = []
+        known = self._sent_meta.get(key)
+        if known is None:
+            self._sent_meta[key] = header
+            works.append(self.group.isend(header, dst, self._meta_tag(channel)))
+        elif not torch.equal(known, header):
+            raise ResilienceError(
+                f"channel {channel!r} to rank {dst}: tensor shapes or dtypes changed from {_decode(known)} "
+                f"to {_decode(header)}; shapes must be static per channel"
+            )
         payload = [t.detach().contiguous() for t in tensors]
-        works = [self.group.isend(header, dst, tag)]
         for i, t in enumerate(payload):
             works.append(self.group.isend(t, dst, tag + 1 + i))
         self._pending.append((works, header, payload))
 
-    def recv(self, src: int, tag: int) -> list[torch.Tensor]:
-        """Receive the tensors ``src`` sent under ``tag`` (blocking, with the timeout)."""
-        header = torch.zeros(_HEADER, dtype=torch.int64)
-        self._wait(self.group.irecv(header, src, tag), f"header from rank {src} tag {tag}")
+    def recv(self, src: int, tag: int, channel: str = "msg") -> list[torch.Tensor]:
+        """Receive the tensors ``src`` sent under ``tag`` on ``channel`` (blocking, with the timeout)."""
+        key = (channel, src)
+        meta = self._recv_meta.get(key)
+        if meta is None:
+            header = torch.zeros(_HEADER, dtype=torch.int64)
+            self._wait(self.group.irecv(header, src, self._meta_tag(channel)), f"{channel} header from rank {src}")
+            meta = self._recv_meta[key] = _decode(header)
         tensors = []
-        for i, (dtype, requires_grad, shape) in enumerate(_decode(header)):
+        for i, (dtype, requires_grad, shape) in enumerate(meta):
             buf = torch.empty(shape, dtype=dtype)
-            self._wait(self.group.irecv(buf, src, tag + 1 + i), f"tensor {i} from rank {src}")
+            self._wait(self.group.irecv(buf, src, tag + 1 + i), f"{channel} tensor {i} from rank {src} tag {tag}")
             buf.requires_grad_(requires_grad)
             tensors.append(buf)
         return tensors

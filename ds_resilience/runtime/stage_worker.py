@@ -73,6 +73,8 @@ class IterationStats:
     peak_pending_w: int = 0
     peak_pending_w_bytes: int = 0
     compute_seconds: float = 0.0
+    durations: dict = field(default_factory=dict)
+    """Seconds per action, by action kind code (``F``, ``B``, ``W``, ``BW``, ``RD``, ``OPT``, ...)."""
 
 
 @dataclass
@@ -151,7 +153,9 @@ class StageWorker:
             name = HANDLERS[action.kind]
         except KeyError:
             raise ResilienceError(f"the executor has no handler for {action.kind.name} ({action})") from None
+        t0 = time.perf_counter()
         getattr(self, name)(action)
+        self.stats.durations.setdefault(action.kind.value, []).append(time.perf_counter() - t0)
 
     def end_iteration(self) -> None:
         """Wait for posted sends and check nothing is left over."""
@@ -238,10 +242,10 @@ class StageWorker:
     def send_activation(self, a: Action) -> None:
         outputs = self._outputs[(a.pipeline, a.microbatch)]
         tensors = [t for t in _as_tuple(outputs) if torch.is_tensor(t)]
-        self.messenger.send(tensors, self.rank_of(a.peer), self._tag("act", a))
+        self.messenger.send(tensors, self.rank_of(a.peer), self._tag("act", a), f"act{a.stage}")
 
     def recv_activation(self, a: Action) -> None:
-        tensors = self.messenger.recv(self.rank_of(a.peer), self._tag("act", a))
+        tensors = self.messenger.recv(self.rank_of(a.peer), self._tag("act", a), f"act{a.stage - 1}")
         for t in tensors:
             if t.is_floating_point():
                 t.requires_grad_(True)
@@ -249,10 +253,12 @@ class StageWorker:
 
     def send_grad(self, a: Action) -> None:
         grads = self._grads_out.pop((a.pipeline, a.microbatch))
-        self.messenger.send(grads, self.rank_of(a.peer), self._tag("grad", a))
+        self.messenger.send(grads, self.rank_of(a.peer), self._tag("grad", a), f"grad{a.stage}")
 
     def recv_grad(self, a: Action) -> None:
-        self._received[("grad", a.pipeline, a.microbatch)] = self.messenger.recv(self.rank_of(a.peer), self._tag("grad", a))
+        self._received[("grad", a.pipeline, a.microbatch)] = self.messenger.recv(
+            self.rank_of(a.peer), self._tag("grad", a), f"grad{a.stage + 1}"
+        )
 
     # --- optimizer ---------------------------------------------------------------------------
     def _grads(self) -> list[torch.Tensor]:

@@ -1,0 +1,185 @@
+"""Engine figures: this engine against vanilla DeepSpeed, side by side in the same processes.
+
+    python benchmarks/engine.py [--steps 30] [--rounds 3] [--d-model 128] [--layers 8]
+
+4 CPU processes (PP=2 x DP=2) on gloo, the example GPT. Scenarios run one after the other in the
+same processes, interleaved over several rounds so drift hits them alike:
+
+* fault-free: vanilla DeepSpeed ``PipelineEngine`` (1F1B), this engine with 1F1B, this engine with
+  the decoupled schedule; throughput ratio against vanilla;
+* one simulated failure (worker 1:1 idle): this engine with the planner's schedule for each
+  variant; measured iteration time against the simulator's prediction for the schedule the engine
+  ran, under a cost model calibrated from the fault-free decoupled run's own action timings, and
+  against vanilla's fault-free time.
+
+Iteration time = wall time of the timed steps / steps, measured between two barriers, slowest rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "examples"))
+
+from dist_harness import run_workers  # noqa: E402
+
+MBS = 2
+
+
+def _program(rank: int, world: int, opts: dict) -> dict:
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from gpt_model import GPTConfig, SyntheticCorpus, build_pipeline_module, data_iterator, micro_batch
+
+    import ds_resilience
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    pp, m, steps, warmup = opts["pp"], opts["microbatches"], opts["steps"], opts["warmup"]
+    dp = world // pp
+    cfg = GPTConfig(d_model=opts["d_model"], n_layers=opts["layers"], seq_len=opts["seq_len"], n_heads=4)
+    corpus = SyntheticCorpus(cfg, seed=3)
+    base = {
+        "train_micro_batch_size_per_gpu": MBS,
+        "gradient_accumulation_steps": m,
+        "train_batch_size": MBS * m * dp,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+        "steps_per_print": 10**6,
+        "zero_optimization": {"stage": 0},
+    }
+    out: dict = {}
+    for rnd in range(opts["rounds"]):
+        for sc in opts["scenarios"]:
+            module = build_pipeline_module(cfg, num_stages=pp, seed=5)
+            params = [p for p in module.parameters() if p.requires_grad]
+            if sc["engine"] == "vanilla":
+                engine, *_ = deepspeed.initialize(model=module, config=dict(base), model_parameters=params)
+                it = data_iterator(corpus, pipeline=engine.grid.data_parallel_id, dp=dp, microbatches=m, micro_batch_size=MBS)
+
+                def step():
+                    engine.train_batch(it)
+            else:
+                config = dict(base, resilience={"schedule": sc.get("schedule", "1f1b"), "variant": sc.get("variant", "recycle"),
+                                                "simulate_failed": sc.get("failed", [])})
+
+                def source(p, i, mb):
+                    return micro_batch(corpus, pipeline=p, iteration=i, microbatch=mb, dp=dp, microbatches=m, micro_batch_size=MBS)
+
+                engine, *_ = ds_resilience.initialize(model=module, config=config, model_parameters=params, batch_source=source)
+
+                def step():
+                    engine.train_batch()
+            for _ in range(warmup):
+                step()
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step()
+            dist.barrier()
+            elapsed = time.perf_counter() - t0
+            rec = out.setdefault(sc["name"], {"times": [], "stage": engine.stage_id})
+            rec["times"].append(elapsed / steps)
+            if sc["engine"] != "vanilla" and getattr(engine, "worker", None) is not None and rnd == opts["rounds"] - 1:
+                rec["durations"] = engine.worker.stats.durations
+                rec["schedule"] = engine.schedule.to_text()
+            del engine
+    # link latency: small-message ping-pong between ranks 0 and 1
+    t = torch.zeros(8)
+    dist.barrier()
+    if rank in (0, 1):
+        t0 = time.perf_counter()
+        for _ in range(50):
+            if rank == 0:
+                dist.send(t, 1)
+                dist.recv(t, 1)
+            else:
+                dist.recv(t, 0)
+                dist.send(t, 0)
+        out["latency_s"] = (time.perf_counter() - t0) / 100
+    dist.barrier()
+    return out
+
+
+def _calibrated_cost(results: list[dict], name: str, pp: int):
+    """Per-stage t_F, t_B, t_W (median over the stage's workers' actions) from a decoupled run."""
+    from ds_resilience.costs import CostModel
+
+    per = {k: [[] for _ in range(pp)] for k in ("F", "B", "W", "OPT", "RD")}
+    latency = statistics.median(r["latency_s"] for r in results if "latency_s" in r)
+    for r in results:
+        rec = r[name]
+        for kind in per:
+            per[kind][rec["stage"]].extend(rec.get("durations", {}).get(kind, []))
+    med = {k: [statistics.median(v) if v else 0.0 for v in per[k]] for k in per}
+    return CostModel(name="calibrated", t_f=med["F"], t_b=med["B"], t_w=med["W"], t_opt=med["OPT"], t_reduce=med["RD"],
+                     p2p_latency=latency)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--json", metavar="FILE")
+    args = parser.parse_args()
+    scenarios = [
+        {"name": "vanilla", "engine": "vanilla"},
+        {"name": "1f1b", "engine": "resilient", "schedule": "1f1b"},
+        {"name": "decoupled", "engine": "resilient", "schedule": "decoupled"},
+        {"name": "fail-adaptive", "engine": "resilient", "variant": "adaptive", "failed": ["1:1"]},
+        {"name": "fail-decoupled", "engine": "resilient", "variant": "decoupled", "failed": ["1:1"]},
+        {"name": "fail-recycle", "engine": "resilient", "variant": "recycle", "failed": ["1:1"]},
+    ]
+    opts = {"pp": 2, "microbatches": args.microbatches, "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
+            "d_model": args.d_model, "layers": args.layers, "seq_len": args.seq_len, "scenarios": scenarios}
+    t0 = time.perf_counter()
+    results = run_workers(_program, 4, args=(opts,), timeout_s=3000)
+    print(f"(ran {len(scenarios)} scenarios x {args.rounds} rounds x {args.steps} steps in {time.perf_counter() - t0:.0f}s, "
+          f"GPT d_model={args.d_model} layers={args.layers} seq={args.seq_len}, PP=2 x DP=2, {args.microbatches} micro-batches)")
+
+    def it_time(name: str) -> float:
+        per_round = [max(r[name]["times"][i] for r in results if name in r) for i in range(args.rounds)]
+        return statistics.median(per_round)
+
+    from ds_resilience.ir import Schedule
+    from ds_resilience.sim import simulate
+
+    cost = _calibrated_cost(results, "decoupled", 2)
+    vanilla = it_time("vanilla")
+    report = {"vanilla_s": vanilla, "cost": cost.to_dict()}
+    print(f"\ncalibrated costs (s): t_F={[round(x, 4) for x in cost.t_f]} t_B={[round(x, 4) for x in cost.t_b]} "
+          f"t_W={[round(x, 4) for x in cost.t_w]} latency={cost.p2p_latency:.2e}")
+    print(f"\n{'scenario':<16} {'iteration s':>12} {'vs vanilla':>11} {'throughput ratio':>17} {'predicted s':>12} {'measured/predicted':>19}")
+    for sc in scenarios:
+        name = sc["name"]
+        t = it_time(name)
+        row = {"iteration_s": t, "throughput_ratio": vanilla / t}
+        pred = ""
+        if name != "vanilla":
+            schedule = Schedule.from_text(next(r[name]["schedule"] for r in results if "schedule" in r.get(name, {})))
+            sim = simulate(schedule, cost, repeat=4 if schedule.optimizer == "staggered" else 1)
+            p = sim.iteration_time
+            row["predicted_s"] = p
+            row["measured_over_predicted"] = t / p
+            pred = f"{p:12.4f} {t / p:19.2f}"
+        report[name] = row
+        print(f"{name:<16} {t:12.4f} {t / vanilla:11.2f} {vanilla / t:17.3f} {pred}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
