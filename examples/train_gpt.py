@@ -107,6 +107,7 @@ def main(argv=None) -> int:
         if args.dump:
             with open(args.dump, "w") as fh:
                 json.dump({"losses": losses, "times_s": times, "plan": getattr(engine, "plan_figures", None)}, fh)
+    dist.barrier()  # rank 0 hosts the store: it must not exit while another rank still reads it
     return 0
 
 

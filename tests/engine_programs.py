@@ -94,4 +94,6 @@ def train_scenarios(rank: int, world: int, pp: int, microbatches: int, scenarios
             "stats": getattr(engine, "iteration_log", None),
         }
         del engine
+    # rank 0 hosts the store: nobody leaves while another rank may still read it
+    torch.distributed.barrier()
     return out
