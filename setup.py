@@ -4,7 +4,13 @@ Install torch first (``pip install torch==2.13.0`` takes the local CPU build), t
 ``pip install -e .[test]``. The CUDA copy kernel in csrc/ is built only where CUDA is available.
 """
 
+import os
+import runpy
+
 from setuptools import find_packages, setup
+
+# The CUDA copy kernel (csrc/) is built only where torch has CUDA and nvcc exists; else skipped.
+_CUDA = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "build_ext.py"))
 
 TEST = [
     "pytest>=8",
@@ -35,4 +41,6 @@ setup(
     },
     entry_points={"console_scripts": ["ds-resilience=ds_resilience.cli:main"]},
     include_package_data=True,
+    ext_modules=_CUDA["cuda_extensions"](),
+    cmdclass=_CUDA["cmdclass"](),
 )
