@@ -137,7 +137,7 @@ def render_gantt(
             ax.plot([t.start, t.start], [top, top + _COMM_H], color=color, lw=1.0)
 
     ax.set_ylim(n - 0.5, -0.5)  # worker 0 on top
-    ax.set_xlim(0, span)
+    ax.set_xlim(0, span * 1.01)
     ax.set_yticks(range(n))
     ax.set_yticklabels([f"w{w} p{w % schedule.dp}/s{w // schedule.dp}" for w in range(n)], fontsize=8)
     ax.set_xlabel("time")
