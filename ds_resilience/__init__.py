@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     """``ds_resilience.initialize`` loads the DeepSpeed integration (and torch) on first use."""
-    if name in ("initialize", "ResilientPipelineEngine"):
+    if name in ("initialize", "ResilientPipelineEngine", "BeyondTolerance", "init_distributed"):
         from .integrations import deepspeed as _ds
 
         return getattr(_ds, name)
@@ -29,5 +29,7 @@ __all__ = [
     "Worker",
     "__version__",
     "initialize",
+    "init_distributed",
     "ResilientPipelineEngine",
+    "BeyondTolerance",
 ]

@@ -69,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     table.add_argument("--out", metavar="DIR", default=".plan_cache", help="cache directory (default .plan_cache)")
     table.add_argument("--json", action="store_true")
     table.set_defaults(handler=_cmd_plan_table)
+
+    from .sim import cli as sim_cli
+
+    sim_cli.add_parser(sub)
+    sub.add_parser("run", help="launch workers under the failure-handling agent (deepspeed launcher arguments)")
+    sub.add_parser("demo", help="train the example GPT, kill a worker mid-run, keep training, compare")
     return parser
 
 
@@ -194,6 +200,15 @@ def _cmd_plan_table(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``ds-resilience``; returns the process exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "run":  # the launcher parses its own (deepspeed-style) arguments
+        from .runtime.agent import main_run
+
+        return main_run(argv[1:])
+    if argv and argv[0] == "demo":
+        from .demo import main as demo_main
+
+        return demo_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -38,7 +38,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
     parser.add_argument("--pp", type=int, default=2, help="pipeline stages (default 2)")
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--dump", metavar="PATH", help="rank 0 saves losses and step times here (JSON)")
+    parser.add_argument("--dump", metavar="PATH", help="rank 0 saves losses and step times here (JSON); every "
+                        "rank saves its stage's parameters and recovery log to PATH.rank<R>.pt")
+    parser.add_argument("--progress", action="store_true", help="rank 0 draws a progress bar instead of a line per step")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     return parser.parse_args(argv)
 
@@ -46,7 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo")
+    ds_resilience.init_distributed()
     world = dist.get_world_size()
     if world % args.pp:
         raise SystemExit(f"world size {world} is not a multiple of --pp {args.pp}")
@@ -87,27 +89,64 @@ def main(argv=None) -> int:
             )
     losses, times = [], []
     started = time.perf_counter()
-    for step in range(args.steps):
+    stopped = None
+    # Driven by the engine's step count, not a local counter: after a failure the engine replays the
+    # interrupted iteration, and a re-joined worker starts at the survivors' step.
+    while engine.global_steps < args.steps:
         t0 = time.perf_counter()
-        loss = engine.train_batch()
+        step = engine.global_steps
+        try:
+            loss = engine.train_batch()
+        except ds_resilience.BeyondTolerance as exc:
+            stopped = str(exc)
+            break
         dt = time.perf_counter() - t0
         if loss is not None:
             losses.append(float(loss))
             times.append(dt)
-        if rank == 0:
-            print(f"step {step:3d} loss {float(loss):.4f} samples/s {samples / dt:7.1f} time_s {dt:.3f}", flush=True)
+        if rank == 0 and loss is not None:
+            if args.progress:
+                done = step + 1
+                bar = "#" * (30 * done // args.steps)
+                print(f"\r[{bar:<30}] step {done:3d}/{args.steps} loss {float(loss):.4f} {samples / dt:7.1f} samples/s",
+                      end="", flush=True)
+            else:
+                print(f"step {step:3d} loss {float(loss):.4f} samples/s {samples / dt:7.1f} time_s {dt:.3f}", flush=True)
     total = time.perf_counter() - started
-    if rank == 0:
+    if rank == 0 and args.progress:
+        print(flush=True)
+    if stopped:
+        print(f"rank {rank}: training stopped: {stopped}", flush=True)
+    if rank == 0 and losses:
         steady = times[len(times) // 4:] or times
         print(
-            f"done: {args.steps} steps in {total:.1f}s, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
+            f"done: {engine.global_steps} steps in {total:.1f}s, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
             f"{samples * len(steady) / sum(steady):.1f} samples/s (steady state, last 3/4 of the steps)",
             flush=True,
         )
         if args.dump:
             with open(args.dump, "w") as fh:
-                json.dump({"losses": losses, "times_s": times, "plan": getattr(engine, "plan_figures", None)}, fh)
-    dist.barrier()  # rank 0 hosts the store: it must not exit while another rank still reads it
+                json.dump({"losses": losses, "times_s": times, "plan": getattr(engine, "plan_figures", None),
+                           "recovery": engine.recovery_log, "stopped": stopped}, fh)
+    if args.dump:
+        torch.save({
+            "rank": rank,
+            "stage": engine.stage_id,
+            "pipeline": engine.me.pipeline,
+            "alive": engine.alive,
+            "steps": engine.global_steps,
+            "params": {n: p.detach().clone() for n, p in module.named_parameters()},
+            "losses": losses,
+            "times_s": times,
+            "recovery": engine.recovery_log,
+            "stopped": stopped,
+        }, f"{args.dump}.rank{rank}.pt")
+    if stopped:
+        return 0
+    if engine.coordinator is None:
+        dist.barrier()  # rank 0 hosts the store: it must not exit while another rank still reads it
+    else:
+        engine.coordinator.close()  # the agent hosts the store; a dead peer must not block the exit
     return 0
 
 

@@ -29,12 +29,15 @@ from ..errors import ConfigError, ResilienceError
 from ..ir import Action, ActionKind, Schedule
 from ..planning import generate
 from ..planning.planner import plan as plan_failure
+from ..runtime.coordinator import Coordinator, poison
+from ..runtime.faults import FaultInjector
 from ..runtime.groups import build_groups
 from ..runtime.p2p import Messenger
 from ..runtime.stage_worker import BatchSource, StageWorker
 from ..topology import Topology, Worker
+from .live import BeyondTolerance, LiveFailureMixin, is_failure
 
-__all__ = ["ResilientPipelineEngine", "initialize", "ActionSchedule", "INSTRUCTIONS"]
+__all__ = ["ResilientPipelineEngine", "initialize", "init_distributed", "ActionSchedule", "INSTRUCTIONS", "BeyondTolerance"]
 
 
 class _ActionInstruction(ds_schedule.PipeInstruction):
@@ -136,7 +139,7 @@ class _IteratorSource:
         return self.cache.pop(key)
 
 
-class ResilientPipelineEngine(PipelineEngine):
+class ResilientPipelineEngine(LiveFailureMixin, PipelineEngine):
     """A PipelineEngine that runs IR schedules (fault-free or re-routed around failed workers).
 
     Extra keyword arguments:
@@ -163,16 +166,39 @@ class ResilientPipelineEngine(PipelineEngine):
         except Exception as exc:
             raise ConfigError("resilience.simulate_failed", str(exc)) from exc
         self.current = self.topology.without(failed)
-        self.schedule = self._make_schedule()
-        self.alive = self.me not in self.current.failed
         self.iteration_log: list[dict[str, Any]] = []
-        self._batches = 0
+        self.recovery_log: list[dict[str, Any]] = []
+        self._idle_iteration = 0
         self.last_stats = None
         self.worker: StageWorker | None = None
-        if self.alive:
-            groups = build_groups(
-                self.current, self.me, session=self.session, timeout_s=resilience.detector.pg_timeout_s
+        self.groups = None
+        self.coordinator = None
+        live = os.environ.get("DSR_AGENT") == "1"
+        rejoin = live and os.environ.get("DSR_REJOIN") == "1"
+        if live and failed:
+            raise ConfigError("resilience.simulate_failed", "simulated failures and the live agent do not mix")
+        if rejoin:  # the original world's collectives are gone: plan locally, groups come with the epoch
+            self.session = "live"
+            self.schedule = self._plan_for(self.current)
+        else:
+            self.schedule = self._make_schedule(live)
+        self.alive = self.me not in self.current.failed
+        if live:
+            self.coordinator = Coordinator(
+                rank=dist.get_rank(),
+                info={"pipeline": self.me.pipeline, "stage": self.me.stage, "dp": self.topology.dp, "pp": self.topology.pp},
+                heartbeat_interval_s=resilience.detector.heartbeat_interval_s,
+                store_timeout_s=resilience.detector.store_timeout_s,
+                on_epoch=self._on_epoch,
             )
+        faults = FaultInjector(resilience.fault_injection if not rejoin else (), dist.get_rank())
+        if self.alive:
+            groups = None
+            if not rejoin:
+                groups = build_groups(
+                    self.current, self.me, session=self.session, timeout_s=resilience.detector.pg_timeout_s,
+                    store=self.coordinator.store if self.coordinator else None,
+                )
             self.groups = groups
             self.worker = StageWorker(
                 module=self.module,
@@ -185,45 +211,74 @@ class ResilientPipelineEngine(PipelineEngine):
                 rank_of=lambda index: self.topology.rank(self.topology.worker(index)),
                 batch_source=batch_source or _IteratorSource(self),
                 loss_fn=self.module.loss_fn,
-                messenger=Messenger(group=groups.world, timeout_s=resilience.detector.pg_timeout_s),
-                stage_group=groups.stage,
-                world_group=groups.world,
-                stage_replicas=len(groups.stage),
+                messenger=Messenger(group=groups.world if groups else None, timeout_s=resilience.detector.pg_timeout_s),
+                stage_group=groups.stage if groups else None,
+                world_group=groups.world if groups else None,
+                stage_replicas=len(groups.stage) if groups else 1,
                 step_fn=self._stage_step,
                 gradient_clipping=float(self.gradient_clipping() or 0.0),
                 seed=int(os.environ.get("DSR_SEED", "1234")),
+                fault_hook=faults.maybe_fire,
             )
+            if rejoin:
+                self._join()
+
+    def _install_groups(self, groups) -> None:
+        """Switch the worker to a new generation's groups."""
+        self.groups = groups
+        timeout = self.resilience.detector.pg_timeout_s
+        self.worker.messenger = Messenger(group=groups.world, timeout_s=timeout)
+        self.worker.stage_group = groups.stage
+        self.worker.world_group = groups.world
+        self.worker.stage_replicas = len(groups.stage)
+
+    def _on_epoch(self, record) -> None:
+        """Watcher thread: a new epoch was latched; release whatever the main thread is blocked on.
+
+        A re-join changes nothing for the running iteration: it is applied at the next iteration
+        boundary, without aborting anything.
+        """
+        groups = self.groups
+        if groups is not None and record.kind != "rejoin":
+            poison(groups.world)
+            poison(groups.stage)
 
     # --- planning ------------------------------------------------------------------------------
-    def _make_schedule(self) -> Schedule:
+    def _make_schedule(self, live: bool) -> Schedule:
         """The schedule for the current failure set, computed on rank 0 and broadcast.
 
         Rank 0 also draws the session id that names this engine's process groups.
         """
-        cfg = self.resilience
-        cost = cfg.cost()
         payload = [None, None]
         if dist.get_rank() == 0:
-            if not self.current.failed:
-                schedule = generate(cfg.schedule, self.topology.dp, self.topology.pp, self.micro_batches, cost)
-            else:
-                result = plan_failure(
-                    self.topology.dp,
-                    self.topology.pp,
-                    self.micro_batches,
-                    self.current.failed,
-                    cost=cost,
-                    variant=cfg.variant,
-                    solver=cfg.planner.solver,
-                    time_limit_s=cfg.planner.time_limit_s,
-                    memory_cap=cfg.planner.memory_cap,
-                )
-                schedule = result.schedule
-                self.plan_figures = result.to_dict(with_schedule=False)
-            payload = [schedule.to_text(), uuid.uuid4().hex[:12]]
+            payload = [self._plan_for(self.current).to_text(), "live" if live else uuid.uuid4().hex[:12]]
         dist.broadcast_object_list(payload, src=0)
         self.session = payload[1]
         return Schedule.from_text(payload[0])
+
+    def _plan_for(self, topology: Topology) -> Schedule:
+        """Fault-free schedule, or the planner's for ``topology``'s failed set.
+
+        Under the live agent every survivor plans for itself, so the solver is the heuristic:
+        deterministic, identical on every survivor, and milliseconds.
+        """
+        cfg = self.resilience
+        cost = cfg.cost()
+        if not topology.failed:
+            return generate(cfg.schedule, self.topology.dp, self.topology.pp, self.micro_batches, cost)
+        result = plan_failure(
+            self.topology.dp,
+            self.topology.pp,
+            self.micro_batches,
+            topology.failed,
+            cost=cost,
+            variant=cfg.variant,
+            solver="heuristic" if self.coordinator is not None else cfg.planner.solver,
+            time_limit_s=cfg.planner.time_limit_s,
+            memory_cap=cfg.planner.memory_cap,
+        )
+        self.plan_figures = result.to_dict(with_schedule=False)
+        return result.schedule
 
     @property
     def actions(self) -> tuple[Action, ...]:
@@ -235,6 +290,7 @@ class ResilientPipelineEngine(PipelineEngine):
 
     # --- the optimizer step of one stage ---------------------------------------------------------
     def _stage_step(self) -> None:
+        self._snapshot_before_step()
         self._force_grad_boundary = True
         self.optimizer.step()
         self.zero_grad()
@@ -254,11 +310,21 @@ class ResilientPipelineEngine(PipelineEngine):
             raise RuntimeError("train_batch() requires gradients enabled")
         if data_iter is not None:
             self.set_dataiterator(data_iter)
-        self._batches += 1
         if not self.alive:
             self._park()
             return None
         self.module.train()
+        while True:
+            try:
+                if self.coordinator is not None:
+                    self.coordinator.check()
+                return self._train_iteration()
+            except Exception as exc:  # noqa: BLE001 - filtered by is_failure
+                if self.coordinator is None or not is_failure(exc):
+                    raise
+                self._recover(exc)
+
+    def _train_iteration(self):
         started = time.perf_counter()
         self.worker.begin_iteration(self.global_steps)
         self._exec_schedule(self._train_schedule())
@@ -275,10 +341,13 @@ class ResilientPipelineEngine(PipelineEngine):
 
     # --- loss aggregation without a global barrier -------------------------------------------------
     def _store(self):
+        if self.coordinator is not None:
+            return self.coordinator.store
         return dist.distributed_c10d._get_default_store()
 
-    def _loss_key(self, batch: int) -> str:
-        return f"dsr/{self.session}/loss/{batch}"
+    def _loss_key(self, step: int) -> str:
+        epoch = self.coordinator.applied if self.coordinator is not None else 0
+        return f"dsr/{self.session}/loss/{epoch}/{step}"
 
     def _aggregate_loss(self, local_sum: float) -> torch.Tensor:
         """Global mean loss of the iteration, without a barrier over all stages.
@@ -290,7 +359,8 @@ class ResilientPipelineEngine(PipelineEngine):
         stage by stage. The key of iteration k-2 is deleted at k: by then every worker has read it
         (each worker's next forwards feed the last stage's reduce).
         """
-        key = self._loss_key(self._batches)
+        step = self.global_steps - 1  # the optimizer step of this iteration has been taken
+        key = self._loss_key(step)
         last = self.topology.pp - 1
         if self.stage_id == last:
             total = torch.tensor([local_sum], dtype=torch.float64)
@@ -299,12 +369,18 @@ class ResilientPipelineEngine(PipelineEngine):
             if self.me == self.current.stage_peers(last)[0]:
                 store = self._store()
                 store.set(key, repr(float(loss)))
-                if self._batches > 2:
-                    store.delete_key(self._loss_key(self._batches - 2))
+                if step >= 2:
+                    store.delete_key(self._loss_key(step - 2))
+                if self.current.failed and self.coordinator is None:
+                    store.set(self._idle_key(step), "1")  # wakes the simulated-failed workers
             return loss
         store = self._store()
-        store.wait([key], timedelta(seconds=self.resilience.detector.store_timeout_s))
-        return torch.tensor([float(store.get(key))], dtype=torch.float64)
+        if self.coordinator is not None:
+            value = self.coordinator.wait_key(key)
+        else:
+            store.wait([key], timedelta(seconds=self.resilience.detector.store_timeout_s))
+            value = store.get(key)
+        return torch.tensor([float(value)], dtype=torch.float64)
 
     # --- idle (simulated failed) workers ---------------------------------------------------------
     def _park(self) -> None:
@@ -313,7 +389,13 @@ class ResilientPipelineEngine(PipelineEngine):
         A simulated-failed worker must not race ahead into collectives of later code, where
         DeepSpeed's CPU communication backend busy-waits and steals a core from the survivors.
         """
-        self._store().wait([self._loss_key(self._batches)], timedelta(seconds=self.resilience.detector.pg_timeout_s * 10))
+        self._store().wait([self._idle_key(self._idle_iteration)], timedelta(seconds=self.resilience.detector.pg_timeout_s * 10))
+        self._idle_iteration += 1
+
+    def _idle_key(self, step: int) -> str:
+        """Set once per iteration while workers are simulated-failed; never deleted (a parked
+        worker may be late), one tiny key per iteration."""
+        return f"dsr/{self.session}/idle/{step}"
 
     def _exec_action(self, action: Action) -> None:
         self.worker.execute(action)
@@ -335,6 +417,27 @@ class ResilientPipelineEngine(PipelineEngine):
         ReduceStageGrads: _exec_ir_reduce_grads,
         StageOptimizerStep: _exec_ir_optimizer_step,
     }
+
+
+def init_distributed() -> None:
+    """Initialize torch.distributed for a worker (call it where you would call ``deepspeed.init_distributed``).
+
+    Under the deepspeed launcher or the agent it is gloo over the environment's rendezvous.
+    A worker the agent restarts to re-join (``DSR_REJOIN=1``) cannot enter the original world's
+    collectives, so its default group is torch's no-op "fake" backend: DeepSpeed builds its
+    engine locally, and all real communication goes through ds_resilience's own groups on the
+    agent's store.
+    """
+    import deepspeed
+    import torch.distributed as tdist
+
+    if os.environ.get("DSR_REJOIN") == "1" and not tdist.is_initialized():
+        import torch.testing._internal.distributed.fake_pg as fake_pg
+
+        tdist.init_process_group(
+            "fake", store=fake_pg.FakeStore(), rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"])
+        )
+    deepspeed.init_distributed(dist_backend="gloo")
 
 
 def _split_config(config: Any) -> tuple[dict[str, Any], ResilienceConfig, Path | None]:

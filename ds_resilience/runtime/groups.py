@@ -31,8 +31,9 @@ class Group:
         timeout_s: how long each operation waits.
     """
 
-    def __init__(self, pg: dist.ProcessGroup, ranks: Sequence[int], timeout_s: float) -> None:
+    def __init__(self, pg: dist.ProcessGroup, ranks: Sequence[int], timeout_s: float, me: int) -> None:
         self.pg = pg
+        self.me = me
         self.ranks = tuple(ranks)
         self.index = {r: i for i, r in enumerate(self.ranks)}
         self.timeout = timedelta(seconds=timeout_s)
@@ -54,16 +55,20 @@ class Group:
         self.all_reduce(torch.zeros(1))
 
 
-def new_group(ranks: Sequence[int], *, name: str, timeout_s: float, store: dist.Store | None = None) -> Group:
-    """Create the group ``ranks`` (call on every member); ``name`` must be unique per creation."""
-    me = dist.get_rank()
+def new_group(ranks: Sequence[int], *, name: str, timeout_s: float, store: dist.Store | None = None,
+              me: int | None = None) -> Group:
+    """Create the group ``ranks`` (call on every member); ``name`` must be unique per creation.
+
+    ``store`` defaults to the default process group's store; under the agent it is the agent's.
+    """
+    me = dist.get_rank() if me is None else me
     ranks = sorted(ranks)
     if me not in ranks:
         raise ValueError(f"rank {me} is not a member of group {name} {ranks}")
     base = store if store is not None else dist.distributed_c10d._get_default_store()
     prefix = f"dsr/{name}/{'-'.join(map(str, ranks))}"
     pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, base), ranks.index(me), len(ranks), timedelta(seconds=timeout_s))
-    return Group(pg, ranks, timeout_s)
+    return Group(pg, ranks, timeout_s, me)
 
 
 @dataclass(frozen=True)
@@ -81,11 +86,13 @@ class GenerationGroups:
     stage: Group
 
 
-def build_groups(topology: Topology, me: Worker, *, session: str, generation: int = 0, timeout_s: float = 60.0) -> GenerationGroups:
+def build_groups(topology: Topology, me: Worker, *, session: str, generation: int = 0, timeout_s: float = 60.0,
+                 store: dist.Store | None = None) -> GenerationGroups:
     """Create the surviving world group and ``me``'s stage group for ``generation``."""
     world_ranks = [topology.rank(w) for w in topology.alive_workers()]
     stage_ranks = [topology.rank(w) for w in topology.stage_peers(me.stage)]
     name = f"{session}/g{generation}"
-    world = new_group(world_ranks, name=f"{name}/world", timeout_s=timeout_s)
-    stage = new_group(stage_ranks, name=f"{name}/stage{me.stage}", timeout_s=timeout_s)
+    rank = topology.rank(me)
+    world = new_group(world_ranks, name=f"{name}/world", timeout_s=timeout_s, store=store, me=rank)
+    stage = new_group(stage_ranks, name=f"{name}/stage{me.stage}", timeout_s=timeout_s, store=store, me=rank)
     return GenerationGroups(generation=generation, world=world, stage=stage)

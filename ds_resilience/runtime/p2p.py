@@ -144,6 +144,10 @@ class Messenger:
             for work in works:
                 self._wait(work, "a posted send")
 
+    def drop_pending(self) -> None:
+        """Forget posted sends without waiting (their group is being abandoned after a failure)."""
+        self._pending = []
+
     @property
     def pending_sends(self) -> int:
         return len(self._pending)

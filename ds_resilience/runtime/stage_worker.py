@@ -97,6 +97,7 @@ class StageWorker:
         gradient_clipping: max global norm (0 = off).
         seed: base of the per-micro-batch RNG streams.
         forward_fn: optional wrapper ``forward_fn(inputs) -> outputs`` (e.g. DeepSpeed's forward).
+        fault_hook: ``fault_hook(point, iteration)`` at the fault-injection points (tests, demos).
     """
 
     module: Callable[[Any], Any]
@@ -117,6 +118,7 @@ class StageWorker:
     gradient_clipping: float = 0.0
     seed: int = 1234
     forward_fn: Callable[[Any], Any] | None = None
+    fault_hook: Callable[[str, int], None] | None = None
     iteration: int = 0
     stats: IterationStats = field(default_factory=IterationStats)
     wstore: WeightGradStore = field(default_factory=WeightGradStore)
@@ -157,6 +159,19 @@ class StageWorker:
         getattr(self, name)(action)
         self.stats.durations.setdefault(action.kind.value, []).append(time.perf_counter() - t0)
 
+    def reset(self) -> None:
+        """Drop everything an interrupted iteration left behind (activations, pending W, sends)."""
+        self._inputs.clear()
+        self._outputs.clear()
+        self._grads_out.clear()
+        self._received.clear()
+        self.wstore = WeightGradStore()
+        self.messenger.drop_pending()
+
+    def _fault(self, point: str) -> None:
+        if self.fault_hook is not None:
+            self.fault_hook(point, self.iteration)
+
     def end_iteration(self) -> None:
         """Wait for posted sends and check nothing is left over."""
         self.messenger.wait_sends()
@@ -174,6 +189,7 @@ class StageWorker:
         return self.batch_source(pipeline, self.iteration, microbatch)
 
     def forward(self, a: Action) -> None:
+        self._fault("before_forward")
         key = (a.pipeline, a.microbatch)
         t0 = time.perf_counter()
         labels = None
@@ -216,6 +232,7 @@ class StageWorker:
         t0 = time.perf_counter()
         outputs, grads, inputs = self._backward_args(key)
         input_grads, pending = backward_input(outputs, grads, inputs, list(self.parameters))
+        self._fault("mid_backward")
         self.wstore.put(key, pending)
         if not self.is_first:
             self._grads_out[key] = [g for g in input_grads if g is not None]
@@ -231,6 +248,7 @@ class StageWorker:
         t0 = time.perf_counter()
         outputs, grads, inputs = self._backward_args(key)
         input_grads = backward_fused(outputs, grads, inputs, list(self.parameters))
+        self._fault("mid_backward")
         if not self.is_first:
             self._grads_out[key] = [g for g in input_grads if g is not None]
         self.stats.compute_seconds += time.perf_counter() - t0
@@ -271,6 +289,7 @@ class StageWorker:
 
     def reduce_grads(self, a: Action) -> None:
         """Sum this stage's gradients over its surviving replicas (one flat all-reduce)."""
+        self._fault("in_reduce")
         grads = self._grads()
         if self.stage_replicas <= 1 or not grads:
             return
@@ -290,6 +309,7 @@ class StageWorker:
         return float(share.item()) ** 0.5
 
     def optimizer_step(self, a: Action) -> None:
+        self._fault("in_optimizer")
         if self.gradient_clipping > 0:
             norm = self.global_grad_norm()
             coef = self.gradient_clipping / (norm + 1e-6)

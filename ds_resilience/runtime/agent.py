@@ -1,0 +1,487 @@
+"""The agent: launches and watches the workers of one node, hosts the store, publishes membership.
+
+Never inside a worker (a dead worker would take the store down with it). The agent
+
+* hosts a :class:`torch.distributed.TCPStore` and launches ``N`` workers the way the ``deepspeed``
+  launcher does (``python -u script args --local_rank=r``, with ``RANK``/``WORLD_SIZE``/
+  ``MASTER_ADDR``/...), plus ``TORCHELASTIC_USE_AGENT_STORE=True`` so that torch's ``env://``
+  rendezvous connects to this store as a client (torch 2.13 then keeps the default group's keys
+  under ``default_pg/``, with no per-attempt prefix), ``DSR_AGENT=1`` and ``DSR_INCARNATION``;
+* detects crashes by exit status (woken through pidfds) and hangs by heartbeats that stop changing
+  for ``heartbeat_timeout_s`` (measured on its own clock; it SIGKILLs the silent worker);
+* publishes each change as an :class:`~.membership.EpochRecord`; when a stage has lost every
+  replica it publishes a ``stop`` epoch, waits for the survivors to save and exit, and exits 3;
+* optionally relaunches a failed rank after ``rejoin_after_s`` (``DSR_REJOIN=1``) and publishes a
+  ``rejoin`` epoch once the new process has registered.
+
+Exit codes: 0 all live workers finished, 1 a worker failed before registering (a start-up error),
+3 stopped beyond tolerance, 128+n interrupted by signal n. Children are killed on every way out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
+
+import torch.distributed as dist
+
+from ..config import load_resilience_config
+from ..errors import ResilienceError
+from . import membership as mb
+
+__all__ = ["Agent", "AgentEvent", "AgentError", "main_run", "EXIT_OK", "EXIT_STARTUP", "EXIT_STOPPED"]
+
+EXIT_OK, EXIT_STARTUP, EXIT_STOPPED = 0, 1, 3
+
+
+class AgentError(ResilienceError, ValueError):
+    """The agent was given invalid arguments."""
+
+
+class _Interrupted(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentEvent:
+    """Something the agent saw or did. ``latency_s``: for a crash, from the exit being observable to
+    the epoch's publication; for a hang, the silence since the last heartbeat change; for a rejoin,
+    from the relaunch to the registration."""
+
+    time: float  # time.time()
+    kind: str  # start | crash | hang | stop | relaunch | rejoin | exit | killed | giveup
+    rank: int | None = None
+    epoch: int | None = None
+    latency_s: float | None = None
+    detail: str = ""
+
+
+class _Failure(NamedTuple):
+    rank: int
+    kind: str  # crash | hang
+    reason: str
+    since: float  # monotonic: exit observed (crash) or last heartbeat change (hang)
+
+
+_LIVE = ("running", "joining")
+
+
+@dataclass(kw_only=True)
+class _Worker:
+    rank: int
+    proc: subprocess.Popen[bytes]
+    incarnation: int
+    pidfd: int | None
+    state: str = "running"  # running | joining | done | failed
+    hb_value: int = 0
+    hb_seen: bool = False
+    hb_changed: float = 0.0  # monotonic
+    failed_at: float = 0.0  # monotonic, when declared failed
+    launched_at: float = 0.0
+
+
+def _signal_text(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+class Agent:
+    """Launch ``num_workers`` copies of ``script`` and watch them (see the module docstring).
+
+    Args:
+        script: the training script; ``script_args`` follow it, then ``--local_rank=r``.
+        num_workers: number of worker processes (ranks ``0..N-1``).
+        master_addr, master_port: where the store listens (port 0: a free port).
+        heartbeat_interval_s, heartbeat_timeout_s: the workers' beat interval (exported to them as
+            ``DSR_HEARTBEAT_INTERVAL_S``) and the silence after which one is killed as hung.
+        rejoin_after_s: relaunch a failed rank that many seconds after its failure (None: never).
+        stop_grace_s: how long survivors may take to save a checkpoint and exit after a stop.
+        exit_grace_s: how long a worker that stopped its heartbeat on purpose (it is exiting) may
+            stay silent beyond the heartbeat timeout before it counts as hung.
+        max_join_attempts: relaunches of one rank that may die before re-joining before giving up.
+        env: extra environment for the workers (overrides the agent's own, not the protocol's).
+        log_dir: when set, worker ``r``'s output goes to ``log_dir/rank{r}.{incarnation}.log``.
+        echo: where the agent's messages go (default: stderr).
+    """
+
+    def __init__(self, script: str | os.PathLike[str], script_args: Sequence[str] = (), *, num_workers: int,
+                 master_addr: str = "127.0.0.1", master_port: int = 0, heartbeat_interval_s: float = 0.5,
+                 heartbeat_timeout_s: float = 5.0, rejoin_after_s: float | None = None, stop_grace_s: float = 300.0,
+                 exit_grace_s: float = 30.0, max_join_attempts: int = 3, store_timeout_s: float = 30.0,
+                 env: Mapping[str, str] | None = None, log_dir: str | os.PathLike[str] | None = None,
+                 echo: Callable[[str], None] | None = None) -> None:
+        if num_workers < 1:
+            raise AgentError(f"num_workers must be >= 1, got {num_workers}")
+        if not heartbeat_interval_s > 0 or not heartbeat_timeout_s > heartbeat_interval_s:
+            raise AgentError(f"need 0 < heartbeat_interval_s ({heartbeat_interval_s}) < heartbeat_timeout_s "
+                             f"({heartbeat_timeout_s})")
+        if rejoin_after_s is not None and rejoin_after_s < 0:
+            raise AgentError(f"rejoin_after_s must be >= 0 or None, got {rejoin_after_s}")
+        if not Path(script).is_file():
+            raise AgentError(f"training script {str(script)!r} not found")
+        self.script, self.script_args = str(script), tuple(script_args)
+        self.num_workers, self.master_addr, self.port = num_workers, master_addr, master_port
+        self.heartbeat_interval_s, self.heartbeat_timeout_s = heartbeat_interval_s, heartbeat_timeout_s
+        self.rejoin_after_s, self.stop_grace_s, self.store_timeout_s = rejoin_after_s, stop_grace_s, store_timeout_s
+        self.exit_grace_s, self.max_join_attempts = exit_grace_s, max_join_attempts
+        self.env = dict(env or {})
+        self.log_dir = Path(log_dir) if log_dir is not None else None
+        self._echo = echo or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.tick_s = min(heartbeat_interval_s / 2, 0.05)
+        self.store: dist.TCPStore | None = None
+        self.events: list[AgentEvent] = []
+        self.epochs: list[mb.EpochRecord] = []
+        self.exit_code: int | None = None
+        self.message = ""
+        self._workers: dict[int, _Worker] = {}
+        self._failed: set[int] = set()
+        self._rejoin_due: dict[int, float] = {}  # rank -> monotonic time of its relaunch
+        self._join_attempts: dict[int, int] = {}  # rank -> relaunches that died before re-joining
+        self._t0 = time.time()
+
+    # --- public ---------------------------------------------------------------------------------
+    def run(self) -> int:
+        """Launch, watch, and return the exit code (children are always killed on the way out).
+
+        The store stays up afterwards (records can still be read) until the agent is collected.
+
+        Raises:
+            AgentError: the store cannot be hosted at ``master_addr:master_port``.
+        """
+        handlers: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                handlers[signum] = signal.signal(signum, self._on_signal)
+        try:
+            try:
+                self.store = dist.TCPStore(self.master_addr, self.port, is_master=True, wait_for_workers=False,
+                                           timeout=timedelta(seconds=self.store_timeout_s))
+            except RuntimeError as exc:  # DistNetworkError: port taken, bad address
+                raise AgentError(f"cannot host the store on {self.master_addr}:{self.port}: {exc}") from exc
+            self.port = self.store.port
+            self._echo(f"[ds_resilience agent] store at {self.master_addr}:{self.port}; launching "
+                       f"{self.num_workers} workers of {self.script}")
+            self._publish("start", f"launching {self.num_workers} workers")  # before any worker looks
+            for rank in range(self.num_workers):
+                self._launch(rank, 0)
+            self.exit_code = self._monitor()
+        except _Interrupted as exc:
+            self.message = f"interrupted by {signal.Signals(exc.signum).name}; workers killed"
+            self.exit_code = 128 + exc.signum
+        finally:
+            for signum, old in handlers.items():
+                signal.signal(signum, old)
+            self._kill_all()
+        self._summary()
+        return self.exit_code
+
+    # --- launching ------------------------------------------------------------------------------
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        raise _Interrupted(signum)
+
+    def _launch(self, rank: int, incarnation: int) -> _Worker:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **self.env,
+               "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(self.num_workers),
+               "LOCAL_WORLD_SIZE": str(self.num_workers), "GROUP_RANK": "0",
+               "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.port),
+               "TORCHELASTIC_USE_AGENT_STORE": "True", "DSR_AGENT": "1", "DSR_AGENT_PID": str(os.getpid()),
+               "DSR_INCARNATION": str(incarnation), "DSR_REJOIN": "1" if incarnation else "0",
+               "DSR_HEARTBEAT_INTERVAL_S": str(self.heartbeat_interval_s),
+               "DSR_HEARTBEAT_TIMEOUT_S": str(self.heartbeat_timeout_s)}
+        out: Any = None
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            out = open(self.log_dir / f"rank{rank}.{incarnation}.log", "wb")  # noqa: SIM115 - child keeps it
+        try:
+            proc = subprocess.Popen([sys.executable, "-u", self.script, *self.script_args, f"--local_rank={rank}"],
+                                    env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=subprocess.STDOUT if out else None)
+        finally:
+            if out is not None:
+                out.close()
+        try:
+            pidfd: int | None = os.pidfd_open(proc.pid)
+        except (AttributeError, OSError):
+            pidfd = None
+        now = time.monotonic()
+        hb = mb.read_heartbeat(self.store, rank)  # a relaunch must beat past its predecessor's count
+        self.store.delete_key(mb.hb_stopped_key(rank))
+        worker = _Worker(rank=rank, proc=proc, incarnation=incarnation, pidfd=pidfd,
+                         state="joining" if incarnation else "running", hb_value=hb, hb_changed=now,
+                         launched_at=now)
+        self._workers[rank] = worker
+        return worker
+
+    # --- the loop -------------------------------------------------------------------------------
+    def _monitor(self) -> int:
+        stop_deadline: float | None = None
+        last_tick = time.monotonic()
+        while True:
+            woke = time.monotonic()
+            if woke - last_tick > self.heartbeat_timeout_s / 2:  # the agent itself stalled: no blame
+                for w in self._workers.values():
+                    w.hb_changed = woke
+            last_tick = woke
+            failures = self._reap(woke, stopping=stop_deadline is not None) + self._check_heartbeats()
+            if failures and stop_deadline is None:
+                stop_deadline = self._on_failures(failures)
+            elif failures:  # while stopping, a failure changes nothing but is still recorded
+                self._failed.update(f.rank for f in failures)
+                for f in failures:
+                    self._event(f.kind, f.rank, latency_s=time.monotonic() - f.since,
+                                detail=f.reason + " (while stopping)")
+            if stop_deadline is None:
+                self._rejoins()
+            live = [w for w in self._workers.values() if w.state in _LIVE]
+            if stop_deadline is None and not live:
+                self.message = "all live workers finished" + (f" ({len(self._failed)} failed)" if self._failed else "")
+                return EXIT_OK
+            if stop_deadline is not None and (not live or time.monotonic() > stop_deadline):
+                if live:
+                    self.message += f"; survivors did not exit within {self.stop_grace_s:.0f} s and were killed"
+                return self.exit_code if self.exit_code is not None else EXIT_STOPPED
+            fds = [w.pidfd for w in live if w.pidfd is not None]
+            if fds:
+                select.select(fds, [], [], self.tick_s)  # wakes at once when a worker exits
+            else:
+                time.sleep(self.tick_s)
+
+    def _reap(self, observed: float, stopping: bool) -> list[_Failure]:
+        """Exited workers; failures of members are returned, the rest recorded."""
+        failures = []
+        for w in self._workers.values():
+            if w.state not in _LIVE or (code := w.proc.poll()) is None:
+                continue
+            self._close(w)
+            if code == 0:
+                w.state = "done"
+                self._event("exit", w.rank, detail="exit code 0")
+            elif w.state == "joining" or stopping:
+                self._event("exit", w.rank, detail=f"{w.state} worker {_signal_text(code)}")
+                if w.state == "joining" and not stopping:
+                    self._join_failed(w)
+                w.state = "failed"
+            else:
+                w.state, w.failed_at = "failed", observed
+                failures.append(_Failure(w.rank, "crash", f"rank {w.rank} crashed ({_signal_text(code)})", observed))
+        return failures
+
+    def _check_heartbeats(self) -> list[_Failure]:
+        failures = []
+        now = time.monotonic()
+        for w in self._workers.values():
+            if w.state not in _LIVE:
+                continue
+            value = mb.read_heartbeat(self.store, w.rank)
+            if value != w.hb_value:
+                w.hb_value, w.hb_seen, w.hb_changed = value, True, now
+                continue
+            silence = now - w.hb_changed
+            if not w.hb_seen or silence <= self.heartbeat_timeout_s:
+                continue
+            exiting = self.store.check([mb.hb_stopped_key(w.rank)])  # it stopped beating on purpose
+            if exiting and silence <= self.heartbeat_timeout_s + self.exit_grace_s:
+                continue
+            w.proc.kill()  # SIGKILL works on a stopped process too
+            try:
+                w.proc.wait(timeout=10.0)
+            except subprocess.TimeoutExpired:
+                self._echo(f"[ds_resilience agent] rank {w.rank} (pid {w.proc.pid}) survives SIGKILL")
+            self._close(w)
+            reason = f"rank {w.rank} hung (no heartbeat for {silence:.2f} s); killed"
+            if w.state == "joining":
+                self._event("killed", w.rank, latency_s=silence, detail="joining worker " + reason)
+                self._join_failed(w)
+                w.state = "failed"
+                continue
+            w.state, w.failed_at = "failed", now
+            failures.append(_Failure(w.rank, "hang", reason, now - silence))
+        return failures
+
+    def _join_failed(self, w: _Worker) -> None:
+        """A relaunched worker died before it re-joined: try again, a few times."""
+        self._join_attempts[w.rank] = self._join_attempts.get(w.rank, 0) + 1
+        if self._join_attempts[w.rank] < self.max_join_attempts:
+            self._rejoin_due[w.rank] = time.monotonic() + (self.rejoin_after_s or 0.0)
+        else:
+            self._event("giveup", w.rank, detail=f"{self.max_join_attempts} relaunches failed; not retrying")
+
+    def _on_failures(self, failures: list[_Failure]) -> float | None:
+        """Publish the epoch for a batch of failures; return a stop deadline when beyond tolerance."""
+        self._failed.update(f.rank for f in failures)
+        reason = "; ".join(f.reason for f in failures)
+        code, lost = self._beyond_tolerance()
+        if lost:
+            then = "stopping after a checkpoint" if code == EXIT_STOPPED else "stopping all workers"
+            self.message = f"beyond tolerance: {lost}. {reason}; {then}"
+            self.exit_code = code
+            self._record_failures(failures, self._publish("stop", self.message))
+            for w in self._workers.values():
+                if w.state == "joining":
+                    w.proc.kill()
+            self._rejoin_due.clear()
+            grace = self.stop_grace_s if code == EXIT_STOPPED else min(self.stop_grace_s, 10.0)
+            return time.monotonic() + grace
+        kind = "crash" if any(f.kind == "crash" for f in failures) else "hang"
+        self._record_failures(failures, self._publish(kind, reason))
+        if self.rejoin_after_s is not None:
+            for f in failures:
+                self._rejoin_due[f.rank] = self._workers[f.rank].failed_at + self.rejoin_after_s
+        return None
+
+    def _record_failures(self, failures: list[_Failure], record: mb.EpochRecord) -> None:
+        published = time.monotonic()
+        for f in failures:
+            self._event(f.kind, f.rank, epoch=record.epoch, latency_s=published - f.since, detail=f.reason)
+
+    def _beyond_tolerance(self) -> tuple[int, str]:
+        """(exit code, what is lost); "" when every stage keeps a replica.
+
+        A failed rank that never registered is a start-up failure (its stage is unknown)."""
+        stages: dict[int, list[tuple[int, int]]] = {}
+        for rank in range(self.num_workers):
+            info = mb.read_worker(self.store, rank)
+            if info is None:
+                if rank in self._failed:
+                    return EXIT_STARTUP, f"rank {rank} failed before it registered (its stage is unknown)"
+                continue
+            stages.setdefault(info.stage, []).append((rank, info.pipeline))
+        lost = [s for s, members in sorted(stages.items()) if all(r in self._failed for r, _ in members)]
+        return EXIT_STOPPED, "; ".join(f"stage {s} lost every replica (" + ", ".join(
+            f"rank {r} of pipeline {p}" for r, p in stages[s]) + ")" for s in lost)
+
+    def _rejoins(self) -> None:
+        now = time.monotonic()
+        for rank, due in list(self._rejoin_due.items()):
+            if now >= due:
+                del self._rejoin_due[rank]
+                w = self._launch(rank, self._workers[rank].incarnation + 1)
+                self._event("relaunch", rank, detail=f"incarnation {w.incarnation}, pid {w.proc.pid}")
+        for w in self._workers.values():
+            info = mb.read_worker(self.store, w.rank) if w.state == "joining" else None
+            if info is not None and info.incarnation == w.incarnation:
+                w.state = "running"
+                self._failed.discard(w.rank)
+                self._join_attempts.pop(w.rank, None)
+                record = self._publish("rejoin", f"rank {w.rank} re-joined (incarnation {w.incarnation})",
+                                       joining=(w.rank,))
+                self._event("rejoin", w.rank, epoch=record.epoch, latency_s=time.monotonic() - w.launched_at,
+                            detail=f"incarnation {w.incarnation} registered")
+
+    # --- helpers --------------------------------------------------------------------------------
+    def _publish(self, kind: str, reason: str, joining: tuple[int, ...] = ()) -> mb.EpochRecord:
+        alive = tuple(r for r in range(self.num_workers) if r not in self._failed)
+        record = mb.EpochRecord(epoch=len(self.epochs) + 1, failed=tuple(self._failed), alive=alive,
+                                joining=joining, stop=kind == "stop", reason=reason, detected_at=time.time(),
+                                kind=kind)
+        mb.publish_epoch(self.store, record)
+        self.epochs.append(record)
+        self._echo(f"[ds_resilience agent] epoch {record.epoch} ({kind}): {reason}; alive {list(alive)}")
+        if kind == "start":
+            self._event("start", epoch=record.epoch, detail=reason)
+        elif kind == "stop":
+            self._event("stop", epoch=record.epoch, detail=reason)
+        return record
+
+    def _event(self, kind: str, rank: int | None = None, **fields: Any) -> None:
+        self.events.append(AgentEvent(time=time.time(), kind=kind, rank=rank, **fields))
+
+    @staticmethod
+    def _close(w: _Worker) -> None:
+        if w.pidfd is not None:
+            os.close(w.pidfd)
+            w.pidfd = None
+
+    def _kill_all(self) -> None:
+        for w in self._workers.values():
+            if w.proc.poll() is None:
+                w.proc.kill()
+        for w in self._workers.values():
+            try:
+                w.proc.wait(timeout=10.0)
+            except subprocess.TimeoutExpired:
+                self._echo(f"[ds_resilience agent] rank {w.rank} (pid {w.proc.pid}) did not die")
+            self._close(w)
+
+    def _summary(self) -> None:
+        lines = [f"[ds_resilience agent] exit code {self.exit_code}: {self.message}",
+                 "   time  event     rank  epoch  latency  detail"]
+        for e in self.events:
+            lat = f"{e.latency_s:7.3f}s" if e.latency_s is not None else "       -"
+            lines.append(f"{e.time - self._t0:6.2f}s  {e.kind:<8}  {'-' if e.rank is None else e.rank:>4}  "
+                         f"{'-' if e.epoch is None else e.epoch:>5}  {lat}  {e.detail}")
+        self._echo("\n".join(lines))
+
+
+# --- the CLI ----------------------------------------------------------------------------------------
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ds-resilience run", description=(
+        "Launch a DeepSpeed training script under the ds_resilience agent: crashes and hangs are "
+        "detected and published to the workers, which keep training (arguments as for `deepspeed`)."))
+    p.add_argument("--num_gpus", "--num_workers", dest="num_gpus", type=int, default=-1,
+                   help="worker processes (default: all visible GPUs, or 1 without GPUs)")
+    p.add_argument("--master_addr", default="127.0.0.1", help="address of the agent's store")
+    p.add_argument("--master_port", type=int, default=0, help="port of the agent's store (0: a free port)")
+    p.add_argument("--heartbeat_interval", type=float, default=None, metavar="S",
+                   help="seconds between worker heartbeats (default: resilience.detector, else 0.5)")
+    p.add_argument("--heartbeat_timeout", type=float, default=None, metavar="S",
+                   help="silence after which a worker is killed as hung (default: resilience.detector, else 5)")
+    p.add_argument("--rejoin_after", type=float, default=None, metavar="S",
+                   help="relaunch a failed worker S seconds after its failure (default: never)")
+    p.add_argument("--stop_grace", type=float, default=300.0, metavar="S",
+                   help="time survivors get to save a checkpoint and exit after a stop")
+    p.add_argument("--log_dir", default=None, help="write each worker's output to LOG_DIR/rank{r}.{n}.log")
+    p.add_argument("script", help="the training script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+    return p
+
+
+def _ds_config_path(script_args: Sequence[str]) -> str | None:
+    for i, arg in enumerate(script_args):
+        if arg == "--deepspeed_config" and i + 1 < len(script_args):
+            return script_args[i + 1]
+        if arg.startswith("--deepspeed_config="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def main_run(argv: Sequence[str]) -> int:
+    """``ds-resilience run [options] script.py [script args...]``; returns the agent's exit code."""
+    args = _parser().parse_args(list(argv))
+    try:
+        num = args.num_gpus
+        if num < 0:
+            import torch
+
+            num = torch.cuda.device_count() if torch.cuda.is_available() else 1
+        interval, timeout, store_timeout = args.heartbeat_interval, args.heartbeat_timeout, 30.0
+        cfg_path = _ds_config_path(args.script_args)
+        if cfg_path is not None:
+            detector = load_resilience_config(cfg_path).detector
+            interval = detector.heartbeat_interval_s if interval is None else interval
+            timeout = detector.heartbeat_timeout_s if timeout is None else timeout
+            store_timeout = detector.store_timeout_s
+        agent = Agent(args.script, args.script_args, num_workers=num, master_addr=args.master_addr,
+                      master_port=args.master_port, heartbeat_interval_s=0.5 if interval is None else interval,
+                      heartbeat_timeout_s=5.0 if timeout is None else timeout, rejoin_after_s=args.rejoin_after,
+                      stop_grace_s=args.stop_grace, store_timeout_s=store_timeout, log_dir=args.log_dir)
+        return agent.run()
+    except ResilienceError as exc:
+        print(f"ds-resilience run: error: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,123 @@
+"""Fault injection for tests and demos: a worker kills or freezes itself at a named point.
+
+``resilience.fault_injection`` lists ``{rank, step, point, kind}`` entries; the environment
+variable ``DSR_FAULTS`` (a JSON list of the same objects) replaces that list, so a test or demo can
+inject faults without writing a config. The engine calls :meth:`FaultInjector.maybe_fire` at each
+point of each iteration; a matching entry fires once:
+
+``exit``     ``os._exit(17)`` (a crash with an exit status, no cleanup)
+``sigkill``  SIGKILL to itself (death by signal)
+``hang``     SIGSTOP to itself: every thread stops, heartbeats included; the agent detects the
+             silence and kills the process (if someone sends SIGCONT instead, training resumes)
+
+Faults fire only in the first incarnation of a rank (``DSR_INCARNATION`` unset or 0), so a
+worker the agent relaunched does not kill itself again at the same step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from typing import Callable, Mapping, Sequence
+
+from ..config import FAULT_KINDS, FAULT_POINTS, FaultInjection
+from ..errors import ConfigError, ResilienceError
+
+__all__ = ["FaultInjector", "FaultPointError", "faults_from_env", "EXIT_CODE", "ENV_VAR"]
+
+EXIT_CODE = 17
+ENV_VAR = "DSR_FAULTS"
+
+
+class FaultPointError(ResilienceError, ValueError):
+    """:meth:`FaultInjector.maybe_fire` was called with a point that is not in ``FAULT_POINTS``."""
+
+
+def faults_from_env(env: Mapping[str, str] | None = None) -> tuple[FaultInjection, ...] | None:
+    """The faults listed in ``DSR_FAULTS`` (None when unset).
+
+    Raises:
+        ConfigError: the variable is not a JSON list of valid fault objects (path ``DSR_FAULTS[i]``).
+    """
+    env = os.environ if env is None else env
+    text = env.get(ENV_VAR)
+    if text is None or not text.strip():
+        return None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(ENV_VAR, f"not valid JSON: {exc}") from exc
+    if not isinstance(data, list):
+        raise ConfigError(ENV_VAR, f"expected a JSON list of fault objects, got {type(data).__name__}")
+    faults = []
+    for i, entry in enumerate(data):
+        if not isinstance(entry, dict):
+            raise ConfigError(f"{ENV_VAR}[{i}]", f"expected an object, got {entry!r}")
+        faults.append(FaultInjection.from_dict(entry, f"{ENV_VAR}[{i}]"))
+    return tuple(faults)
+
+
+class FaultInjector:
+    """Fires the faults of one rank at their (step, point), each at most once.
+
+    Args:
+        faults: all configured faults (every rank's); ``DSR_FAULTS`` replaces them when set.
+        rank: this process's global rank.
+        env: the environment to read ``DSR_FAULTS`` and ``DSR_INCARNATION`` from (default ``os.environ``).
+        on_fire: called with the fault just before it fires (e.g. to flush logs or record the time).
+        kill: how a signal is sent to this process (``os.kill``; replaceable in tests).
+    """
+
+    def __init__(self, faults: Sequence[FaultInjection], rank: int, *, env: Mapping[str, str] | None = None,
+                 on_fire: Callable[[FaultInjection], None] | None = None,
+                 kill: Callable[[int, int], None] = os.kill) -> None:
+        env = os.environ if env is None else env
+        override = faults_from_env(env)
+        chosen = tuple(faults) if override is None else override
+        self.rank = rank
+        self.incarnation = int(env.get("DSR_INCARNATION", "0") or 0)
+        self.armed = self.incarnation == 0
+        self._pending = {(f.step, f.point): f for f in chosen if f.rank == rank}
+        self._on_fire = on_fire
+        self._kill = kill
+        self.fired: list[FaultInjection] = []
+
+    @property
+    def pending(self) -> tuple[FaultInjection, ...]:
+        """This rank's faults that have not fired yet."""
+        return tuple(self._pending.values())
+
+    def maybe_fire(self, point: str, step: int) -> None:
+        """Fire this rank's fault for (``step``, ``point``) if there is one that has not fired.
+
+        ``exit`` and ``sigkill`` never return; ``hang`` returns only if the process is continued.
+
+        Raises:
+            FaultPointError: ``point`` is not one of ``FAULT_POINTS``.
+        """
+        if point not in FAULT_POINTS:
+            raise FaultPointError(f"unknown fault point {point!r}; allowed: {', '.join(FAULT_POINTS)}")
+        if not self.armed or not self._pending:
+            return
+        fault = self._pending.pop((step, point), None)
+        if fault is None:
+            return
+        self.fired.append(fault)
+        print(f"[ds_resilience] injecting {fault.kind} at step {step} {point} on rank {self.rank}",
+              file=sys.stderr, flush=True)
+        if self._on_fire is not None:
+            self._on_fire(fault)
+        sys.stdout.flush()
+        self._fire(fault.kind)
+
+    def _fire(self, kind: str) -> None:
+        if kind == "exit":
+            os._exit(EXIT_CODE)
+        elif kind == "sigkill":
+            self._kill(os.getpid(), signal.SIGKILL)  # delivered before kill() returns
+        elif kind == "hang":
+            self._kill(os.getpid(), signal.SIGSTOP)
+        else:  # pragma: no cover - FaultInjection validates kinds
+            raise FaultPointError(f"unknown fault kind {kind!r}; allowed: {', '.join(FAULT_KINDS)}")

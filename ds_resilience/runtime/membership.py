@@ -1,0 +1,410 @@
+"""The protocol between the agent and its workers, through the agent's TCPStore.
+
+The agent (:mod:`ds_resilience.runtime.agent`) hosts the store and is the one authority on
+membership; workers never decide it locally. All keys live under ``dsr/``:
+
+``dsr/hb/{rank}``
+    A counter the worker bumps with ``store.add(key, 1)`` every heartbeat interval. The agent
+    watches it *change* on its own monotonic clock, so no clock synchronisation is needed.
+    ``dsr/hb/{rank}/stopped`` is set when the heartbeat is stopped on purpose (the worker exits;
+    interpreter exit can outlast a heartbeat timeout), so the agent does not take it for a hang.
+``dsr/worker/{rank}``
+    The worker's registration (:class:`WorkerInfo` as JSON): pipeline, stage, pid, incarnation.
+``dsr/epoch/{g}`` and ``dsr/epoch/latest``
+    Membership epochs (:class:`EpochRecord` as JSON). The record is written first and the pointer
+    second, so whoever reads ``latest == g`` can read record ``g``. Records are never rewritten.
+``dsr/status/{rank}``
+    A free-form worker status string (``"running"``, ``"saved"``, ...), for logs and tests.
+
+Waiting is done by polling ``store.check`` (never a blocking ``get``, which would wait for the
+store timeout on a missing key, and never a timed-out ``store.wait``, which makes c10d log two
+warnings per timeout). Every call here is bounded. Pure Python plus the torch.distributed store.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import threading
+import time
+import weakref
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Any, Callable, Mapping
+
+import torch.distributed as dist
+
+from ..errors import ResilienceError
+
+__all__ = [
+    "MembershipError", "EpochRecord", "WorkerInfo", "EPOCH_KINDS", "EXIT_ORPHANED",
+    "hb_key", "hb_stopped_key", "worker_key", "epoch_key", "status_key", "LATEST_KEY",
+    "publish_epoch", "read_epoch", "latest_epoch", "wait_epoch",
+    "register_worker", "read_worker", "set_status", "read_status", "read_heartbeat",
+    "AgentEnv", "agent_env", "agent_store_from_env", "connect_store", "EpochWatcher", "Heartbeat",
+]
+
+log = logging.getLogger(__name__)
+
+EPOCH_KINDS = ("start", "crash", "hang", "rejoin", "stop")
+EXIT_ORPHANED = 75  # a worker's exit code when its agent died
+LATEST_KEY = "dsr/epoch/latest"
+_POLL_S = 0.01
+
+
+class MembershipError(ResilienceError):
+    """A membership record is malformed, or the agent's store cannot be reached in time."""
+
+
+def hb_key(rank: int) -> str:
+    """Heartbeat counter of global rank ``rank``."""
+    return f"dsr/hb/{rank}"
+
+
+def hb_stopped_key(rank: int) -> str:
+    """Set when ``rank`` stopped its heartbeat on purpose (it is exiting): silence is no hang."""
+    return f"dsr/hb/{rank}/stopped"
+
+
+def worker_key(rank: int) -> str:
+    """Registration of global rank ``rank``."""
+    return f"dsr/worker/{rank}"
+
+
+def epoch_key(epoch: int) -> str:
+    """Record of membership epoch ``epoch``."""
+    return f"dsr/epoch/{epoch}"
+
+
+def status_key(rank: int) -> str:
+    """Status string of global rank ``rank``."""
+    return f"dsr/status/{rank}"
+
+
+def _ranks(value: Any, name: str) -> tuple[int, ...]:
+    ranks = tuple(value)
+    if any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in ranks):
+        raise MembershipError(f"{name} must be non-negative integer ranks, got {ranks!r}")
+    if len(set(ranks)) != len(ranks):
+        raise MembershipError(f"{name} has duplicate ranks: {ranks!r}")
+    return tuple(sorted(ranks))
+
+
+@dataclass(frozen=True, kw_only=True)
+class EpochRecord:
+    """One membership epoch, as published by the agent.
+
+    Attributes:
+        epoch: 1 at launch, +1 for every change.
+        failed: global ranks gone at this epoch (cumulative; a re-joined rank leaves it).
+        alive: global ranks that are members (disjoint from ``failed``).
+        joining: ranks (a subset of ``alive``) that re-join in this epoch and need state.
+        stop: the job must stop (a stage lost every replica): save a checkpoint and exit 0.
+        reason: a human-readable cause, e.g. ``"rank 2 crashed (killed by SIGKILL)"``.
+        detected_at: the agent's ``time.time()`` when it detected the change.
+        kind: ``"start" | "crash" | "hang" | "rejoin" | "stop"``.
+    """
+
+    epoch: int
+    failed: tuple[int, ...]
+    alive: tuple[int, ...]
+    joining: tuple[int, ...] = ()
+    stop: bool = False
+    reason: str = ""
+    detected_at: float = 0.0
+    kind: str = "start"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.epoch, bool) or not isinstance(self.epoch, int) or self.epoch < 1:
+            raise MembershipError(f"epoch must be an integer >= 1, got {self.epoch!r}")
+        for name in ("failed", "alive", "joining"):
+            object.__setattr__(self, name, _ranks(getattr(self, name), name))
+        if set(self.failed) & set(self.alive):
+            raise MembershipError(f"ranks both failed and alive: {sorted(set(self.failed) & set(self.alive))}")
+        if not set(self.joining) <= set(self.alive):
+            raise MembershipError(f"joining ranks {self.joining} must be alive ({self.alive})")
+        if self.kind not in EPOCH_KINDS:
+            raise MembershipError(f"kind must be one of {EPOCH_KINDS}, got {self.kind!r}")
+        if bool(self.stop) != (self.kind == "stop"):
+            raise MembershipError(f"stop={self.stop!r} contradicts kind={self.kind!r}")
+
+    def to_json(self) -> str:
+        """The record as a JSON object string."""
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "EpochRecord":
+        """Parse :meth:`to_json`'s output; raise :class:`MembershipError` if malformed."""
+        try:
+            data = json.loads(text)
+            return cls(**data)
+        except (ValueError, TypeError) as exc:
+            raise MembershipError(f"malformed epoch record {text!r}: {exc}") from exc
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerInfo:
+    """A worker's registration: where it sits in the grid and which process it is."""
+
+    rank: int
+    pipeline: int
+    stage: int
+    pid: int
+    incarnation: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "WorkerInfo":
+        try:
+            return cls(**json.loads(text))
+        except (ValueError, TypeError) as exc:
+            raise MembershipError(f"malformed worker registration {text!r}: {exc}") from exc
+
+
+def _get(store: dist.Store, key: str) -> bytes | None:
+    """The value of ``key``, or None when absent (never blocks on a missing key)."""
+    return store.get(key) if store.check([key]) else None
+
+
+def publish_epoch(store: dist.Store, record: EpochRecord) -> None:
+    """Write ``record`` then point ``dsr/epoch/latest`` at it.
+
+    Raises:
+        MembershipError: the record is not exactly the successor of the latest epoch.
+    """
+    latest = latest_epoch(store)
+    if record.epoch != latest + 1:
+        raise MembershipError(f"epoch {record.epoch} published after epoch {latest}; expected {latest + 1}")
+    store.set(epoch_key(record.epoch), record.to_json())
+    store.set(LATEST_KEY, str(record.epoch))
+
+
+def read_epoch(store: dist.Store, epoch: int) -> EpochRecord | None:
+    """Record ``epoch``, or None if not (yet) published."""
+    raw = _get(store, epoch_key(epoch))
+    return None if raw is None else EpochRecord.from_json(raw)
+
+
+def latest_epoch(store: dist.Store) -> int:
+    """The latest published epoch; 0 if none."""
+    raw = _get(store, LATEST_KEY)
+    return 0 if raw is None else int(raw)
+
+
+def wait_epoch(store: dist.Store, epoch: int, timeout_s: float, poll_s: float = _POLL_S) -> EpochRecord | None:
+    """Wait up to ``timeout_s`` for record ``epoch``; None on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        record = read_epoch(store, epoch)
+        if record is not None:
+            return record
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
+
+
+def register_worker(store: dist.Store, info: WorkerInfo) -> None:
+    """Publish ``info`` under ``dsr/worker/{rank}`` (the agent uses it to judge tolerance)."""
+    store.set(worker_key(info.rank), info.to_json())
+
+
+def read_worker(store: dist.Store, rank: int) -> WorkerInfo | None:
+    """Registration of ``rank``, or None if it has not registered."""
+    raw = _get(store, worker_key(rank))
+    return None if raw is None else WorkerInfo.from_json(raw)
+
+
+def set_status(store: dist.Store, rank: int, status: str) -> None:
+    """Set the status string of ``rank``."""
+    store.set(status_key(rank), status)
+
+
+def read_status(store: dist.Store, rank: int) -> str | None:
+    """Status string of ``rank``, or None."""
+    raw = _get(store, status_key(rank))
+    return None if raw is None else raw.decode()
+
+
+def read_heartbeat(store: dist.Store, rank: int) -> int:
+    """Current heartbeat counter of ``rank`` (0 before its first beat); never blocks."""
+    return int(store.add(hb_key(rank), 0))
+
+
+def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """A raw client of the agent's store; raises :class:`MembershipError` if unreachable."""
+    try:
+        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    except (RuntimeError, ValueError) as exc:  # DistNetworkError is a RuntimeError
+        raise MembershipError(f"cannot reach the agent's store at {host}:{port} within {timeout_s} s: {exc}") from exc
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentEnv:
+    """What the agent tells a worker through its environment (see :func:`agent_env`)."""
+
+    host: str
+    port: int
+    rank: int
+    world_size: int
+    incarnation: int  # 0 at launch, +1 per relaunch of this rank
+    rejoin: bool  # relaunched after a failure: join at an iteration boundary, fetch state
+    heartbeat_interval_s: float | None  # the agent's interval, None if it set none
+    agent_pid: int | None
+
+
+def agent_env(env: Mapping[str, str] | None = None) -> AgentEnv | None:
+    """The agent's settings when launched by it (``DSR_AGENT=1``), else None.
+
+    Raises:
+        MembershipError: ``DSR_AGENT=1`` but a variable is missing or malformed.
+    """
+    env = os.environ if env is None else env
+    if env.get("DSR_AGENT") != "1":
+        return None
+    try:
+        interval = env.get("DSR_HEARTBEAT_INTERVAL_S")
+        pid = env.get("DSR_AGENT_PID")
+        return AgentEnv(host=env["MASTER_ADDR"], port=int(env["MASTER_PORT"]), rank=int(env["RANK"]),
+                        world_size=int(env["WORLD_SIZE"]), incarnation=int(env.get("DSR_INCARNATION", "0")),
+                        rejoin=env.get("DSR_REJOIN") == "1",
+                        heartbeat_interval_s=float(interval) if interval else None,
+                        agent_pid=int(pid) if pid else None)
+    except (KeyError, ValueError) as exc:
+        raise MembershipError(f"DSR_AGENT=1 but the agent's environment is incomplete: {exc!r}") from exc
+
+
+def agent_store_from_env(timeout_s: float = 30.0) -> dist.TCPStore | None:
+    """A client of the agent's store when launched by the agent (``DSR_AGENT=1``), else None.
+
+    Uses ``MASTER_ADDR``/``MASTER_PORT``; raises :class:`MembershipError` if they are missing
+    or the store cannot be reached within ``timeout_s``.
+    """
+    settings = agent_env()
+    return None if settings is None else connect_store(settings.host, settings.port, timeout_s)
+
+
+def _clone(store: dist.Store) -> dist.Store:
+    """An independent connection to the same store (a blocking call then blocks nobody else)."""
+    return store.clone()
+
+
+def _stop_at_exit(ref: "weakref.ref[_Loop]") -> None:
+    loop = ref()
+    if loop is not None:
+        loop.stop(timeout_s=2.0)
+
+
+class _Loop(threading.Thread):
+    """A daemon thread with a stop event, its own store client, and rate-limited error logging.
+
+    It is stopped and joined at interpreter exit: a daemon thread still inside a c10d store call
+    when the interpreter finalizes aborts the process ("terminate called without an active
+    exception", SIGABRT) instead of letting it exit with its own status.
+    """
+
+    def __init__(self, store: dist.Store, name: str) -> None:
+        super().__init__(name=name, daemon=True)
+        self._stop_event = threading.Event()
+        self._store = _clone(store)
+        self._last_log = -1e9
+        self.errors = 0
+        atexit.register(_stop_at_exit, weakref.ref(self))
+
+    def _log_error(self, what: str, exc: BaseException) -> None:
+        self.errors += 1
+        now = time.monotonic()
+        if now - self._last_log > 10.0:
+            self._last_log = now
+            log.warning("%s: %s failed (%d errors so far): %s", self.name, what, self.errors, exc)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Ask the thread to finish and join it (bounded)."""
+        self._stop_event.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout_s)
+
+
+class EpochWatcher(_Loop):
+    """Calls ``on_epoch(record)`` for epochs ``after+1, after+2, ...``, in order, from a daemon thread.
+
+    Args:
+        store: any client of the agent's store; the watcher clones its own connection.
+        on_epoch: called once per new record, in order; its exceptions are logged, not raised.
+        after: the last epoch already known (default: the latest at construction).
+        poll_s: how often the next record's key is checked (the detection latency it adds).
+    """
+
+    def __init__(self, store: dist.Store, on_epoch: Callable[[EpochRecord], None], *,
+                 after: int | None = None, poll_s: float = _POLL_S) -> None:
+        super().__init__(store, "dsr-epoch-watcher")
+        self._on_epoch = on_epoch
+        self._poll_s = poll_s
+        self.last_epoch = latest_epoch(self._store) if after is None else after
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            try:
+                record = read_epoch(self._store, self.last_epoch + 1)
+            except Exception as exc:  # noqa: BLE001 - never raise into the process
+                self._log_error("reading the next epoch", exc)
+                self._stop_event.wait(1.0)
+                continue
+            if record is None:
+                self._stop_event.wait(self._poll_s)
+                continue
+            self.last_epoch = record.epoch
+            try:
+                self._on_epoch(record)
+            except Exception:  # noqa: BLE001
+                log.exception("%s: on_epoch(%d) raised", self.name, record.epoch)
+
+
+class Heartbeat(_Loop):
+    """Bumps ``dsr/hb/{rank}`` every ``interval_s`` from a daemon thread (first beat at once).
+
+    A SIGSTOP'd process stops beating too; the agent turns that silence into a hang.
+
+    Args:
+        store: any client of the agent's store; the heartbeat clones its own connection.
+        rank: this worker's global rank.
+        interval_s: seconds between beats.
+        agent_pid: when given (the agent exports ``DSR_AGENT_PID``), the process exits with
+            :data:`EXIT_ORPHANED` as soon as its parent is no longer that process: an agent
+            killed with SIGKILL cannot clean up, so its workers do not outlive it.
+    """
+
+    def __init__(self, store: dist.Store, rank: int, interval_s: float, *, agent_pid: int | None = None) -> None:
+        if interval_s <= 0:
+            raise MembershipError(f"heartbeat interval must be > 0, got {interval_s!r}")
+        super().__init__(store, f"dsr-heartbeat-{rank}")
+        self._key = hb_key(rank)
+        self._interval_s = interval_s
+        self._agent_pid = agent_pid
+        self._rank = rank
+        self.beats = 0
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop beating, then tell the agent the silence to come is an exit, not a hang."""
+        was_running = self.is_alive() and not self._stop_event.is_set()
+        super().stop(timeout_s)
+        if was_running:  # after the join: the thread no longer uses the client
+            try:
+                self._store.set(hb_stopped_key(self._rank), "1")
+            except Exception as exc:  # noqa: BLE001 - the agent may be gone already
+                self._log_error("marking the heartbeat stopped", exc)
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            if self._agent_pid is not None and os.getppid() != self._agent_pid:
+                log.error("%s: the agent (pid %d) is gone; exiting", self.name, self._agent_pid)
+                os._exit(EXIT_ORPHANED)
+            try:
+                self._store.add(self._key, 1)
+                self.beats += 1
+            except Exception as exc:  # noqa: BLE001 - never raise into the process
+                self._log_error("heartbeat", exc)
+            self._stop_event.wait(self._interval_s)

@@ -1,0 +1,128 @@
+"""``ds-resilience simulate``: replay a failure trace against ds_resilience and the baselines.
+
+    ds-resilience simulate (--trace FILE | --mtbf 30m [--seed S]) --model NAME
+                           [--systems all|a,b] [--json] [--png FILE]
+
+Prints a table of average throughput (samples/s) and the time breakdown per system; ``--json``
+prints ``{"model": ..., "trace": {...}, "systems": {name: {"throughput": ..., "breakdown": {...}}}}``.
+Wire it with :func:`add_parser` (it sets ``handler=run``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from .jobsim import BREAKDOWN_KEYS, Result
+from .models import PlanCache, list_models, load_model
+from .systems import SYSTEMS, simulate_system
+from .traces import SimulationError, Trace, load_trace, poisson_trace
+
+__all__ = ["add_parser", "run", "parse_systems"]
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``simulate`` subcommand to an ``argparse`` subparsers object."""
+    p = subparsers.add_parser("simulate", help="replay a failure trace: ds_resilience against Bamboo, Varuna, Oobleck, ...")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--trace", metavar="FILE", help="trace file: 'ms,add|remove,node' csv or 'date, time, live' samples")
+    source.add_argument("--mtbf", metavar="DURATION", help="generate Poisson failures with this mean gap (e.g. 30m, 6h)")
+    p.add_argument("--seed", type=int, default=0, help="with --mtbf: random seed (default 0)")
+    p.add_argument("--nodes", type=int, help="with --mtbf: nodes at the start (default: the model's cluster)")
+    p.add_argument("--failures", type=int, help="with --mtbf: number of failures (default nodes/2, unless --duration)")
+    p.add_argument("--duration", metavar="DURATION", help="with --mtbf: length of the job (e.g. 24h)")
+    p.add_argument("--repair", metavar="DURATION", help="with --mtbf: failed nodes return after this mean time")
+    known = ", ".join(list_models()) or "see configs/models"
+    p.add_argument("--model", required=True, help=f"model profile name ({known}) or a profile .json path")
+    p.add_argument("--systems", default="all", help=f"'all' or a comma list of: {', '.join(SYSTEMS)}")
+    p.add_argument("--checkpoint-interval", type=int, default=10, metavar="N",
+                   help="checkpoint_restart (and ReCycle's persistent checkpoint): every N iterations (default 10)")
+    p.add_argument("--healthy", choices=("planned", "1f1b"), default="planned",
+                   help="ds_resilience's schedule with no failure: the planner's plan (default) or DeepSpeed 1F1B")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--png", metavar="FILE", help="also write a throughput-over-time plot")
+    p.set_defaults(handler=run)
+    return p
+
+
+def parse_systems(text: str) -> tuple[str, ...]:
+    """``"all"`` or a comma list of :data:`~.systems.SYSTEMS` (order kept, duplicates dropped)."""
+    if text.strip() == "all":
+        return SYSTEMS
+    names = tuple(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
+    bad = [n for n in names if n not in SYSTEMS]
+    if bad or not names:
+        raise SimulationError(f"unknown systems {bad or [text]}; allowed: all, {', '.join(SYSTEMS)}")
+    return names
+
+
+def _trace(args: argparse.Namespace, nodes: int) -> Trace:
+    if args.trace:
+        return load_trace(args.trace)
+    return poisson_trace(args.mtbf, seed=args.seed, nodes=args.nodes or nodes, failures=args.failures,
+                         duration=args.duration, repair=args.repair)
+
+
+def _report(trace: Trace, model_name: str, results: dict[str, Result], png: str | None) -> dict[str, Any]:
+    counts = trace.live_counts()
+    return {
+        "model": model_name,
+        "trace": {
+            "name": trace.name,
+            "hours": trace.end_s / 3600.0,
+            "removals": trace.removals,
+            "additions": trace.additions,
+            "initial_nodes": counts[0][1],
+            "max_nodes": trace.max_nodes,
+        },
+        "systems": {name: r.to_dict() for name, r in results.items()},
+        **({"png": png} if png else {}),
+    }
+
+
+def _table(report: dict[str, Any]) -> str:
+    t = report["trace"]
+    lines = [
+        f"model {report['model']} on trace {t['name']}: {t['initial_nodes']} nodes at first, "
+        f"{t['removals']} removals, {t['additions']} additions, {t['hours']:.2f} h",
+        f"{'system':<20}{'samples/s':>11}{'vs best':>9}  " + "".join(f"{k:>11}" for k in BREAKDOWN_KEYS),
+    ]
+    systems = report["systems"]
+    best = max((s["throughput"] for s in systems.values()), default=0.0)
+    for name, s in systems.items():
+        wall = sum(s["breakdown"].values()) or 1.0
+        ratio = f"{s['throughput'] / best:.2f}x" if best > 0 else "-"
+        shares = "".join(f"{100 * s['breakdown'][k] / wall:>10.1f}%" for k in BREAKDOWN_KEYS)
+        value = f"{s['throughput']:.2f}" if s["throughput"] > 0 else "0 (n/a)"
+        lines.append(f"{name:<20}{value:>11}{ratio:>9}  {shares}")
+    lines.append("breakdown: share of each system's window (first iteration to the trace's end)")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the ``simulate`` subcommand; returns the exit code (errors raise :class:`SimulationError`)."""
+    if args.checkpoint_interval < 1:
+        raise SimulationError(f"--checkpoint-interval must be >= 1 iterations, got {args.checkpoint_interval}")
+    if args.nodes is not None and args.nodes < 1:
+        raise SimulationError(f"--nodes must be >= 1, got {args.nodes}")
+    model = load_model(args.model)
+    systems = parse_systems(args.systems)
+    trace = _trace(args, model.nodes)
+    cache = PlanCache(model)
+    results = {
+        s: simulate_system(trace, model, s, cache=cache, checkpoint_interval=args.checkpoint_interval, healthy=args.healthy)
+        for s in systems
+    }
+    if args.png:
+        from .plot import plot_throughput
+
+        plot_throughput(list(results.values()), trace, args.png, title=f"{model.name} on {trace.name}")
+    report = _report(trace, model.name, results, args.png)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(_table(report))
+        if args.png:
+            print(f"wrote {args.png}")
+    return 0

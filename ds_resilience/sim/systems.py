@@ -1,0 +1,432 @@
+"""One policy per system: how its throughput depends on the live nodes and what a failure costs.
+
+Baselines replay their published behaviour (the SOSP'23 Oobleck artifact's simulators, with the
+throughput per live node count measured on 30 A40 nodes that the model profiles carry):
+
+* :class:`Oobleck`: a failure pauses for the reconfiguration (2-10 s) and loses the iteration in
+  flight, unless that iteration would have ended within the pause (the published simulator lets it
+  finish: ``grace``); the job then runs at the measured throughput for the live nodes. Nodes that
+  join while it runs wait for the next reconfiguration.
+* :class:`Varuna`: checkpoint-restart "morphing". A failure pauses for the restart (its measured
+  restart cost minus the checkpoint part) and rolls back to the last completed checkpoint. It
+  checkpoints (blocking) after the first iteration of each restart and every ``checkpoint_every``
+  iterations; a checkpoint cut by a failure does not count.
+* :class:`Bamboo`: pipelines of ``stages`` nodes with redundant computation. A failed node's
+  predecessor takes over its stage; the job runs ``slowdown`` times slower in fail-over until it
+  rebalances (a pause) at the end of that iteration. Losing a node that already covers another, or
+  whose predecessor does, is fatal: a global restart (30 s) and the in-flight iteration lost. As in
+  the published simulator, losing a spare node also enters fail-over (it lasts until the next
+  rebalance). The outcome depends on which node fails, so reproductions average over redraws of
+  the victims (:func:`~.traces.redraw_victims`). Models that ran out of memory never run.
+* :class:`CheckpointRestart`: DeepSpeed's 1F1B on the largest grid the live nodes allow, a blocking
+  checkpoint every ``interval`` iterations, and a full restart with rollback at every failure of an
+  active node.
+
+Planner-driven systems take iteration times from :class:`~.models.PlanCache` (the real planner):
+
+* :class:`ReCycle` (as published): a fixed grid; a failure re-routes the failed worker's
+  micro-batches to its data-parallel peers (pause: failure detection, the in-flight iteration is
+  lost); a degraded iteration never beats the healthy 1F1B one (ReCycle fills 1F1B's bubbles). A
+  re-joining node fills a hole. Beyond tolerance (a stage lost every replica): full restart from
+  the last persistent checkpoint (background, every ``checkpoint_interval`` iterations).
+* :class:`DsResilience`: the same re-routing with the planner's plans for every failure set,
+  including the empty one (the plan table's first entry); a snapshot in host memory every
+  iteration (nothing beyond the in-flight iteration is lost); re-join fills holes; and a re-grid
+  (new ``dp`` x ``pp`` over the live nodes, holes re-routed, restored from the in-memory snapshot)
+  when re-routing cannot cover the failure set or when the better grid repays its pause within the
+  horizon (the mean time between membership changes seen so far).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from dataclasses import replace
+
+from ..errors import PlanningError
+from .jobsim import NOTHING, Action, JobView, Policy, Result, run_policy
+from .models import Grid, ModelProfile, PlanCache, ThroughputTable, divisors, stage_layers
+from .traces import SimulationError, Trace, redraw_victims
+
+__all__ = ["SYSTEMS", "Oobleck", "Varuna", "Bamboo", "CheckpointRestart", "ReCycle", "DsResilience", "make_policy", "simulate_system", "mean_over_redraws"]
+
+SYSTEMS = ("ds_resilience", "recycle", "oobleck", "bamboo", "varuna", "checkpoint_restart")
+
+
+def _table_time(model: ModelProfile, table: ThroughputTable | None, nodes: int) -> float:
+    rate = table.at(nodes) if table is not None else 0.0
+    return model.global_batch / rate if rate > 0 else math.inf
+
+
+class Oobleck(Policy):
+    name = "oobleck"
+
+    def __init__(self, model: ModelProfile, *, grace: bool = True) -> None:
+        if model.oobleck is None:
+            raise SimulationError(f"model {model.name!r} has no Oobleck throughput list")
+        self.model = model
+        self.grace = grace
+
+    def on_ready(self, job: JobView, node: str) -> Action:
+        return Action(pause_s=self.model.oobleck_reconfigure_s) if job.phase == "idle" else NOTHING
+
+    def on_remove(self, job: JobView, node: str) -> Action:
+        if job.phase == "idle":
+            return NOTHING
+        return Action(pause_s=self.model.oobleck_reconfigure_s, grace=self.grace)
+
+    def on_resume(self, job: JobView) -> Action:
+        return Action(iteration_s=_table_time(self.model, self.model.oobleck, len(job.live)))
+
+
+class Varuna(Policy):
+    name = "varuna"
+
+    def __init__(self, model: ModelProfile) -> None:
+        if model.varuna is None:
+            raise SimulationError(f"model {model.name!r} has no Varuna throughput list")
+        self.model = model
+        self.config_nodes: int | None = None
+        self.count = 0
+        self.restarted = False
+
+    def _restart(self) -> float:
+        m = self.model
+        full = m.varuna_restart_s if self.config_nodes is None else m.restart_varuna(self.config_nodes)
+        return max(0.0, full - m.varuna_checkpoint_s)
+
+    def on_ready(self, job: JobView, node: str) -> Action:
+        return Action(pause_s=self._restart()) if job.phase == "idle" else NOTHING
+
+    def on_remove(self, job: JobView, node: str) -> Action:
+        if job.phase == "idle":
+            return NOTHING
+        self.count, self.restarted = 0, True
+        return Action(pause_s=self._restart(), rollback=True)
+
+    def on_resume(self, job: JobView) -> Action:
+        self.config_nodes = len(job.live)
+        return Action(iteration_s=_table_time(self.model, self.model.varuna, len(job.live)))
+
+    def after_iteration(self, job: JobView) -> Action:
+        self.count += 1
+        if (self.restarted and self.count == 1) or self.count % self.model.varuna_checkpoint_every == 0:
+            self.restarted = False
+            return Action(checkpoint_s=self.model.varuna_checkpoint_s)
+        return NOTHING
+
+
+class Bamboo(Policy):
+    name = "bamboo"
+
+    def __init__(self, model: ModelProfile, *, spare_loss_slows: bool = True) -> None:
+        self.model = model
+        self.spare_loss_slows = spare_loss_slows
+        self.coords: dict[str, list[tuple[int, int]]] = {}
+        self.pipelines = 0
+        self.waiting = 0
+        self.fallback = False
+        self.base_s = math.inf
+
+    def on_ready(self, job: JobView, node: str) -> Action:
+        if job.phase == "idle":
+            return Action(pause_s=self.model.bamboo_fatal_restart_s)
+        if job.phase == "running":
+            self.waiting += 1  # joins at the next rebalance
+        return NOTHING
+
+    def on_remove(self, job: JobView, node: str) -> Action:
+        m = self.model
+        mine = self.coords.pop(node, [])
+        if job.phase == "paused":
+            return Action(extend_pause_s=m.bamboo_rebalance_s)  # the rendezvous starts over
+        if job.phase == "idle":
+            return NOTHING
+        if mine:
+            if len(mine) > 1:
+                return Action(pause_s=m.bamboo_fatal_restart_s)
+            p, s = mine[0]
+            pred = (p, (s - 1) % m.bamboo_stages)
+            holder = next((n for n, c in self.coords.items() if pred in c), None)
+            if holder is None or len(self.coords[holder]) > 1:
+                return Action(pause_s=m.bamboo_fatal_restart_s)
+            self.coords[holder].append(mine[0])
+        if not self.fallback and (mine or self.spare_loss_slows):
+            self.fallback = True
+            return Action(stretch_inflight=m.bamboo_slowdown, iteration_s=self.base_s * m.bamboo_slowdown)
+        return NOTHING
+
+    def on_resume(self, job: JobView) -> Action:
+        m, n = self.model, len(job.live)
+        s = m.bamboo_stages
+        self.pipelines = n // s
+        slots = [(p, j) for p in range(self.pipelines) for j in range(s)]
+        self.coords = {node: ([slots[i]] if i < len(slots) else []) for i, node in enumerate(job.live)}
+        self.waiting = n - len(slots)
+        self.fallback = False
+        self.base_s = _table_time(m, m.bamboo, n) if self.pipelines else math.inf
+        return Action(iteration_s=self.base_s, redundant_fraction=m.bamboo_redundant_fraction)
+
+    def after_iteration(self, job: JobView) -> Action:
+        s = self.model.bamboo_stages
+        overloaded = sum(1 for c in self.coords.values() if len(c) > 1)
+        active = self.pipelines * s - overloaded
+        rebalance = (
+            (overloaded and self.waiting >= overloaded)
+            or (overloaded and 2 * overloaded / max(active, 1) > 0.05)
+            or (active + self.waiting) // s > self.pipelines
+        )
+        return Action(durable=True, pause_s=self.model.bamboo_rebalance_s if rebalance else None)
+
+
+class CheckpointRestart(Policy):
+    name = "checkpoint_restart"
+
+    def __init__(self, model: ModelProfile, cache: PlanCache, *, interval: int = 10) -> None:
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise SimulationError(f"checkpoint interval must be an integer >= 1 iterations, got {interval!r}")
+        self.model, self.cache, self.interval = model, cache, interval
+        self.active: set[str] = set()
+        self.count = 0
+
+    def on_ready(self, job: JobView, node: str) -> Action:
+        return Action(pause_s=self.model.restart_s) if job.phase == "idle" else NOTHING
+
+    def on_remove(self, job: JobView, node: str) -> Action:
+        if node not in self.active or job.phase == "idle":
+            return NOTHING
+        return Action(pause_s=self.model.restart_s, rollback=True)
+
+    def on_resume(self, job: JobView) -> Action:
+        m = self.model
+        usable = min(len(job.live), m.nodes) // m.pp
+        dp = max((d for d in divisors(m.total_microbatches) if d <= usable), default=0)
+        self.active = set(job.live[: dp * m.pp])
+        self.count = 0
+        return Action(iteration_s=self.cache.one_f_one_b_s(dp, m.pp) if dp else math.inf)
+
+    def after_iteration(self, job: JobView) -> Action:
+        self.count += 1
+        return Action(checkpoint_s=self.model.checkpoint_s) if self.count % self.interval == 0 else NOTHING
+
+
+class ReCycle(Policy):
+    name = "recycle"
+    clamp_to_1f1b = True
+
+    def __init__(self, model: ModelProfile, cache: PlanCache, *, checkpoint_interval: int = 10) -> None:
+        self.model, self.cache = model, cache
+        self.checkpoint_interval = checkpoint_interval
+        self.grid: Grid | None = None
+        self.rebuild = True
+        self.count = 0
+
+    def grid_time(self, grid: Grid) -> float:
+        if not grid.covered():
+            return math.inf
+        failed = grid.failed
+        if not failed:
+            return self.healthy_s(grid.dp, grid.pp)
+        planned = self.cache.plan_s(grid.dp, grid.pp, failed)
+        return max(planned, self.cache.one_f_one_b_s(grid.dp, grid.pp)) if self.clamp_to_1f1b else planned
+
+    def healthy_s(self, dp: int, pp: int) -> float:
+        return self.cache.one_f_one_b_s(dp, pp)
+
+    def _new_grid(self, job: JobView) -> Grid:
+        return Grid(self.model, self.model.dp, self.model.pp, job.live)
+
+    def _spares(self, job: JobView) -> list[str]:
+        used = self.grid.nodes if self.grid else set()
+        return [n for n in job.live if n not in used]
+
+    def on_ready(self, job: JobView, node: str) -> Action:
+        if job.phase == "idle":
+            self.rebuild = True
+            return Action(pause_s=self.model.regrid_s)
+        if self.grid is not None and job.phase != "paused" and self.grid.fill(node):
+            return Action(iteration_s=self.grid_time(self.grid))  # re-join: from the next iteration
+        return NOTHING
+
+    def on_remove(self, job: JobView, node: str) -> Action:
+        if self.grid is None or not self.grid.vacate(node):
+            return NOTHING
+        if self.grid.covered() or any(self.grid.fill(n) for n in self._spares(job)):
+            return Action(pause_s=self.model.detect_s)
+        self.rebuild = True  # beyond tolerance: restart from the persistent checkpoint
+        return Action(pause_s=self.model.detect_s + self.model.restart_s, rollback=True)
+
+    def on_resume(self, job: JobView) -> Action:
+        if self.rebuild or self.grid is None:
+            self.grid, self.rebuild = self._new_grid(job), False
+        for n in self._spares(job):
+            if not self.grid.fill(n):
+                break
+        if len(self.grid.nodes) < self.grid.pp:
+            self.rebuild = True
+            return Action(iteration_s=math.inf)
+        return Action(iteration_s=self.grid_time(self.grid))
+
+    def after_iteration(self, job: JobView) -> Action:
+        self.count += 1
+        if self.count % self.checkpoint_interval == 0:
+            return Action(background_checkpoint_s=self.model.checkpoint_s)
+        return NOTHING
+
+
+class DsResilience(ReCycle):
+    name = "ds_resilience"
+    clamp_to_1f1b = False
+
+    def __init__(self, model: ModelProfile, cache: PlanCache, *, healthy: str = "planned",
+                 horizon_s: float | None = None) -> None:
+        super().__init__(model, cache)
+        if healthy not in ("planned", "1f1b"):
+            raise SimulationError(f"healthy schedule {healthy!r} must be 'planned' or '1f1b'")
+        self.healthy, self.horizon_s = healthy, horizon_s
+        self.changes: list[float] = []
+        self.pending: Grid | None = None
+
+    def healthy_s(self, dp: int, pp: int) -> float:
+        if self.healthy == "1f1b":
+            return self.cache.one_f_one_b_s(dp, pp)
+        return self.cache.plan_s(dp, pp, ())
+
+    def _horizon(self, now: float) -> float:
+        if self.horizon_s is not None:
+            return self.horizon_s
+        self.changes.append(now)
+        if len(self.changes) < 3:
+            return 3600.0
+        return (self.changes[-1] - self.changes[0]) / (len(self.changes) - 1)
+
+    def _candidates(self, job: JobView) -> list[Grid]:
+        m = self.model
+        n = min(len(job.live), m.nodes)
+        out: list[tuple[float, Grid]] = []
+        for pp in m.stage_options():
+            costs = [l * (1 + m.backward_ratio + m.weight_ratio) for l in stage_layers(m.layers, pp)]
+            for dp in divisors(m.total_microbatches):
+                if (dp - 1) * pp >= n or dp * pp < n - pp:
+                    continue  # a whole pipeline of holes, or a whole pipeline of spares
+                grid = Grid(m, dp, pp, job.live[:n])
+                if not grid.covered():
+                    continue
+                reps = [sum(1 for p in range(dp) if grid.slot[(p, s)] is not None) for s in range(pp)]
+                work = max(math.ceil(m.total_microbatches / r) * c for r, c in zip(reps, costs))
+                out.append((work, grid))
+        out.sort(key=lambda x: x[0])
+        return [g for _, g in out[:3]]
+
+    def _best(self, job: JobView) -> tuple[float, Grid | None]:
+        best: tuple[float, Grid | None] = (math.inf, None)
+        m = self.model
+        home = Grid(m, m.dp, m.pp, job.live[: m.nodes])  # the configured grid wins ties
+        for grid in [home] + self._candidates(job):
+            if not grid.covered():
+                continue
+            if grid is home and not grid.failed:
+                return self.grid_time(grid), grid  # healthy: the job's own configuration
+            try:
+                t = self.grid_time(grid)
+            except PlanningError:
+                continue
+            if t < best[0] * (1 - 1e-9):
+                best = (t, grid)
+        return best
+
+    def _decide(self, job: JobView, pause_keep: float) -> Action:
+        horizon = self._horizon(job.now)
+        keep = self.grid_time(self.grid) if self.grid is not None else math.inf
+        regrid_pause = pause_keep + self.model.regrid_s
+        t_new, grid = self._best(job)
+        if grid is not None and (horizon - regrid_pause) / t_new > max(0.0, horizon - pause_keep) / keep:
+            self.pending = grid
+            return Action(pause_s=regrid_pause)
+        return Action(pause_s=pause_keep) if pause_keep > 0 else Action(iteration_s=keep)
+
+    def on_ready(self, job: JobView, node: str) -> Action:
+        if job.phase == "idle":
+            self.pending = None
+            self.rebuild = True
+            return Action(pause_s=self.model.regrid_s)
+        if self.grid is None or job.phase == "paused":
+            return NOTHING
+        if self.grid.fill(node):
+            return Action(iteration_s=self.grid_time(self.grid))
+        return self._decide(job, 0.0)
+
+    def on_remove(self, job: JobView, node: str) -> Action:
+        if self.grid is None or not self.grid.vacate(node):
+            return NOTHING
+        for spare in self._spares(job):
+            if self.grid.fill(spare):
+                break
+        if not self.grid.covered():
+            t_new, grid = self._best(job)
+            self.pending = grid
+            self.rebuild = grid is None
+            self._horizon(job.now)
+            return Action(pause_s=self.model.detect_s + self.model.regrid_s)
+        return self._decide(job, self.model.detect_s)
+
+    def on_resume(self, job: JobView) -> Action:
+        if self.pending is not None:
+            self.grid, self.pending, self.rebuild = self.pending, None, False
+        elif self.rebuild or self.grid is None:
+            _, self.grid = self._best(job)
+            self.rebuild = self.grid is None
+            if self.grid is None:
+                return Action(iteration_s=math.inf)
+        return super().on_resume(job)
+
+    def after_iteration(self, job: JobView) -> Action:
+        return Action(durable=True)  # a snapshot in host memory every iteration
+
+
+def make_policy(system: str, model: ModelProfile, cache: PlanCache | None = None, *,
+                checkpoint_interval: int = 10, healthy: str = "planned") -> Policy:
+    """The policy of ``system`` (one of :data:`SYSTEMS`) for ``model``.
+
+    Raises:
+        SimulationError: an unknown system (the message lists the allowed ones).
+    """
+    if system not in SYSTEMS:
+        raise SimulationError(f"unknown system {system!r}; allowed: {', '.join(SYSTEMS)}")
+    if system in ("ds_resilience", "recycle", "checkpoint_restart") and cache is None:
+        cache = PlanCache(model)
+    if system == "oobleck":
+        return Oobleck(model)
+    if system == "varuna":
+        return Varuna(model)
+    if system == "bamboo":
+        return Bamboo(model)
+    if system == "checkpoint_restart":
+        return CheckpointRestart(model, cache, interval=checkpoint_interval)  # type: ignore[arg-type]
+    if system == "recycle":
+        return ReCycle(model, cache, checkpoint_interval=checkpoint_interval)  # type: ignore[arg-type]
+    return DsResilience(model, cache, healthy=healthy)  # type: ignore[arg-type]
+
+
+def simulate_system(trace: Trace, model: ModelProfile, system: str, *, cache: PlanCache | None = None,
+             checkpoint_interval: int = 10, healthy: str = "planned") -> Result:
+    """Run ``system`` on ``model`` over ``trace`` and return its :class:`~.jobsim.Result`."""
+    policy = make_policy(system, model, cache, checkpoint_interval=checkpoint_interval, healthy=healthy)
+    result = run_policy(trace, policy, samples_per_iteration=float(model.global_batch), boot_s=model.boot_s)
+    return replace(result, model=model.name)
+
+
+def mean_over_redraws(trace: Trace, model: ModelProfile, system: str, *, draws: int = 64, seed: int = 0,
+                      cache: PlanCache | None = None) -> float:
+    """Mean throughput of ``system`` over ``draws`` redraws of the trace's victims (seeded).
+
+    For systems whose outcome depends on which node fails (Bamboo) on traces whose victims were
+    drawn at random (the published periodic traces).
+    """
+    if isinstance(draws, bool) or not isinstance(draws, int) or draws < 1:
+        raise SimulationError(f"draws must be an integer >= 1, got {draws!r}")
+    rng = random.Random(seed)
+    return statistics.fmean(
+        simulate_system(redraw_victims(trace, rng), model, system, cache=cache).throughput for _ in range(draws)
+    )

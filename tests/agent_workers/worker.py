@@ -1,0 +1,106 @@
+"""A stand-in training worker for tests/test_agent.py: the agent protocol, no DeepSpeed.
+
+It connects to the agent's store, registers (pipeline, stage), heartbeats, watches epochs, waits
+until every first-incarnation worker is up, then runs ``--steps`` "iterations" of ``--step_s``
+seconds, calling the fault injector at each point (faults come from ``DSR_FAULTS``). Every event
+goes as one JSON line to ``$DSR_TEST_OUT/rank{r}.{incarnation}.jsonl``.
+
+On a stop epoch it writes ``saved.{r}`` into ``$DSR_TEST_OUT`` (a stand-in checkpoint) and exits 0.
+With ``--until_epoch K`` it keeps stepping past ``--steps`` until it has seen epoch K.
+``DSR_TEST_DIE_EARLY=r`` makes rank r exit with code 5 before registering;
+``DSR_TEST_DIE_IF_REJOIN=1`` makes every relaunched worker exit with code 5 at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+
+if os.environ.get("DSR_TEST_DIE_IF_REJOIN") == "1" and os.environ.get("DSR_REJOIN") == "1":
+    sys.exit(5)
+
+from ds_resilience.config import FAULT_POINTS
+from ds_resilience.runtime import membership as mb
+from ds_resilience.runtime.faults import FaultInjector
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--step_s", type=float, default=0.05)
+    parser.add_argument("--stages", type=int, default=1)
+    parser.add_argument("--until_epoch", type=int, default=0)
+    parser.add_argument("--local_rank", type=int, required=True)
+    args = parser.parse_args()
+
+    settings = mb.agent_env()
+    assert settings is not None, "launch me through the agent"
+    rank, world = settings.rank, settings.world_size
+    assert rank == args.local_rank
+    out_dir = os.environ["DSR_TEST_OUT"]
+    out = open(os.path.join(out_dir, f"rank{rank}.{settings.incarnation}.jsonl"), "a", buffering=1)
+
+    def emit(ev: str, **fields: object) -> None:
+        out.write(json.dumps({"ev": ev, "t": time.time(), **fields}) + "\n")
+        out.flush()
+        os.fsync(out.fileno())
+
+    emit("start", pid=os.getpid(), incarnation=settings.incarnation, rejoin=settings.rejoin,
+         env={k: os.environ.get(k) for k in ("WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "OMP_NUM_THREADS",
+                                             "TORCHELASTIC_USE_AGENT_STORE", "DSR_REJOIN")})
+    if os.environ.get("DSR_TEST_DIE_EARLY") == str(rank):
+        emit("die_early")
+        return 5
+
+    store = mb.agent_store_from_env(30.0)
+    dp = world // args.stages
+    mb.register_worker(store, mb.WorkerInfo(rank=rank, pipeline=rank % dp, stage=rank // dp, pid=os.getpid(),
+                                            incarnation=settings.incarnation))
+    heartbeat = mb.Heartbeat(store, rank, settings.heartbeat_interval_s or 0.5, agent_pid=settings.agent_pid)
+    heartbeat.start()
+
+    stop = threading.Event()
+    seen: list[int] = []
+
+    def on_epoch(record: mb.EpochRecord) -> None:
+        seen.append(record.epoch)
+        emit("epoch", record=json.loads(record.to_json()))
+        if record.stop:
+            stop.set()
+
+    watcher = mb.EpochWatcher(store, on_epoch, after=0)
+    watcher.start()
+    mb.set_status(store, rank, "running")
+    if settings.incarnation == 0:  # start together, so fault steps are comparable across ranks
+        store.add("test/ready", 1)
+        deadline = time.monotonic() + 60
+        while int(store.add("test/ready", 0)) < world and time.monotonic() < deadline and not stop.is_set():
+            time.sleep(0.01)
+
+    injector = FaultInjector((), rank, on_fire=lambda f: emit("fault", kind=f.kind, step=f.step, point=f.point))
+    step = 0
+    deadline = time.monotonic() + 60
+    while step < args.steps or (args.until_epoch and not any(e >= args.until_epoch for e in seen)
+                                and time.monotonic() < deadline):
+        for point in FAULT_POINTS:
+            injector.maybe_fire(point, step)
+            time.sleep(args.step_s / len(FAULT_POINTS))
+            if stop.is_set():
+                open(os.path.join(out_dir, f"saved.{rank}"), "w").close()
+                mb.set_status(store, rank, "saved")
+                emit("saved", step=step)
+                return 0
+        step += 1
+    mb.set_status(store, rank, "done")
+    emit("done", steps=step, seen=seen)
+    watcher.stop()
+    heartbeat.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

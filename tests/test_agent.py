@@ -1,0 +1,426 @@
+"""The agent, the membership protocol and fault injection, with real processes.
+
+Process tests launch ``agent_workers/worker.py`` (the agent protocol without DeepSpeed) through a
+real :class:`Agent`; faults are injected by the workers themselves through ``DSR_FAULTS`` and the
+:class:`FaultInjector`. Each worker logs JSON lines (``rank{r}.{incarnation}.jsonl``) with
+``time.time()`` stamps, the agent's records carry ``detected_at`` on the same clock, so detection
+latencies are measured from the moment of the fault.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from ds_resilience.config import FaultInjection
+from ds_resilience.errors import ConfigError, ResilienceError
+from ds_resilience.runtime import agent as agent_mod
+from ds_resilience.runtime import membership as mb
+from ds_resilience.runtime.agent import EXIT_STARTUP, EXIT_STOPPED, Agent, AgentError, main_run
+from ds_resilience.runtime.faults import EXIT_CODE, FaultInjector, FaultPointError, faults_from_env
+
+WORKERS = Path(__file__).parent / "agent_workers"
+WORKER = WORKERS / "worker.py"
+INTERVAL, TIMEOUT = 0.1, 1.0
+
+
+def fault(rank: int, step: int, point: str = "before_forward", kind: str = "sigkill") -> dict[str, Any]:
+    return {"rank": rank, "step": step, "point": point, "kind": kind}
+
+
+def read_logs(out: Path) -> dict[str, list[dict[str, Any]]]:
+    """``{"rank1.0": [events...]}`` from the workers' JSON-lines files."""
+    return {p.stem: [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+            for p in sorted(out.glob("rank*.jsonl"))}
+
+
+def worker_output(out: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((out / "logs").glob("*.log")))
+
+
+def first(events: list[dict[str, Any]], ev: str) -> dict[str, Any]:
+    return next(e for e in events if e["ev"] == ev)
+
+
+def epochs_seen(events: list[dict[str, Any]]) -> list[int]:
+    return [e["record"]["epoch"] for e in events if e["ev"] == "epoch"]
+
+
+def run_agent(out: Path, n: int, faults: list[dict[str, Any]] = (), args: tuple[str, ...] = (),
+              extra_env: dict[str, str] | None = None, **kw: Any) -> tuple[Agent, int, dict[str, list]]:
+    messages: list[str] = []
+    env = {"DSR_TEST_OUT": str(out), "DSR_FAULTS": json.dumps(list(faults)), **(extra_env or {})}
+    kw.setdefault("stop_grace_s", 30.0)
+    agent = Agent(WORKER, list(args), num_workers=n, env=env, heartbeat_interval_s=INTERVAL,
+                  heartbeat_timeout_s=TIMEOUT, log_dir=out / "logs", echo=messages.append, **kw)
+    code = agent.run()
+    agent.messages = messages  # type: ignore[attr-defined]
+    return agent, code, read_logs(out)
+
+
+def dead(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+# --- membership: records, store helpers, threads (one process) ----------------------------------
+@pytest.fixture
+def store():
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = mb.connect_store("127.0.0.1", master.port, 5.0)
+    yield client
+
+
+def test_epoch_record_round_trip_and_invariants():
+    rec = mb.EpochRecord(epoch=2, failed=(3, 1), alive=(0, 2), reason="r", detected_at=1.5, kind="crash")
+    assert rec.failed == (1, 3)
+    assert mb.EpochRecord.from_json(rec.to_json()) == rec
+    for bad in (dict(epoch=0, failed=(), alive=(0,)), dict(epoch=1, failed=(0,), alive=(0,)),
+                dict(epoch=1, failed=(), alive=(0,), joining=(1,)), dict(epoch=1, failed=(), alive=(), kind="x"),
+                dict(epoch=1, failed=(), alive=(), stop=True, kind="crash"), dict(epoch=1, failed=(-1,), alive=())):
+        with pytest.raises(mb.MembershipError):
+            mb.EpochRecord(**bad)
+    with pytest.raises(ResilienceError):
+        mb.EpochRecord.from_json('{"epoch": 1, "bogus": 2}')
+
+
+def test_publish_read_latest_wait(store):
+    assert mb.latest_epoch(store) == 0 and mb.read_epoch(store, 1) is None
+    assert mb.wait_epoch(store, 1, 0.05) is None
+    rec = mb.EpochRecord(epoch=1, failed=(), alive=(0, 1))
+    mb.publish_epoch(store, rec)
+    assert mb.latest_epoch(store) == 1 and mb.read_epoch(store, 1) == rec == mb.wait_epoch(store, 1, 1.0)
+    with pytest.raises(mb.MembershipError, match="expected 2"):
+        mb.publish_epoch(store, mb.EpochRecord(epoch=3, failed=(), alive=(0,)))
+    mb.register_worker(store, mb.WorkerInfo(rank=1, pipeline=1, stage=0, pid=42, incarnation=2))
+    assert mb.read_worker(store, 1) == mb.WorkerInfo(rank=1, pipeline=1, stage=0, pid=42, incarnation=2)
+    assert mb.read_worker(store, 0) is None and mb.read_status(store, 0) is None
+    mb.set_status(store, 0, "saved")
+    assert mb.read_status(store, 0) == "saved"
+
+
+def test_epoch_watcher_sees_epochs_in_order_and_survives_callback_errors(store):
+    seen: list[int] = []
+
+    def on_epoch(rec: mb.EpochRecord) -> None:
+        seen.append(rec.epoch)
+        if rec.epoch == 2:
+            raise RuntimeError("a buggy callback must not kill the watcher")
+
+    mb.publish_epoch(store, mb.EpochRecord(epoch=1, failed=(), alive=(0, 1, 2)))
+    watcher = mb.EpochWatcher(store, on_epoch)  # after = latest = 1
+    watcher.start()
+    for g in range(2, 7):  # published faster than the watcher polls
+        mb.publish_epoch(store, mb.EpochRecord(epoch=g, failed=(), alive=(0, 1, 2), kind="rejoin"))
+    deadline = time.monotonic() + 5
+    while len(seen) < 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    watcher.stop()
+    assert not watcher.is_alive()
+    assert seen == [2, 3, 4, 5, 6]
+
+
+def test_heartbeat_bumps_counter_and_marks_a_deliberate_stop(store):
+    hb = mb.Heartbeat(store, 3, 0.02)
+    hb.start()
+    time.sleep(0.3)
+    assert mb.read_heartbeat(store, 3) >= 5
+    assert not store.check([mb.hb_stopped_key(3)])
+    hb.stop()
+    assert not hb.is_alive() and store.check([mb.hb_stopped_key(3)])
+    value = mb.read_heartbeat(store, 3)
+    time.sleep(0.1)
+    assert mb.read_heartbeat(store, 3) == value
+
+
+def test_agent_env(monkeypatch):
+    assert mb.agent_env({}) is None
+    monkeypatch.delenv("DSR_AGENT", raising=False)
+    assert mb.agent_store_from_env() is None
+    env = {"DSR_AGENT": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234", "RANK": "2", "WORLD_SIZE": "4",
+           "DSR_INCARNATION": "1", "DSR_REJOIN": "1", "DSR_HEARTBEAT_INTERVAL_S": "0.25", "DSR_AGENT_PID": "7"}
+    assert mb.agent_env(env) == mb.AgentEnv(host="127.0.0.1", port=1234, rank=2, world_size=4, incarnation=1,
+                                            rejoin=True, heartbeat_interval_s=0.25, agent_pid=7)
+    with pytest.raises(mb.MembershipError, match="incomplete"):
+        mb.agent_env({"DSR_AGENT": "1", "MASTER_ADDR": "x"})
+
+
+# --- fault injection ----------------------------------------------------------------------------
+def test_fault_injector_fires_once_at_its_rank_step_point():
+    calls: list[tuple[int, int]] = []
+    faults = [FaultInjection(rank=1, step=2, point="in_reduce", kind="hang"),
+              FaultInjection(rank=0, step=2, point="in_reduce", kind="exit")]
+    inj = FaultInjector(faults, 1, env={}, kill=lambda pid, sig: calls.append((pid, sig)))
+    for step in range(4):
+        for point in ("before_forward", "mid_backward", "in_reduce", "in_optimizer"):
+            inj.maybe_fire(point, step)
+            inj.maybe_fire(point, step)  # the same point again: already fired
+    assert calls == [(os.getpid(), signal.SIGSTOP)]
+    assert inj.fired == [faults[0]] and inj.pending == ()
+    with pytest.raises(FaultPointError, match="allowed"):
+        inj.maybe_fire("in_forward", 0)
+
+
+def test_fault_injector_env_override_and_relaunch_disarm():
+    env = {"DSR_FAULTS": json.dumps([fault(0, 1, "mid_backward", "exit")])}
+    inj = FaultInjector([FaultInjection(rank=0, step=5, point="in_reduce", kind="exit")], 0, env=env)
+    assert [(f.step, f.point) for f in inj.pending] == [(1, "mid_backward")]
+    assert not FaultInjector((), 0, env={**env, "DSR_INCARNATION": "1"}).armed
+    assert faults_from_env({}) is None
+    with pytest.raises(ConfigError, match=r"DSR_FAULTS\[0\]\.kind"):
+        faults_from_env({"DSR_FAULTS": json.dumps([fault(0, 1, kind="explode")])})
+    with pytest.raises(ConfigError, match="DSR_FAULTS"):
+        faults_from_env({"DSR_FAULTS": "[{"})
+
+
+def _fault_target(tmp_path: Path, kind: str, rank: int) -> tuple[subprocess.Popen, Path, Path]:
+    out, err = tmp_path / "out.txt", tmp_path / "err.txt"
+    env = {**os.environ, "DSR_FAULTS": json.dumps([fault(2, 3, "mid_backward", kind)])}
+    with open(out, "w") as o, open(err, "w") as e:
+        proc = subprocess.Popen([sys.executable, str(WORKERS / "fault_target.py"), str(rank)], stdout=o, stderr=e,
+                                env=env)
+    return proc, out, err
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kind,code", [("exit", EXIT_CODE), ("sigkill", -signal.SIGKILL)])
+def test_fault_injector_kills_the_process_at_the_point(tmp_path, kind, code):
+    proc, out, err = _fault_target(tmp_path, kind, rank=2)
+    assert proc.wait(timeout=20) == code
+    lines = out.read_text().splitlines()
+    assert lines[-1] == "3 mid_backward" and len(lines) == 3 * 4 + 2  # nothing ran after the point
+    assert f"[ds_resilience] injecting {kind} at step 3 mid_backward on rank 2" in err.read_text()
+
+
+@pytest.mark.timeout(30)
+def test_fault_injector_hang_stops_the_process_and_fires_once(tmp_path):
+    proc, out, _ = _fault_target(tmp_path, "hang", rank=2)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            with open(f"/proc/{proc.pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                    break
+            assert time.monotonic() < deadline and proc.poll() is None, "the process never stopped"
+            time.sleep(0.02)
+        time.sleep(0.2)
+        assert out.read_text().splitlines()[-1] == "3 mid_backward"
+        os.kill(proc.pid, signal.SIGCONT)  # resumed, it goes on and never fires again
+        assert proc.wait(timeout=20) == 0
+        assert out.read_text().splitlines()[-1] == "survived ['3 mid_backward']"
+    finally:
+        proc.kill()
+
+
+@pytest.mark.timeout(30)
+def test_fault_injector_spares_other_ranks(tmp_path):
+    proc, out, _ = _fault_target(tmp_path, "sigkill", rank=1)
+    assert proc.wait(timeout=20) == 0
+    assert out.read_text().splitlines()[-1] == "survived []"
+
+
+# --- the agent with real workers ----------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_clean_run_publishes_epoch_1_and_exits_0(tmp_path):
+    agent, code, logs = run_agent(tmp_path, 2, args=("--steps", "5"))
+    assert code == 0, worker_output(tmp_path)
+    assert [(r.epoch, r.kind, r.alive, r.failed) for r in agent.epochs] == [(1, "start", (0, 1), ())]
+    assert mb.read_epoch(agent.store, 1) == agent.epochs[0] and mb.latest_epoch(agent.store) == 1
+    for r in (0, 1):
+        events = logs[f"rank{r}.0"]
+        assert epochs_seen(events) == [1] and first(events, "done")["steps"] == 5
+        assert first(events, "start")["env"] == {
+            "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1",
+            "TORCHELASTIC_USE_AGENT_STORE": "True", "DSR_REJOIN": "0"}
+        assert mb.read_worker(agent.store, r).pid == first(events, "start")["pid"]
+    assert sorted(e.rank for e in agent.events if e.kind == "exit") == [0, 1]
+    assert any("exit code 0" in m for m in agent.messages)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind,reason", [("sigkill", "killed by SIGKILL"), ("exit", "exit code 17")])
+def test_crash_is_published_within_a_second(tmp_path, kind, reason):
+    agent, code, logs = run_agent(tmp_path, 2, [fault(1, 3, "mid_backward", kind)], args=("--steps", "20"))
+    assert code == 0, worker_output(tmp_path)  # the survivor finished its steps
+    crash = agent.epochs[1]
+    assert (crash.epoch, crash.kind, crash.failed, crash.alive) == (2, "crash", (1,), (0,))
+    assert reason in crash.reason
+    latency = crash.detected_at - first(logs["rank1.0"], "fault")["t"]
+    print(f"crash ({kind}) detection latency: {latency * 1000:.1f} ms")
+    assert 0 <= latency < 1.0
+    assert epochs_seen(logs["rank0.0"]) == [1, 2]  # the survivor's watcher saw it
+    seen_at = next(e["t"] for e in logs["rank0.0"] if e["ev"] == "epoch" and e["record"]["epoch"] == 2)
+    assert seen_at - crash.detected_at < 0.5
+    event = next(e for e in agent.events if e.kind == "crash")
+    assert event.rank == 1 and event.epoch == 2 and event.latency_s < 0.5
+
+
+@pytest.mark.timeout(60)
+def test_hang_is_detected_by_heartbeat_and_the_process_killed(tmp_path):
+    agent, code, logs = run_agent(tmp_path, 2, [fault(1, 3, "in_reduce", "hang")], args=("--steps", "40"))
+    assert code == 0, worker_output(tmp_path)
+    hang = agent.epochs[1]
+    assert (hang.epoch, hang.kind, hang.failed, hang.alive) == (2, "hang", (1,), (0,))
+    latency = hang.detected_at - first(logs["rank1.0"], "fault")["t"]
+    print(f"hang detection latency: {latency:.3f} s (timeout {TIMEOUT} s, interval {INTERVAL} s)")
+    assert TIMEOUT - INTERVAL - 0.1 <= latency < TIMEOUT + 1.0
+    assert dead(first(logs["rank1.0"], "start")["pid"])
+    event = next(e for e in agent.events if e.kind == "hang")
+    assert TIMEOUT <= event.latency_s < TIMEOUT + 1.0
+    assert 2 in epochs_seen(logs["rank0.0"])
+
+
+@pytest.mark.timeout(60)
+def test_two_failures_make_two_epochs(tmp_path):
+    faults = [fault(1, 2, "before_forward", "sigkill"), fault(2, 14, "in_optimizer", "exit")]
+    agent, code, logs = run_agent(tmp_path, 3, faults, args=("--steps", "30"))
+    assert code == 0, worker_output(tmp_path)
+    assert [(r.epoch, r.kind, r.failed, r.alive) for r in agent.epochs] == [
+        (1, "start", (), (0, 1, 2)), (2, "crash", (1,), (0, 2)), (3, "crash", (1, 2), (0,))]
+    assert epochs_seen(logs["rank0.0"]) == [1, 2, 3]
+
+
+@pytest.mark.timeout(60)
+def test_beyond_tolerance_stops_cleanly_with_exit_code_3(tmp_path):
+    """2 stages x 2 pipelines (stage 1 = ranks 2, 3); losing both replicas of stage 1 stops the job."""
+    faults = [fault(2, 2, "before_forward", "sigkill"), fault(3, 12, "mid_backward", "sigkill")]
+    agent, code, logs = run_agent(tmp_path, 4, faults, args=("--steps", "1000", "--stages", "2"))
+    assert code == EXIT_STOPPED == 3, worker_output(tmp_path)
+    assert [(r.epoch, r.kind) for r in agent.epochs] == [(1, "start"), (2, "crash"), (3, "stop")]
+    stop = agent.epochs[2]
+    assert stop.stop and stop.failed == (2, 3) and stop.alive == (0, 1)
+    assert "stage 1 lost every replica" in stop.reason and "stage 0" not in stop.reason
+    for r in (0, 1):  # the survivors saw the stop, saved and exited 0
+        assert (tmp_path / f"saved.{r}").exists()
+        assert mb.read_status(agent.store, r) == "saved"
+    assert sorted(e.rank for e in agent.events if e.kind == "exit") == [0, 1]
+    assert "stage 1 lost every replica" in agent.messages[-1] and "exit code 3" in agent.messages[-1]
+
+
+@pytest.mark.timeout(60)
+def test_failure_before_registration_stops_with_exit_code_1(tmp_path):
+    agent, code, logs = run_agent(tmp_path, 2, extra_env={"DSR_TEST_DIE_EARLY": "1"}, args=("--steps", "1000"))
+    assert code == EXIT_STARTUP == 1, worker_output(tmp_path)
+    assert agent.epochs[-1].stop and "rank 1 failed before it registered" in agent.epochs[-1].reason
+    assert (tmp_path / "saved.0").exists()
+
+
+@pytest.mark.timeout(60)
+def test_rejoin_relaunches_the_rank_and_publishes_a_rejoin_epoch(tmp_path):
+    agent, code, logs = run_agent(tmp_path, 2, [fault(1, 2, "before_forward", "sigkill")],
+                                  args=("--steps", "10", "--until_epoch", "3"), rejoin_after_s=0.3)
+    assert code == 0, worker_output(tmp_path)
+    assert [(r.epoch, r.kind, r.failed, r.alive, r.joining) for r in agent.epochs] == [
+        (1, "start", (), (0, 1), ()), (2, "crash", (1,), (0,), ()), (3, "rejoin", (), (0, 1), (1,))]
+    start = first(logs["rank1.1"], "start")
+    assert start["rejoin"] and start["incarnation"] == 1 and start["env"]["DSR_REJOIN"] == "1"
+    assert "fault" not in [e["ev"] for e in logs["rank1.1"]]  # a relaunched rank does not re-fire
+    assert first(logs["rank1.1"], "done")["steps"] == 10
+    assert epochs_seen(logs["rank0.0"]) == [1, 2, 3]
+    relaunch = next(e for e in agent.events if e.kind == "relaunch")
+    crash = next(e for e in agent.events if e.kind == "crash")
+    assert relaunch.time - crash.time >= 0.3 - 0.05
+    assert mb.read_worker(agent.store, 1).incarnation == 1
+
+
+@pytest.mark.timeout(60)
+def test_relaunches_that_die_before_rejoining_are_retried_then_given_up(tmp_path):
+    agent, code, logs = run_agent(tmp_path, 2, [fault(1, 2, "before_forward", "sigkill")], args=("--steps", "40"),
+                                  extra_env={"DSR_TEST_DIE_IF_REJOIN": "1"}, rejoin_after_s=0.1, max_join_attempts=2)
+    assert code == 0, worker_output(tmp_path)
+    assert [r.kind for r in agent.epochs] == ["start", "crash"]  # membership never changed back
+    assert [e.kind for e in agent.events if e.rank == 1] == ["crash", "relaunch", "exit", "relaunch", "exit", "giveup"]
+
+
+# --- the CLI and the agent's own death -----------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cli_agent(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
+    """`ds-resilience run` in a subprocess with 2 long-running workers; returns it and their pids."""
+    code = "import sys; from ds_resilience.runtime.agent import main_run; sys.exit(main_run(sys.argv[1:]))"
+    env = {**os.environ, "DSR_TEST_OUT": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-c", code, "--num_gpus", "2", "--master_port", str(_free_port()),
+                             "--heartbeat_interval", "0.1", "--heartbeat_timeout", "2", str(WORKER), "--steps", "2000"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 40
+    while time.monotonic() < deadline:
+        logs = read_logs(tmp_path)
+        if all(f"rank{r}.0" in logs and epochs_seen(logs[f"rank{r}.0"]) for r in (0, 1)):
+            return proc, [first(logs[f"rank{r}.0"], "start")["pid"] for r in (0, 1)]
+        assert proc.poll() is None, proc.stderr.read().decode()
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError("workers did not start")
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_to_the_agent_kills_the_workers(tmp_path):
+    proc, pids = _cli_agent(tmp_path)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=20) == 128 + signal.SIGTERM
+    assert all(dead(pid) for pid in pids)
+    assert "interrupted by SIGTERM" in proc.stderr.read().decode()
+
+
+@pytest.mark.timeout(60)
+def test_workers_exit_when_the_agent_is_sigkilled(tmp_path):
+    proc, pids = _cli_agent(tmp_path)
+    proc.kill()
+    proc.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while not all(dead(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(dead(pid) for pid in pids), "orphaned workers outlived their agent"
+
+
+def test_main_run_reads_the_detector_section_and_flags_override(tmp_path, monkeypatch):
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"train_batch_size": 4, "resilience": {"detector": {
+        "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 3.0, "store_timeout_s": 12.0}}}))
+    seen: list[Agent] = []
+    monkeypatch.setattr(agent_mod.Agent, "run", lambda self: seen.append(self) or 0)
+    assert main_run(["--num_gpus", "3", str(WORKER), "--deepspeed_config", str(cfg), "--x", "1"]) == 0
+    a = seen[-1]
+    assert (a.num_workers, a.heartbeat_interval_s, a.heartbeat_timeout_s, a.store_timeout_s) == (3, 0.2, 3.0, 12.0)
+    assert a.script_args == ("--deepspeed_config", str(cfg), "--x", "1") and a.rejoin_after_s is None
+    assert main_run(["--num_gpus", "2", "--heartbeat_timeout", "9", "--rejoin_after", "1.5", str(WORKER),
+                     f"--deepspeed_config={cfg}"]) == 0
+    assert (seen[-1].heartbeat_interval_s, seen[-1].heartbeat_timeout_s, seen[-1].rejoin_after_s) == (0.2, 9.0, 1.5)
+    assert main_run(["--num_gpus", "2", str(WORKER)]) == 0
+    assert (seen[-1].heartbeat_interval_s, seen[-1].heartbeat_timeout_s) == (0.5, 5.0)
+    assert main_run(["--num_gpus", "2", "--heartbeat_interval", "2", "--heartbeat_timeout", "1", str(WORKER)]) == 2
+    assert main_run(["--num_gpus", "2", str(tmp_path / "missing.py")]) == 2
+
+
+def test_agent_rejects_bad_arguments(tmp_path):
+    with pytest.raises(AgentError, match="num_workers"):
+        Agent(WORKER, num_workers=0)
+    with pytest.raises(AgentError, match="heartbeat"):
+        Agent(WORKER, num_workers=1, heartbeat_interval_s=1.0, heartbeat_timeout_s=1.0)
+    with pytest.raises(AgentError, match="not found"):
+        Agent(tmp_path / "nope.py", num_workers=1)
+
+
+def test_agent_reports_a_taken_port(tmp_path):
+    taken = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    agent = Agent(WORKER, num_workers=1, master_port=taken.port, echo=lambda m: None)
+    with pytest.raises(AgentError, match="cannot host the store"):
+        agent.run()
