@@ -41,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dump", metavar="PATH", help="rank 0 saves losses and step times here (JSON); every "
                         "rank saves its stage's parameters and recovery log to PATH.rank<R>.pt")
     parser.add_argument("--progress", action="store_true", help="rank 0 draws a progress bar instead of a line per step")
+    parser.add_argument("--min-step-seconds", type=float, default=0.0,
+                        help="pad each step to at least this long (paces demos and re-join tests)")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     return parser.parse_args(argv)
 
@@ -100,6 +102,8 @@ def main(argv=None) -> int:
         except ds_resilience.BeyondTolerance as exc:
             stopped = str(exc)
             break
+        if args.min_step_seconds > 0:
+            time.sleep(max(0.0, args.min_step_seconds - (time.perf_counter() - t0)))
         dt = time.perf_counter() - t0
         if loss is not None:
             losses.append(float(loss))
