@@ -1,0 +1,193 @@
+"""``ds-resilience demo``: train the example GPT, kill a worker mid-run, keep training, compare.
+
+Runs ``examples/train_gpt.py`` on CPU with PP=2 x DP=2 under the agent twice: once fault-free (the
+reference), once with one worker SIGKILLed in the middle of a backward pass. The second run keeps
+training (the dead worker's micro-batches are re-routed to its data-parallel peer) while a progress
+bar shows the steps; the summary gives the steps done, the detection and recovery times, samples/s
+before, during and after the failure, and the largest parameter difference against the reference.
+Needs a source checkout (``examples/`` and ``configs/`` next to the package).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main", "run_demo"]
+
+REPO = Path(__file__).resolve().parents[1]
+_STEP = re.compile(r"^step\s+(\d+) loss ([\d.]+) samples/s\s+([\d.]+)")
+
+
+def _job(out: Path, name: str, *, steps: int, faults: list[dict[str, Any]], echo) -> tuple[int, list, dict]:
+    import torch
+
+    from .runtime.agent import Agent
+
+    base = json.loads((REPO / "configs" / "gpt_cpu_pp2_dp2.json").read_text())
+    base["resilience"] = {
+        "schedule": "1f1b",
+        "variant": "recycle",
+        "fault_injection": faults,
+        "detector": {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 2.0, "pg_timeout_s": 60.0},
+    }
+    cfg = out / f"{name}.json"
+    cfg.write_text(json.dumps(base, indent=1))
+    dump = out / name
+    logs = out / f"{name}-logs"
+    agent = Agent(
+        REPO / "examples" / "train_gpt.py",
+        ["--deepspeed_config", str(cfg), "--steps", str(steps), "--dump", str(dump)],
+        num_workers=4,
+        heartbeat_interval_s=0.2,
+        heartbeat_timeout_s=2.0,
+        log_dir=logs,
+        env={"PYTHONPATH": str(REPO)},
+        echo=echo,
+    )
+    result: dict[str, int] = {}
+    thread = threading.Thread(target=lambda: result.setdefault("code", agent.run()), daemon=True)
+    thread.start()
+    return thread, agent, logs, dump, result
+
+
+def _follow(thread, logs: Path, steps: int, draw: bool) -> None:
+    """Draw a progress bar from rank 0's log while the job runs."""
+    seen = 0
+    while thread.is_alive() or seen == 0:
+        log = logs / "rank0.0.log"
+        if log.exists():
+            lines = log.read_text(errors="replace").splitlines()
+            for line in lines:
+                m = _STEP.match(line)
+                if m and int(m.group(1)) + 1 > seen:
+                    seen = int(m.group(1)) + 1
+                    text = f"step {seen:3d}/{steps} loss {float(m.group(2)):.4f} {float(m.group(3)):7.1f} samples/s"
+                    if draw and sys.stdout.isatty():
+                        bar = "#" * (30 * seen // steps)
+                        print(f"\r  [{bar:<30}] {text}", end="", flush=True)
+                    elif draw and (seen % 5 == 0 or seen == steps):
+                        print(f"  {text}", flush=True)
+        if not thread.is_alive():
+            break
+        time.sleep(0.1)
+    if draw and sys.stdout.isatty():
+        print(flush=True)
+
+
+def _wait(thread, result) -> int:
+    thread.join()
+    return result.get("code", 1)
+
+
+def _dumps(dump: Path) -> dict[int, dict]:
+    import torch
+
+    out = {}
+    for r in range(4):
+        f = Path(f"{dump}.rank{r}.pt")
+        if f.exists():
+            out[r] = torch.load(f, weights_only=False)
+    return out
+
+
+def run_demo(*, steps: int = 30, kill_rank: int = 3, kill_step: int = 12, point: str = "mid_backward",
+             out: str | os.PathLike[str] = "out/demo") -> int:
+    """Run the demo; returns 0 when the faulty run finished every step and matches the reference."""
+    if not (REPO / "examples" / "train_gpt.py").exists():
+        print("ds-resilience demo: needs a source checkout (examples/ and configs/ beside the package)", file=sys.stderr)
+        return 2
+    outdir = Path(out).resolve()
+    outdir.mkdir(parents=True, exist_ok=True)
+    quiet = lambda msg: None  # noqa: E731
+    print(f"ds_resilience demo: example GPT on CPU, PP=2 x DP=2 (4 processes, gloo), {steps} steps")
+    print("1/2 fault-free reference run ...", flush=True)
+    thread, _, logs, ref_dump, result = _job(outdir, "reference", steps=steps, faults=[], echo=quiet)
+    _follow(thread, logs, steps, draw=True)
+    if _wait(thread, result) != 0:
+        print(f"reference run failed; logs in {logs}", file=sys.stderr)
+        return 1
+    fault = {"rank": kill_rank, "step": kill_step, "point": point, "kind": "sigkill"}
+    print(f"2/2 the same run, worker rank {kill_rank} SIGKILLed at step {kill_step} ({point}) ...", flush=True)
+    events_text: list[str] = []
+
+    def echo(msg: str) -> None:
+        if "epoch" in msg and "(start)" not in msg:
+            events_text.append(msg)
+            print(f"{chr(10) if sys.stdout.isatty() else ''}  {msg.strip()}", flush=True)
+
+    thread, agent, logs, dump, result = _job(outdir, "faulty", steps=steps, faults=[fault], echo=echo)
+    _follow(thread, logs, steps, draw=True)
+    code = _wait(thread, result)
+    ref, got = _dumps(ref_dump), _dumps(dump)
+    if code != 0 or not got:
+        print(f"faulty run ended with code {code}; logs in {logs}", file=sys.stderr)
+        return 1
+    return _summary(steps, kill_step, fault, agent.events, ref, got, outdir)
+
+
+def _rate(times: list[float], lo: int, hi: int, samples: int) -> float:
+    part = times[lo:hi]
+    return samples * len(part) / sum(part) if part else float("nan")
+
+
+def _summary(steps, kill_step, fault, events, ref, got, outdir: Path) -> int:
+    samples = 2 * 4 * 2  # micro-batch 2 x 4 micro-batches x 2 pipelines
+    r0, ref0 = got[min(got)], ref[min(ref)]
+    crash = [e for e in events if e.kind == "crash"]
+    recovery = max(r["recovery_s"] for d in got.values() for r in d["recovery"] if r.get("recovery_s") is not None)
+    ref_params = {}
+    for d in ref.values():
+        ref_params.setdefault(d["stage"], d["params"])
+    worst = 0.0
+    for d in got.values():
+        for name, t in d["params"].items():
+            worst = max(worst, float((t - ref_params[d["stage"]][name]).abs().max()))
+    t = r0["times_s"]
+    rows = {
+        "steps_done": r0["steps"],
+        "failed_rank": fault["rank"],
+        "detection_s": crash[0].latency_s if crash else None,
+        "recovery_s": recovery,
+        "samples_per_s_before": _rate(t, 1, kill_step, samples),
+        "samples_per_s_during": _rate(t, kill_step, kill_step + 1, samples),
+        "samples_per_s_after": _rate(t, kill_step + 1, len(t), samples),
+        "reference_samples_per_s": _rate(ref0["times_s"], 1, len(ref0["times_s"]), samples),
+        "max_param_diff_vs_reference": worst,
+        "final_loss": r0["losses"][-1],
+        "reference_final_loss": ref0["losses"][-1],
+    }
+    (outdir / "summary.json").write_text(json.dumps(rows, indent=1))
+    print("\nsummary")
+    print(f"  steps done                     {rows['steps_done']}/{steps} (rank {fault['rank']} died at step {kill_step})")
+    print(f"  detection (exit -> new epoch)  {rows['detection_s'] * 1e3:.1f} ms" if rows["detection_s"] is not None else "")
+    print(f"  recovery (epoch -> ready)      {rows['recovery_s'] * 1e3:.1f} ms")
+    print(f"  samples/s before / during / after   {rows['samples_per_s_before']:.1f} / "
+          f"{rows['samples_per_s_during']:.1f} / {rows['samples_per_s_after']:.1f}  "
+          f"(fault-free reference {rows['reference_samples_per_s']:.1f})")
+    print(f"  final loss                     {rows['final_loss']:.6f} (reference {rows['reference_final_loss']:.6f})")
+    print(f"  largest parameter difference   {worst:.3e} against the fault-free reference")
+    print(f"  (details in {outdir})")
+    ok = rows["steps_done"] == steps and worst < 1e-4
+    print("OK: training survived the failure and matches the fault-free run" if ok else "MISMATCH")
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ds-resilience demo", description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--kill-rank", type=int, default=3, choices=range(4))
+    parser.add_argument("--kill-step", type=int, default=12)
+    parser.add_argument("--point", default="mid_backward", choices=("before_forward", "mid_backward", "in_reduce", "in_optimizer"))
+    parser.add_argument("--out", default="out/demo")
+    args = parser.parse_args(argv)
+    if not 1 <= args.kill_step < args.steps - 1:
+        parser.error(f"--kill-step must be in 1..{args.steps - 2}")
+    return run_demo(steps=args.steps, kill_rank=args.kill_rank, kill_step=args.kill_step, point=args.point, out=args.out)
