@@ -70,9 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     table.add_argument("--json", action="store_true")
     table.set_defaults(handler=_cmd_plan_table)
 
+    from .planning import placement_cli
     from .sim import cli as sim_cli
 
     sim_cli.add_parser(sub)
+    placement_cli.add_parser(sub)
     sub.add_parser("run", help="launch workers under the failure-handling agent (deepspeed launcher arguments)")
     sub.add_parser("demo", help="train the example GPT, kill a worker mid-run, keep training, compare")
     return parser

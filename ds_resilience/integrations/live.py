@@ -113,13 +113,7 @@ class LiveFailureMixin:
         self._rollback_to(resume)
         if record.stop or target.uncovered_stages():
             self._stop_beyond_tolerance(record, target, resume)
-        self.current = target
-        self.schedule = self._plan_for(target)
-        groups = build_groups(
-            target, self.me, session=self.session, generation=record.epoch,
-            timeout_s=self.resilience.detector.pg_timeout_s, store=self.coordinator.store,
-        )
-        self._install_groups(groups)
+        self._enter_generation(record, target)
         for rank in sorted(joining):
             newcomer = self.topology.coord(rank)[0]
             donors = [w for w in target.stage_peers(newcomer.stage) if self.topology.rank(w) not in joining]
@@ -135,6 +129,16 @@ class LiveFailureMixin:
             # new epoch published by the agent -> ready for the first new step (same host clock)
             "recovery_s": time.time() - record.detected_at if record.detected_at else None,
         })
+
+    def _enter_generation(self, record, target) -> None:
+        """Adopt ``target`` as the membership: its plan and the epoch's new process groups."""
+        self.current = target
+        self.schedule = self._plan_for(target)
+        groups = build_groups(
+            target, self.me, session=self.session, generation=record.epoch,
+            timeout_s=self.resilience.detector.pg_timeout_s, store=self.coordinator.store,
+        )
+        self._install_groups(groups)
 
     # --- re-join ---------------------------------------------------------------------------------
     def _send_state(self, rank: int, steps: int) -> None:
@@ -155,13 +159,7 @@ class LiveFailureMixin:
             time.sleep(0.01)
         failed = {self.topology.coord(r)[0] for r in record.failed}
         target = self.topology.without(failed)
-        self.current = target
-        self.schedule = self._plan_for(target)
-        groups = build_groups(
-            target, self.me, session=self.session, generation=record.epoch,
-            timeout_s=self.resilience.detector.pg_timeout_s, store=self.coordinator.store,
-        )
-        self._install_groups(groups)
+        self._enter_generation(record, target)
         donor = [w for w in target.stage_peers(self.stage_id) if self.topology.rank(w) not in record.joining][0]
         data = self.worker.messenger.recv(self.topology.rank(donor), _STATE_TAG, "state")[0]
         snap = snapshot_from_bytes(data)
