@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from deepspeed.runtime.pipe import schedule as ds_schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ..config import ResilienceConfig, load_resilience_config
@@ -35,86 +34,23 @@ from ..runtime.groups import build_groups
 from ..runtime.p2p import Messenger
 from ..runtime.stage_worker import BatchSource, StageWorker
 from ..topology import Topology, Worker
+from .ds_instructions import (
+    INSTRUCTIONS,
+    ActionSchedule,
+    BackwardFused,
+    BackwardInput,
+    BackwardWeight,
+    ForwardMicroBatch,
+    RecvActivationFrom,
+    RecvGradFrom,
+    ReduceStageGrads,
+    SendActivationTo,
+    SendGradTo,
+    StageOptimizerStep,
+)
 from .live import BeyondTolerance, LiveFailureMixin, is_failure
 
 __all__ = ["ResilientPipelineEngine", "initialize", "init_distributed", "ActionSchedule", "INSTRUCTIONS", "BeyondTolerance"]
-
-
-class _ActionInstruction(ds_schedule.PipeInstruction):
-    """A pipeline instruction carrying one IR action."""
-
-    def __init__(self, action: Action) -> None:
-        super().__init__(action=action)
-
-
-class ForwardMicroBatch(_ActionInstruction):
-    """F: forward of (pipeline, micro-batch)."""
-
-
-class BackwardInput(_ActionInstruction):
-    """B: input gradient only."""
-
-
-class BackwardWeight(_ActionInstruction):
-    """W: weight gradient of an earlier B."""
-
-
-class BackwardFused(_ActionInstruction):
-    """BW: full backward."""
-
-
-class SendActivationTo(_ActionInstruction):
-    """Send an activation to any global rank."""
-
-
-class RecvActivationFrom(_ActionInstruction):
-    """Receive an activation from any global rank."""
-
-
-class SendGradTo(_ActionInstruction):
-    """Send an input gradient to any global rank."""
-
-
-class RecvGradFrom(_ActionInstruction):
-    """Receive an output gradient from any global rank."""
-
-
-class ReduceStageGrads(_ActionInstruction):
-    """Sum gradients over this stage's surviving replicas."""
-
-
-class StageOptimizerStep(_ActionInstruction):
-    """This stage's optimizer step."""
-
-
-INSTRUCTIONS: dict[ActionKind, type[_ActionInstruction]] = {
-    ActionKind.F: ForwardMicroBatch,
-    ActionKind.B: BackwardInput,
-    ActionKind.W: BackwardWeight,
-    ActionKind.BW: BackwardFused,
-    ActionKind.SEND_ACT: SendActivationTo,
-    ActionKind.RECV_ACT: RecvActivationFrom,
-    ActionKind.SEND_GRAD: SendGradTo,
-    ActionKind.RECV_GRAD: RecvGradFrom,
-    ActionKind.REDUCE_GRAD: ReduceStageGrads,
-    ActionKind.OPT_STEP: StageOptimizerStep,
-}
-
-
-class ActionSchedule(ds_schedule.PipeSchedule):
-    """A DeepSpeed ``PipeSchedule`` that yields one worker's IR actions, one per step."""
-
-    def __init__(self, actions: tuple[Action, ...], micro_batches: int, stages: int, stage_id: int, buffers: int) -> None:
-        super().__init__(micro_batches=micro_batches, stages=stages, stage_id=stage_id)
-        self._actions = actions
-        self._buffers = buffers
-
-    def steps(self):
-        for action in self._actions:
-            yield [INSTRUCTIONS[action.kind](action)]
-
-    def num_pipe_buffers(self) -> int:
-        return max(2, self._buffers)
 
 
 class _IteratorSource:
