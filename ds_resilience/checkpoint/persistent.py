@@ -1,0 +1,419 @@
+"""Persistent checkpoint tier: an asynchronous, atomic DeepSpeed ``CheckpointEngine``.
+
+``engine.save_checkpoint(dir, tag)`` and ``engine.load_checkpoint(dir, tag)`` keep working
+unchanged; with :func:`install` the files are written like this:
+
+* ``save(state_dict, path)`` copies every tensor to host memory at once (a snapshot: training may
+  go on and mutate the live tensors), then a background thread ``torch.save`` s it to
+  ``path + ".tmp-<pid>"`` and ``os.replace`` s it to ``path``: a reader never sees a torn file, and
+  a crash leaves only a ``.tmp-*`` file that DeepSpeed's loaders never glob.
+* ``commit(info)`` waits (bounded) for this rank's writes of that tag, then writes the marker
+  ``<save_dir>/<tag>/.complete-rank<R>``.
+* Global rank 0 writes ``<save_dir>/latest`` (atomically) only once every rank's marker of a tag
+  exists, and then deletes complete tags older than the newest ``keep_last`` complete ones.
+
+How it hooks into DeepSpeed 0.19.8 (``runtime/engine.py``):
+
+* ``save_checkpoint`` calls ``commit`` itself and writes ``latest`` right after, unless the engine
+  ``is_decoupled()``. A blocking ``commit`` there would make the save synchronous again, and a
+  ``latest`` written there would point at files still being written. So this engine reports
+  ``is_decoupled() == True``: DeepSpeed neither commits nor writes ``latest``; its own decoupled
+  commit at ``step()`` gets ``get_commit_info() == None`` and does nothing.
+* Commits happen in :meth:`AsyncPersistentCheckpointEngine.poll`, which :func:`install` runs
+  before every optimizer step (a wrapper around ``engine._take_model_step``, the method that both
+  ``DeepSpeedEngine.step`` and ``PipelineEngine._exec_optimizer_step`` call); it never blocks.
+  :meth:`~AsyncPersistentCheckpointEngine.flush` (collective) and ``wait()`` force them.
+* ``preserves_storage_sharing()`` is False: DeepSpeed then skips its own on-device clone
+  (``clone_tensors_for_torch_save``) and hands ``save()`` live tensors, which ``save()`` copies
+  (research note pitfall 4), so there is exactly one copy.
+* ``is_data_parallel_writer`` is the base rule (DP rank 0), so ``save_non_zero_checkpoint``,
+  derived from it once at engine init, stays right when the engine is swapped in later.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import copy
+import json
+import os
+import re
+import shutil
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+import torch
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
+
+from ..errors import ResilienceError
+
+__all__ = [
+    "AsyncPersistentCheckpointEngine",
+    "CheckpointWriteError",
+    "complete_tags",
+    "install",
+    "latest_complete_tag",
+]
+
+ENGINE_NAME = "AsyncPersistentCheckpointEngine"
+MARKER_PREFIX = ".complete-rank"
+DEFAULT_TIMEOUT_S = 600.0
+
+# path -> future of the write in flight, shared by every engine of this process, so a load (by any
+# engine instance) of a file still being written waits for it instead of reading nothing.
+_INFLIGHT: dict[str, cf.Future] = {}
+_INFLIGHT_LOCK = threading.Lock()
+
+
+class CheckpointWriteError(ResilienceError):
+    """A background checkpoint write failed or did not finish in time."""
+
+
+def _rank_world() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def _snapshot(obj: Any, memo: dict[int, Any]) -> Any:
+    """A copy of ``obj`` whose tensors are fresh CPU tensors and whose containers are new."""
+    key = id(obj)
+    if key in memo:
+        return memo[key]
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        out = t.to("cpu", copy=True)
+        if isinstance(obj, torch.nn.Parameter):
+            out = torch.nn.Parameter(out, requires_grad=obj.requires_grad)
+    elif isinstance(obj, OrderedDict):
+        out = OrderedDict((k, _snapshot(v, memo)) for k, v in obj.items())
+    elif isinstance(obj, dict):
+        out = {k: _snapshot(v, memo) for k, v in obj.items()}
+    elif isinstance(obj, list):
+        out = [_snapshot(v, memo) for v in obj]
+    elif isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        out = tuple(_snapshot(v, memo) for v in obj)
+    elif obj is None or isinstance(obj, (str, bytes, int, float, bool, complex, torch.dtype, torch.device)):
+        out = obj
+    else:
+        try:
+            out = copy.deepcopy(obj)
+        except Exception:  # noqa: BLE001 - an uncopyable object is stored as is, like torch.save would
+            out = obj
+    memo[key] = out
+    return out
+
+
+def _atomic_write_text(path: str, text: str) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as fd:
+        fd.write(text)
+        fd.flush()
+        os.fsync(fd.fileno())
+    os.replace(tmp, path)
+
+
+def _read_markers(tag_dir: str) -> dict[int, dict]:
+    out: dict[int, dict] = {}
+    try:
+        names = os.listdir(tag_dir)
+    except OSError:
+        return out
+    for name in names:
+        if name.startswith(MARKER_PREFIX) and ".tmp-" not in name:
+            try:
+                rank = int(name[len(MARKER_PREFIX):])
+                with open(os.path.join(tag_dir, name)) as fd:
+                    out[rank] = json.load(fd)
+            except (ValueError, OSError):
+                continue
+    return out
+
+
+def complete_tags(save_dir: str, world_size: int) -> list[str]:
+    """Tags of ``save_dir`` with a completion marker of every rank ``0..world_size-1``, oldest first
+    (ordered by the time their save began)."""
+    found = []
+    try:
+        names = os.listdir(save_dir)
+    except OSError:
+        return []
+    for tag in names:
+        tag_dir = os.path.join(save_dir, tag)
+        if not os.path.isdir(tag_dir):
+            continue
+        markers = _read_markers(tag_dir)
+        if markers and all(r in markers for r in range(world_size)):
+            created = max(int(m.get("created_ns", 0)) for m in markers.values())
+            found.append((created, _step_of(tag), tag))
+    found.sort()
+    return [t for *_, t in found]
+
+
+def latest_complete_tag(save_dir: str, world_size: int) -> str | None:
+    """The newest tag complete for every rank, or None."""
+    tags = complete_tags(save_dir, world_size)
+    return tags[-1] if tags else None
+
+
+def _step_of(tag: str) -> int:
+    m = re.fullmatch(r"global_step(\d+)", tag)
+    return int(m.group(1)) if m else -1
+
+
+class _PendingTag:
+    __slots__ = ("info", "writes", "created_ns")
+
+    def __init__(self, info: CheckpointCommitInfo) -> None:
+        self.info = info
+        self.writes: list[tuple[str, cf.Future]] = []
+        self.created_ns = time.time_ns()
+
+    def done(self) -> bool:
+        return all(f.done() for _, f in self.writes)
+
+
+class AsyncPersistentCheckpointEngine(CheckpointEngine):
+    """DeepSpeed checkpoint engine: host snapshot in ``save``, background atomic write, markers on
+    commit, ``latest`` and ``keep_last`` retention by global rank 0 once a tag is complete."""
+
+    def __init__(self, config_params=None, *, keep_last: int = 2, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        super().__init__(config_params)
+        if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+            raise ValueError(f"keep_last must be an integer >= 1, got {keep_last!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        self.name = ENGINE_NAME
+        self.keep_last = keep_last
+        self.timeout_s = float(timeout_s)
+        self.zipfile_serialization = True
+        if config_params is not None:
+            try:
+                from deepspeed.runtime.model_checkpointing import CHECKPOINT_SERIALIZATION
+
+                self.zipfile_serialization = config_params.checkpoint_config[CHECKPOINT_SERIALIZATION]
+            except Exception:  # noqa: BLE001 - any config without the key keeps the default
+                pass
+        self._executor = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ds-ckpt-writer")
+        self._lock = threading.Lock()
+        self._pending: OrderedDict[tuple[str, str], _PendingTag] = OrderedDict()
+        self._current: _PendingTag | None = None
+        self._latest_wanted: dict[str, tuple[int, str]] = {}  # save_dir -> (created_ns, tag), rank 0
+        self._latest_written: dict[str, int] = {}
+        self._save_dirs: set[str] = set()
+        self.write_seconds: list[float] = []  # background time of each write (for benchmarks)
+
+    # --- DeepSpeed API -----------------------------------------------------------------------
+    def create(self, info: CheckpointCommitInfo):
+        entry = _PendingTag(info)
+        with self._lock:
+            self._pending[(info.save_dir, info.tag)] = entry
+            self._current = entry
+            self._save_dirs.add(info.save_dir)
+        if info.save_latest and _rank_world()[0] == 0:
+            self._latest_wanted[info.save_dir] = (entry.created_ns, info.tag)
+
+    def makedirs(self, path, exist_ok=False):
+        os.makedirs(path, exist_ok=exist_ok)
+
+    def save(self, state_dict, path: str):
+        path = os.fspath(path)
+        snapshot = _snapshot(state_dict, {})  # synchronous: the live tensors may change after return
+        # register while holding the lock: the writer's own cleanup takes it too, so a write that
+        # finishes (or fails) at once cannot unregister before it is registered
+        with _INFLIGHT_LOCK:
+            future = self._executor.submit(self._write, snapshot, path)
+            _INFLIGHT[path] = future
+        with self._lock:
+            if self._current is not None:
+                self._current.writes.append((path, future))
+            else:  # save() outside save_checkpoint: tracked under its directory
+                key = (os.path.dirname(path), os.path.basename(path))
+                entry = self._pending.setdefault(
+                    key, _PendingTag(CheckpointCommitInfo(tag=key[1], save_dir=key[0], save_latest=False)))
+                entry.writes.append((path, future))
+        return None
+
+    def load(self, path: str, map_location=None):
+        path = os.fspath(path)
+        with _INFLIGHT_LOCK:
+            future = _INFLIGHT.get(path)
+        if future is not None:
+            try:
+                self._result(path, future, self.timeout_s)
+            except CheckpointWriteError:
+                pass  # a failed write leaves no file: reported below as missing, never loaded
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"checkpoint file {path} does not exist (an interrupted write leaves only "
+                                    f"'{os.path.basename(path)}.tmp-<pid>', which is never loaded)")
+        return torch.load(path, map_location=map_location, weights_only=False)
+
+    def commit(self, info):
+        """Wait for this rank's writes of ``info`` (a ``CheckpointCommitInfo`` or a tag), then write
+        ``<save_dir>/<tag>/.complete-rank<R>``. Raises :class:`CheckpointWriteError` naming the file
+        if a write failed or did not finish within ``timeout_s``."""
+        entry = self._find(info)
+        if entry is None:
+            return True
+        deadline = time.monotonic() + self.timeout_s
+        for path, future in entry.writes:
+            try:
+                self._result(path, future, max(0.0, deadline - time.monotonic()))
+            except CheckpointWriteError:
+                if future.done():
+                    # a failed write: the tag stays incomplete for good (no marker); report it once
+                    with self._lock:
+                        self._pending.pop((entry.info.save_dir, entry.info.tag), None)
+                        if self._current is entry:
+                            self._current = None
+                raise  # a timed-out write stays pending: a later wait() may still commit it
+        rank, world = _rank_world()
+        tag_dir = os.path.join(entry.info.save_dir, entry.info.tag)
+        os.makedirs(tag_dir, exist_ok=True)
+        marker = {"rank": rank, "world_size": world, "tag": entry.info.tag, "created_ns": entry.created_ns,
+                  "files": [os.path.basename(p) for p, _ in entry.writes]}
+        _atomic_write_text(os.path.join(tag_dir, f"{MARKER_PREFIX}{rank}"), json.dumps(marker))
+        with self._lock:
+            self._pending.pop((entry.info.save_dir, entry.info.tag), None)
+            if self._current is entry:
+                self._current = None
+        if rank == 0:
+            self._finalize(just_committed=(entry.info.save_dir, entry.info.tag))
+        return True
+
+    def is_decoupled(self):
+        return True  # DeepSpeed must neither commit (blocking) nor write `latest` in save_checkpoint
+
+    def get_commit_info(self):
+        return None  # commits are driven by poll(); DeepSpeed's step-time decoupled commit is a no-op
+
+    def cleanup(self):
+        self.wait()
+
+    def preserves_storage_sharing(self):
+        return False  # save() copies to host itself; no second on-device clone by DeepSpeed
+
+    # --- driving commits -----------------------------------------------------------------------
+    def pending_tags(self) -> list[str]:
+        with self._lock:
+            return [tag for (_, tag) in self._pending]
+
+    def poll(self) -> None:
+        """Non-blocking: commit every tag whose writes have finished; rank 0 then updates ``latest``
+        and retention. A failed write raises here, at the next step."""
+        with self._lock:
+            ready = [e for e in self._pending.values() if e.done()]
+        for entry in ready:
+            self.commit(entry.info)
+        if _rank_world()[0] == 0 and self._save_dirs:
+            self._finalize()
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block until every pending write of this rank is written and committed."""
+        with self._lock:
+            entries = list(self._pending.values())
+        saved, self.timeout_s = self.timeout_s, (self.timeout_s if timeout_s is None else float(timeout_s))
+        try:
+            for entry in entries:
+                self.commit(entry.info)
+        finally:
+            self.timeout_s = saved
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Collective: every rank waits for its writes, then rank 0 writes ``latest`` and prunes."""
+        self.wait(timeout_s)
+        rank, world = _rank_world()
+        if world > 1:
+            torch.distributed.barrier()
+        if rank == 0:
+            self._finalize()
+        if world > 1:
+            torch.distributed.barrier()
+
+    def close(self) -> None:
+        self.wait()
+        self._executor.shutdown(wait=True)
+
+    # --- internals -----------------------------------------------------------------------------
+    def _find(self, info) -> _PendingTag | None:
+        with self._lock:
+            if isinstance(info, CheckpointCommitInfo):
+                entry = self._pending.get((info.save_dir, info.tag))
+                return entry if entry is not None else _PendingTag(info)
+            tag = str(info)
+            for (_, t), entry in reversed(self._pending.items()):
+                if t == tag:
+                    return entry
+        return None
+
+    def _write(self, snapshot, path: str) -> None:
+        t0 = time.perf_counter()
+        tmp = f"{path}.tmp-{os.getpid()}"
+        try:
+            torch.save(snapshot, tmp, _use_new_zipfile_serialization=self.zipfile_serialization)
+            os.replace(tmp, path)
+        finally:
+            with _INFLIGHT_LOCK:
+                _INFLIGHT.pop(path, None)
+        self.write_seconds.append(time.perf_counter() - t0)
+
+    @staticmethod
+    def _result(path: str, future: cf.Future, timeout: float) -> None:
+        try:
+            future.result(timeout=timeout)
+        except cf.TimeoutError:
+            raise CheckpointWriteError(f"checkpoint write of {path} did not finish within {timeout:.1f}s") from None
+        except Exception as exc:  # noqa: BLE001
+            raise CheckpointWriteError(f"checkpoint write of {path} failed: {exc!r}") from exc
+
+    def _finalize(self, just_committed: tuple[str, str] | None = None) -> None:
+        """Rank 0: point ``latest`` at the newest tag complete for all ranks; prune old complete tags."""
+        _, world = _rank_world()
+        for save_dir in list(self._save_dirs):
+            complete = complete_tags(save_dir, world)
+            if not complete:
+                continue
+            wanted = self._latest_wanted.get(save_dir)
+            if wanted is not None and wanted[1] in complete and self._latest_written.get(save_dir, -1) < wanted[0]:
+                _atomic_write_text(os.path.join(save_dir, "latest"), wanted[1])
+                self._latest_written[save_dir] = wanted[0]
+            with self._lock:
+                busy = {tag for (d, tag) in self._pending if d == save_dir}
+            protect = set(busy)
+            if just_committed is not None and just_committed[0] == save_dir:
+                protect.add(just_committed[1])
+            try:
+                with open(os.path.join(save_dir, "latest")) as fd:
+                    protect.add(fd.read().strip())
+            except OSError:
+                pass
+            for tag in complete[:-self.keep_last]:
+                if tag in protect:
+                    continue
+                shutil.rmtree(os.path.join(save_dir, tag), ignore_errors=True)
+
+
+def install(engine, *, keep_last: int = 2, timeout_s: float = DEFAULT_TIMEOUT_S) -> AsyncPersistentCheckpointEngine:
+    """Make ``engine`` (a ``DeepSpeedEngine`` or ``PipelineEngine``) save checkpoints asynchronously
+    and atomically; ``save_checkpoint`` / ``load_checkpoint`` are called as before. Returns the
+    checkpoint engine (``flush()`` it before reading the checkpoint from another process)."""
+    old = getattr(engine, "checkpoint_engine", None)
+    if isinstance(old, AsyncPersistentCheckpointEngine):
+        old.wait()
+    elif old is not None and old.is_decoupled():
+        old.cleanup()
+    ce = AsyncPersistentCheckpointEngine(getattr(engine, "_config", None), keep_last=keep_last, timeout_s=timeout_s)
+    engine.checkpoint_engine = ce
+    take_step = getattr(engine, "_take_model_step", None)
+    if take_step is not None:
+        orig = getattr(take_step, "__ds_resilience_orig__", take_step)
+
+        def _take_model_step(*args, **kwargs):
+            if isinstance(engine.checkpoint_engine, AsyncPersistentCheckpointEngine):
+                engine.checkpoint_engine.poll()
+            return orig(*args, **kwargs)
+
+        _take_model_step.__ds_resilience_orig__ = orig
+        engine._take_model_step = _take_model_step
+    return ce

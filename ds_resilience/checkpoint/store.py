@@ -1,0 +1,312 @@
+"""Versioned, checksummed, atomic snapshots in host memory (``/dev/shm`` by default).
+
+On-disk form, one directory per version::
+
+    <root>/<owner>/v<step:012d>/payload.bin    the flattened tensors (see staging.py)
+                               /layout.pkl     the pickled Layout (structure, dtypes, offsets, values)
+                               /MANIFEST.json  owner, step, nbytes, checksum, layout sha256; written LAST
+
+A version exists only once its ``MANIFEST.json`` is in place: payload and layout are written to
+temporary names and ``os.replace``-d first, the manifest is written to a temporary name and
+``os.replace``-d last. A writer killed at any point therefore leaves either the complete new version
+or no new version; readers never see a torn snapshot. ``/dev/shm`` is tmpfs: the files live in RAM
+and outlive the process that wrote them (a worker crash loses nothing; a machine loss does, which is
+what replicas on peers are for). Every read verifies the payload checksum; a corrupt version is
+logged, recorded in :attr:`SnapshotStore.corrupt` and skipped, so the previous one is used.
+One writer per owner is assumed (the owner's worker, or the agent storing a peer's replica).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import pickle
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from ..errors import ResilienceError
+from ..kernels.checksum import checksum_reference
+from .staging import Layout, StagingPipeline, unflatten
+
+__all__ = ["CheckpointCorrupt", "CheckpointError", "CorruptVersion", "ReplicaBytes", "SnapshotInfo", "SnapshotStore"]
+
+logger = logging.getLogger("ds_resilience.checkpoint")
+
+MANIFEST = "MANIFEST.json"
+PAYLOAD = "payload.bin"
+LAYOUT = "layout.pkl"
+_OWNER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_VERSION = re.compile(r"^v(\d{12})$")
+
+
+class CheckpointError(ResilienceError):
+    """A snapshot is missing, or the store was used wrongly (bad owner name, negative step)."""
+
+
+class CheckpointCorrupt(CheckpointError):
+    """A snapshot's bytes do not match its checksum (or its size or layout do not match)."""
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    """A committed version: who, which step, where, how big, and its payload checksum."""
+
+    owner: str
+    step: int
+    nbytes: int
+    checksum: int
+    path: Path
+
+
+@dataclass(frozen=True)
+class CorruptVersion:
+    """A version that failed verification, and why."""
+
+    owner: str
+    step: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class ReplicaBytes:
+    """What a peer needs to store a replica: payload, pickled layout and checksum."""
+
+    owner: str
+    step: int
+    payload: torch.Tensor
+    layout: bytes
+    checksum: int
+
+
+def _write_atomic(path: Path, data: bytes | memoryview) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+class SnapshotStore:
+    """Snapshots of several owners (workers, or peers whose replicas this host holds) under ``root``.
+
+    Args:
+        root: directory; ``None`` means :meth:`default_root` of ``job_id`` (in ``/dev/shm``).
+        keep: committed versions kept per owner; older ones are deleted after a new one commits.
+        job_id: names the default root.
+        pipeline: the staging pipeline used by :meth:`save` (default: 128 MB in 4 sub-buffers).
+    """
+
+    def __init__(self, root: Path | str | None = None, *, keep: int = 2, job_id: str = "default",
+                 pipeline: StagingPipeline | None = None) -> None:
+        if keep < 1:
+            raise CheckpointError(f"keep must be >= 1, got {keep}")
+        self.root = Path(root) if root is not None else self.default_root(job_id)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.keep = keep
+        self.pipeline = pipeline or StagingPipeline()
+        self.corrupt: list[CorruptVersion] = []
+        self._verified: dict[tuple[str, int], tuple[Any, ...]] = {}
+
+    @staticmethod
+    def default_root(job_id: str) -> Path:
+        """``/dev/shm/ds_resilience/<job_id>``: tmpfs, survives the writer's crash."""
+        if not _OWNER.match(job_id):
+            raise CheckpointError(f"job id {job_id!r} must match {_OWNER.pattern}")
+        return Path("/dev/shm") / "ds_resilience" / job_id
+
+    # ------------------------------------------------------------------------------------ writing
+    def _version_dir(self, owner: str, step: int) -> Path:
+        if not _OWNER.match(owner):
+            raise CheckpointError(f"owner {owner!r} must match {_OWNER.pattern}")
+        if step < 0:
+            raise CheckpointError(f"step must be >= 0, got {step}")
+        return self.root / owner / f"v{step:012d}"
+
+    def _begin(self, owner: str, step: int) -> Path:
+        vdir = self._version_dir(owner, step)
+        vdir.mkdir(parents=True, exist_ok=True)
+        (vdir / MANIFEST).unlink(missing_ok=True)  # re-saving a step: the old version stops existing first
+        self._verified.pop((owner, step), None)
+        return vdir
+
+    def _commit(self, vdir: Path, owner: str, step: int, nbytes: int, checksum: int, layout_bytes: bytes) -> SnapshotInfo:
+        manifest = {"format": 1, "owner": owner, "step": step, "nbytes": nbytes, "checksum": checksum,
+                    "layout_sha256": hashlib.sha256(layout_bytes).hexdigest()}
+        _write_atomic(vdir / MANIFEST, json.dumps(manifest, sort_keys=True).encode())
+        info = SnapshotInfo(owner, step, nbytes, checksum, vdir)
+        self._verified[(owner, step)] = self._stats(vdir)  # we just wrote and checksummed these bytes
+        self._prune(owner, step)
+        return info
+
+    def save(self, owner: str, step: int, state: Any) -> SnapshotInfo:
+        """Flatten ``state`` straight into a new payload file and commit it as version ``step``."""
+        vdir = self._begin(owner, step)
+        layout, leaves = self.pipeline.plan(state)
+        tmp = vdir / f".{PAYLOAD}.tmp-{os.getpid()}"
+        tmp.unlink(missing_ok=True)
+        if layout.nbytes:
+            out = torch.from_file(str(tmp), shared=True, size=layout.nbytes, dtype=torch.uint8)  # zero-filled
+            checksum = self.pipeline.write(layout, leaves, out)
+            del out
+        else:
+            tmp.write_bytes(b"")
+            checksum = 0
+        os.replace(tmp, vdir / PAYLOAD)
+        layout_bytes = pickle.dumps(layout, protocol=pickle.HIGHEST_PROTOCOL)
+        _write_atomic(vdir / LAYOUT, layout_bytes)
+        return self._commit(vdir, owner, step, layout.nbytes, checksum, layout_bytes)
+
+    def put_bytes(self, owner: str, step: int, payload: bytes | bytearray | torch.Tensor,
+                  layout: Layout | bytes, checksum: int) -> SnapshotInfo:
+        """Store a replica received from a peer; verified before anything is written.
+
+        Raises:
+            CheckpointCorrupt: the payload's checksum or size does not match (nothing is committed).
+        """
+        if isinstance(payload, torch.Tensor):
+            raw = payload.detach().reshape(-1).view(torch.uint8).cpu().contiguous()
+        else:
+            raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
+        layout_bytes = layout if isinstance(layout, (bytes, bytearray)) else pickle.dumps(layout, protocol=pickle.HIGHEST_PROTOCOL)
+        layout_obj = pickle.loads(layout_bytes) if isinstance(layout, (bytes, bytearray)) else layout
+        if raw.numel() != layout_obj.nbytes:
+            raise CheckpointCorrupt(f"replica {owner}@{step}: {raw.numel()} bytes, layout says {layout_obj.nbytes}")
+        actual = checksum_reference(raw)
+        if actual != checksum:
+            raise CheckpointCorrupt(f"replica {owner}@{step}: checksum {actual:#018x} != expected {checksum:#018x}")
+        vdir = self._begin(owner, step)
+        _write_atomic(vdir / PAYLOAD, memoryview(raw.numpy()) if raw.numel() else b"")
+        _write_atomic(vdir / LAYOUT, bytes(layout_bytes))
+        return self._commit(vdir, owner, step, raw.numel(), checksum, bytes(layout_bytes))
+
+    def _prune(self, owner: str, new_step: int) -> None:
+        committed = self._committed_steps(owner)
+        for step in committed[self.keep:]:
+            self._delete(owner, step)
+        for step in self._all_steps(owner):  # leftovers of writers killed before their manifest
+            if step < new_step and step not in committed:
+                self._delete(owner, step)
+
+    def _delete(self, owner: str, step: int) -> None:
+        vdir = self._version_dir(owner, step)
+        (vdir / MANIFEST).unlink(missing_ok=True)  # un-exist first, then free the memory
+        shutil.rmtree(vdir, ignore_errors=True)
+        self._verified.pop((owner, step), None)
+
+    # ------------------------------------------------------------------------------------ reading
+    def owners(self) -> list[str]:
+        """Owners with at least a directory under the root."""
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and _OWNER.match(p.name))
+
+    def _all_steps(self, owner: str) -> list[int]:
+        odir = self.root / owner
+        if not odir.is_dir():
+            return []
+        return sorted((int(m.group(1)) for p in odir.iterdir() if (m := _VERSION.match(p.name))), reverse=True)
+
+    def _committed_steps(self, owner: str) -> list[int]:
+        """Steps with a manifest, newest first (not yet verified)."""
+        return [s for s in self._all_steps(owner) if (self._version_dir(owner, s) / MANIFEST).is_file()]
+
+    @staticmethod
+    def _stats(vdir: Path) -> tuple[Any, ...]:
+        return tuple((st.st_ino, st.st_mtime_ns, st.st_size) for st in (os.stat(vdir / n) for n in (MANIFEST, PAYLOAD, LAYOUT)))
+
+    def _verify(self, owner: str, step: int, *, cached: bool = True) -> SnapshotInfo:
+        """The version's info after checking size, payload checksum and layout hash.
+
+        With ``cached``, a version this store already verified (or wrote) is not re-read while its
+        files keep their inode, mtime and size; :meth:`load` and :meth:`read_bytes` always re-read.
+        """
+        vdir = self._version_dir(owner, step)
+        try:
+            manifest = json.loads((vdir / MANIFEST).read_text())
+        except FileNotFoundError:
+            raise CheckpointError(f"no snapshot {owner}@{step} under {self.root}") from None
+        except ValueError as exc:
+            raise CheckpointCorrupt(f"{owner}@{step}: unreadable manifest ({exc})") from None
+        info = SnapshotInfo(owner, step, int(manifest["nbytes"]), int(manifest["checksum"]), vdir)
+        try:
+            stats = self._stats(vdir)
+        except FileNotFoundError as exc:
+            raise CheckpointCorrupt(f"{owner}@{step}: missing file {exc.filename}") from None
+        if cached and self._verified.get((owner, step)) == stats:
+            return info
+        if stats[1][2] != info.nbytes:
+            raise CheckpointCorrupt(f"{owner}@{step}: payload has {stats[1][2]} bytes, manifest says {info.nbytes}")
+        if hashlib.sha256((vdir / LAYOUT).read_bytes()).hexdigest() != manifest["layout_sha256"]:
+            raise CheckpointCorrupt(f"{owner}@{step}: layout does not match its hash")
+        actual = checksum_reference(self._map(info)) if info.nbytes else 0
+        if actual != info.checksum:
+            raise CheckpointCorrupt(f"{owner}@{step}: payload checksum {actual:#018x} != manifest {info.checksum:#018x}")
+        self._verified[(owner, step)] = stats
+        return info
+
+    @staticmethod
+    def _map(info: SnapshotInfo) -> torch.Tensor:
+        """A private read-only-in-effect mapping of the payload (copy-on-write: never alters the file)."""
+        if not info.nbytes:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.from_file(str(info.path / PAYLOAD), shared=False, size=info.nbytes, dtype=torch.uint8)
+
+    def _report(self, owner: str, step: int, exc: CheckpointError) -> None:
+        logger.warning("snapshot %s@%d is corrupt, skipped: %s", owner, step, exc)
+        self.corrupt.append(CorruptVersion(owner, step, str(exc)))
+
+    def versions(self, owner: str) -> list[SnapshotInfo]:
+        """Verified committed versions, newest first; corrupt ones are reported and left out."""
+        good: list[SnapshotInfo] = []
+        for step in self._committed_steps(owner):
+            try:
+                good.append(self._verify(owner, step))
+            except CheckpointCorrupt as exc:
+                self._report(owner, step, exc)
+            except CheckpointError:
+                continue  # deleted meanwhile
+        return good
+
+    def latest(self, owner: str, *, cached: bool = True) -> SnapshotInfo | None:
+        """The newest committed version whose checksum verifies, or ``None``."""
+        for step in self._committed_steps(owner):
+            try:
+                return self._verify(owner, step, cached=cached)
+            except CheckpointCorrupt as exc:
+                self._report(owner, step, exc)
+            except CheckpointError:
+                continue
+        return None
+
+    def _layout(self, info: SnapshotInfo) -> Layout:
+        return pickle.loads((info.path / LAYOUT).read_bytes())
+
+    def load(self, owner: str, step: int | None = None) -> Any:
+        """The state of version ``step`` (default: :meth:`latest`), verified, as CPU tensors.
+
+        Raises:
+            CheckpointError: no such (or no verifiable) version.
+            CheckpointCorrupt: the requested ``step`` fails verification.
+        """
+        info = self.latest(owner, cached=False) if step is None else self._verify(owner, step, cached=False)
+        if info is None:
+            raise CheckpointError(f"no verifiable snapshot of {owner} under {self.root}")
+        return unflatten(self._layout(info), self._map(info))
+
+    def read_bytes(self, owner: str, step: int) -> ReplicaBytes:
+        """The verified payload, pickled layout and checksum of a version, to send to a peer."""
+        info = self._verify(owner, step, cached=False)
+        payload = self._map(info).clone()
+        return ReplicaBytes(owner, step, payload, (info.path / LAYOUT).read_bytes(), info.checksum)
+
+    def newest_common_step(self, owners: Iterable[str]) -> int | None:
+        """The newest step that every one of ``owners`` has committed and verified, or ``None``."""
+        common: set[int] | None = None
+        for owner in owners:
+            steps = {info.step for info in self.versions(owner)}
+            common = steps if common is None else common & steps
+        return max(common) if common else None

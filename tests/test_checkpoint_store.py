@@ -1,0 +1,276 @@
+"""Staging pipeline and in-memory snapshot store: bitwise round trips, chunked checksums, corruption,
+torn writes, retention, replicas, and survival of a SIGKILLed writer."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+from collections import OrderedDict
+
+import pytest
+import torch
+
+from ds_resilience.checkpoint import (
+    CheckpointCorrupt,
+    CheckpointError,
+    SnapshotStore,
+    StagingPipeline,
+    unflatten,
+)
+from ds_resilience.checkpoint.store import MANIFEST, PAYLOAD
+from ds_resilience.errors import ResilienceError
+from ds_resilience.kernels.checksum import checksum_of_bytes, checksum_reference
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def realistic_state(seed: int = 0) -> dict:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.ReLU(), torch.nn.Linear(13, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    model(torch.randn(5, 7)).pow(2).sum().backward()
+    opt.step()
+    sched.step()
+    return {
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "lr_scheduler": sched.state_dict(),
+        "step": 17,
+        "loss_scale": 65536.0,
+        "tag": "run-a",
+        "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        "sampler": [3, (4, 5), None, True],
+        "special": torch.tensor([float("nan"), -0.0, float("inf")]),
+    }
+
+
+def assert_bitwise(a, b) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+        assert b.device.type == "cpu"
+        assert torch.equal(a.detach().cpu().reshape(-1).view(torch.uint8) if a.numel() else a.new_empty(0, dtype=torch.uint8),
+                           b.reshape(-1).view(torch.uint8) if b.numel() else b.new_empty(0, dtype=torch.uint8))
+    elif isinstance(a, dict):
+        assert type(a) is type(b) and list(a.keys()) == list(b.keys())
+        for k in a:
+            assert_bitwise(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_bitwise(x, y)
+    else:
+        assert a == b
+
+
+def mixed_state() -> dict:
+    g = torch.Generator().manual_seed(1)
+    return {
+        "bf16": torch.randn(1001, generator=g).to(torch.bfloat16),
+        "fp16": torch.randn(3, 333, generator=g).to(torch.float16),
+        "i64": torch.randint(-2**62, 2**62, (257,), generator=g, dtype=torch.int64),
+        "f64": torch.randn(129, generator=g, dtype=torch.float64),
+        "u8": torch.randint(0, 255, (1023,), generator=g, dtype=torch.uint8),
+        "odd": torch.randn(5, generator=g).to(torch.float16),  # 10 bytes: not word-aligned
+        "strided": torch.randn(40, 30, generator=g).t()[::2],
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 4),
+        "bool": torch.tensor([True, False, True]),
+    }
+
+
+# ------------------------------------------------------------------------------------- staging
+def test_round_trip_bitwise_realistic_state():
+    state = realistic_state()
+    staged = StagingPipeline().flatten(state)
+    layout = pickle.loads(pickle.dumps(staged.layout))  # the layout is picklable and small
+    assert len(pickle.dumps(layout)) < 20_000
+    assert_bitwise(state, unflatten(layout, staged.payload))
+    assert staged.checksum == checksum_reference(staged.payload)
+
+
+@pytest.mark.parametrize("stage_cpu", [False, True])
+def test_tiny_sub_buffers_match_one_shot_reference(stage_cpu):
+    state = mixed_state()
+    one_shot = StagingPipeline(gpu_buffer_mb=64, num_sub_buffers=1).flatten(state)
+    tiny = StagingPipeline(gpu_buffer_mb=4 / 1024, num_sub_buffers=4, stage_cpu=stage_cpu)  # 1 KB buffers
+    assert tiny.sub_buffer_bytes == 1024
+    staged = tiny.flatten(state)
+    expected_chunks = sum(-(-m.nbytes // 1024) for m in staged.layout.tensors)
+    assert tiny.chunks_copied == expected_chunks > len(staged.layout.tensors)  # really chunked
+    assert torch.equal(staged.payload, one_shot.payload)
+    assert staged.checksum == one_shot.checksum == checksum_reference(staged.payload)
+    assert staged.checksum == checksum_of_bytes(staged.payload.numpy().tobytes())
+    assert_bitwise(state, unflatten(staged.layout, staged.payload))
+
+
+# --------------------------------------------------------------------------------------- store
+def test_store_round_trip_and_info(tmp_path):
+    store = SnapshotStore(tmp_path, pipeline=StagingPipeline(gpu_buffer_mb=1 / 64))
+    state = realistic_state()
+    info = store.save("w0", 5, state)
+    assert info.step == 5 and info.nbytes == os.path.getsize(info.path / PAYLOAD)
+    assert store.latest("w0") == info
+    assert_bitwise(state, store.load("w0"))
+    assert_bitwise(state, store.load("w0", 5))
+    assert store.latest("nobody") is None
+    with pytest.raises(CheckpointError):
+        store.load("w0", 6)
+    with pytest.raises(CheckpointError):
+        store.save("../evil", 1, state)
+    assert issubclass(CheckpointCorrupt, CheckpointError) and issubclass(CheckpointError, ResilienceError)
+
+
+def test_flipped_byte_detected_previous_used(tmp_path, caplog):
+    store = SnapshotStore(tmp_path)
+    old, new = realistic_state(0), realistic_state(1)
+    store.save("w0", 1, old)
+    info = store.save("w0", 2, new)
+    with open(info.path / PAYLOAD, "r+b") as f:
+        f.seek(info.nbytes // 2)
+        b = f.read(1)
+        f.seek(info.nbytes // 2)
+        f.write(bytes([b[0] ^ 0x10]))
+    assert store.load("w0", 1) is not None and store.latest("w0", cached=False).step == 1  # full re-read
+    store = SnapshotStore(tmp_path)  # a recovering process: nothing cached
+    assert store.latest("w0").step == 1
+    assert {(c.owner, c.step) for c in store.corrupt} == {("w0", 2)}
+    assert "corrupt" in caplog.text
+    assert_bitwise(old, store.load("w0"))
+    with pytest.raises(CheckpointCorrupt):
+        store.load("w0", 2)
+    with pytest.raises(CheckpointCorrupt):
+        store.read_bytes("w0", 2)
+
+
+def test_truncated_payload_skipped(tmp_path):
+    store = SnapshotStore(tmp_path)
+    store.save("w0", 1, {"x": torch.arange(100)})
+    info = store.save("w0", 2, {"x": torch.arange(200)})
+    os.truncate(info.path / PAYLOAD, info.nbytes - 8)
+    assert store.latest("w0").step == 1
+    assert store.newest_common_step(["w0"]) == 1
+
+
+def test_crash_before_manifest_keeps_previous(tmp_path, monkeypatch):
+    store = SnapshotStore(tmp_path)
+    store.save("w0", 1, {"x": torch.ones(10)})
+    real_replace = os.replace
+
+    def crash_on_manifest(src, dst):
+        if str(dst).endswith(MANIFEST):
+            raise OSError("killed before the manifest")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", crash_on_manifest)
+    with pytest.raises(OSError):
+        store.save("w0", 2, {"x": torch.zeros(10)})
+    monkeypatch.undo()
+    assert (tmp_path / "w0" / "v000000000002" / PAYLOAD).exists()  # the payload made it, the manifest not
+    assert store.latest("w0").step == 1
+    assert torch.equal(store.load("w0")["x"], torch.ones(10))
+    store.save("w0", 3, {"x": torch.full((10,), 3.0)})  # the torn leftover is cleaned up
+    assert not (tmp_path / "w0" / "v000000000002").exists()
+
+
+def test_keep_deletes_older_versions(tmp_path):
+    store = SnapshotStore(tmp_path, keep=2)
+    for step in range(1, 6):
+        store.save("w0", step, {"x": torch.full((4,), float(step))})
+    assert [i.step for i in store.versions("w0")] == [5, 4]
+    assert sorted(p.name for p in (tmp_path / "w0").iterdir()) == ["v000000000004", "v000000000005"]
+    assert torch.equal(store.load("w0", 4)["x"], torch.full((4,), 4.0))
+
+
+def test_put_bytes_replica(tmp_path):
+    src = SnapshotStore(tmp_path / "a")
+    dst = SnapshotStore(tmp_path / "b")
+    state = realistic_state()
+    src.save("w3", 7, state)
+    rep = src.read_bytes("w3", 7)
+    with pytest.raises(CheckpointCorrupt):
+        dst.put_bytes("w3", 7, rep.payload, rep.layout, rep.checksum ^ 1)
+    bad = rep.payload.clone()
+    bad[3] ^= 1
+    with pytest.raises(CheckpointCorrupt):
+        dst.put_bytes("w3", 7, bad, rep.layout, rep.checksum)
+    with pytest.raises(CheckpointCorrupt):
+        dst.put_bytes("w3", 7, rep.payload[:-1], rep.layout, rep.checksum)
+    assert dst.latest("w3") is None and not (tmp_path / "b" / "w3").exists()  # nothing committed
+    dst.put_bytes("w3", 7, bytes(rep.payload.numpy()), rep.layout, rep.checksum)
+    assert dst.latest("w3").checksum == rep.checksum
+    assert_bitwise(state, dst.load("w3"))
+
+
+def test_newest_common_step(tmp_path):
+    store = SnapshotStore(tmp_path, keep=3)
+    for step in (1, 2, 3):
+        store.save("a", step, {"s": step})
+    for step in (1, 2):
+        store.save("b", step, {"s": step})
+    store.save("c", 2, {"s": 2})
+    assert store.newest_common_step(["a", "b", "c"]) == 2
+    assert store.newest_common_step(["a"]) == 3
+    assert store.newest_common_step(["a", "nobody"]) is None
+    (tmp_path / "c" / "v000000000002" / MANIFEST).unlink()
+    assert store.newest_common_step(["a", "b", "c"]) is None
+
+
+def _child(script: str, root) -> subprocess.CompletedProcess:
+    code = textwrap.dedent(script).format(root=str(root))
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_snapshot_survives_sigkilled_writer(tmp_path):
+    root = tmp_path / "shm"
+    proc = _child("""
+        import os, signal, torch
+        from ds_resilience.checkpoint import SnapshotStore
+        torch.manual_seed(0)
+        s = SnapshotStore({root!r})
+        s.save("w1", 41, {{"w": torch.randn(300, 7), "step": 41, "opt": [torch.arange(9)]}})
+        os.kill(os.getpid(), signal.SIGKILL)
+    """, root)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    torch.manual_seed(0)
+    expect = {"w": torch.randn(300, 7), "step": 41, "opt": [torch.arange(9)]}
+    store = SnapshotStore(root)
+    assert store.latest("w1").step == 41
+    assert_bitwise(expect, store.load("w1"))
+
+
+def test_sigkill_between_payload_and_manifest_keeps_previous(tmp_path):
+    root = tmp_path / "shm"
+    proc = _child("""
+        import os, signal, torch
+        from ds_resilience.checkpoint import SnapshotStore, store as st
+        s = SnapshotStore({root!r})
+        s.save("w1", 1, {{"x": torch.ones(50)}})
+        st.SnapshotStore._commit = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+        s.save("w1", 2, {{"x": torch.zeros(50)}})
+    """, root)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert (root / "w1" / "v000000000002" / PAYLOAD).exists()
+    store = SnapshotStore(root)
+    assert store.latest("w1").step == 1
+    assert torch.equal(store.load("w1")["x"], torch.ones(50))
+
+
+def test_default_root_is_shm():
+    assert str(SnapshotStore.default_root("job-7")) == "/dev/shm/ds_resilience/job-7"
+    with pytest.raises(CheckpointError):
+        SnapshotStore.default_root("a/b")
+
+
+def test_ordered_dict_and_namedtuple_preserved():
+    from collections import namedtuple
+
+    P = namedtuple("P", "a b")
+    state = OrderedDict(z=torch.arange(3), a=P(torch.ones(2), 5))
+    staged = StagingPipeline().flatten(state)
+    assert_bitwise(state, unflatten(staged.layout, staged.payload))
