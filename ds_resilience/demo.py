@@ -26,9 +26,8 @@ REPO = Path(__file__).resolve().parents[1]
 _STEP = re.compile(r"^step\s+(\d+) loss ([\d.]+) samples/s\s+([\d.]+)")
 
 
-def _job(out: Path, name: str, *, steps: int, faults: list[dict[str, Any]], echo) -> tuple[int, list, dict]:
-    import torch
-
+def _job(out: Path, name: str, *, steps: int, faults: list[dict[str, Any]], echo):
+    """Start the agent on a thread; returns (thread, agent, log dir, dump prefix, result holder)."""
     from .runtime.agent import Agent
 
     base = json.loads((REPO / "configs" / "gpt_cpu_pp2_dp2.json").read_text())
@@ -116,11 +115,8 @@ def run_demo(*, steps: int = 30, kill_rank: int = 3, kill_step: int = 12, point:
         return 1
     fault = {"rank": kill_rank, "step": kill_step, "point": point, "kind": "sigkill"}
     print(f"2/2 the same run, worker rank {kill_rank} SIGKILLed at step {kill_step} ({point}) ...", flush=True)
-    events_text: list[str] = []
-
     def echo(msg: str) -> None:
         if "epoch" in msg and "(start)" not in msg:
-            events_text.append(msg)
             print(f"{chr(10) if sys.stdout.isatty() else ''}  {msg.strip()}", flush=True)
 
     thread, agent, logs, dump, result = _job(outdir, "faulty", steps=steps, faults=[fault], echo=echo)

@@ -24,7 +24,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import deepspeed  # noqa: E402
 import deepspeed.comm as dist  # noqa: E402
 
 import gpt_model  # noqa: E402

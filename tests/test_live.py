@@ -9,7 +9,6 @@ survivor's final parameters with a fault-free run of the same steps.
 from __future__ import annotations
 
 import json
-import os
 import random
 import sys
 from pathlib import Path

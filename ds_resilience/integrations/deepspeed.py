@@ -105,7 +105,6 @@ class ResilientPipelineEngine(LiveFailureMixin, PipelineEngine):
         self.iteration_log: list[dict[str, Any]] = []
         self.recovery_log: list[dict[str, Any]] = []
         self._idle_iteration = 0
-        self.last_stats = None
         self.worker: StageWorker | None = None
         self.groups = None
         self.coordinator = None
@@ -268,7 +267,6 @@ class ResilientPipelineEngine(LiveFailureMixin, PipelineEngine):
         stats = self.worker.stats
         loss = self._aggregate_loss(stats.loss_sum)
         elapsed = time.perf_counter() - started
-        self.last_stats = stats
         self.iteration_log.append(
             {"step": self.global_steps, "loss": float(loss), "seconds": elapsed, "rerouted": stats.rerouted, "forwards": stats.forwards}
         )

@@ -22,7 +22,7 @@ from typing import Any, Iterable
 from ..costs import CostModel
 from ..errors import PlanningError
 from ..ir import Schedule, replay, validate
-from ..sim import Timeline, iteration_ends, memory_peaks, simulate, steady_period
+from ..sim import iteration_ends, memory_peaks, steady_period
 from ..topology import Topology, Worker, format_worker, parse_worker
 from .bounds import lower_bound
 from .generators import decoupled, one_f_one_b
@@ -37,7 +37,6 @@ __all__ = [
     "SolverReport",
     "Plan",
     "plan",
-    "evaluate",
     "iteration_time",
     "default_memory_cap",
 ]
@@ -187,12 +186,6 @@ def iteration_time(schedule: Schedule, cost: CostModel, variant: str) -> float:
     if result.blocked:
         raise PlanningError(f"{variant} schedule deadlocks")
     return result.makespan
-
-
-def evaluate(schedule: Schedule, cost: CostModel, variant: str) -> tuple[float, Timeline]:
-    """:func:`iteration_time` and the full timeline (spans, memory) of ``schedule``."""
-    timeline = simulate(schedule, cost, repeat=STEADY_ITERATIONS if variant == "recycle" else 1)
-    return timeline.iteration_time, timeline
 
 
 def _check_variant(variant: str, solver: str) -> None:

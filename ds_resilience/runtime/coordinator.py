@@ -58,7 +58,6 @@ class Coordinator:
         self.store_timeout_s = store_timeout_s
         self.on_epoch = on_epoch
         self.applied = membership.latest_epoch(store)
-        self.current = membership.read_epoch(store, self.applied) if self.applied else None
         self._latched = None
         self._lock = threading.Lock()
         membership.register_worker(store, membership.WorkerInfo(
@@ -100,7 +99,6 @@ class Coordinator:
 
     def mark_applied(self, record) -> None:
         self.applied = record.epoch
-        self.current = record
 
     def wait_pending(self, grace_s: float):
         """Wait up to ``grace_s`` for a new epoch (after an in-band error); ``None`` if none came."""

@@ -72,9 +72,13 @@ class IterationStats:
     seconds: float = 0.0
     peak_pending_w: int = 0
     peak_pending_w_bytes: int = 0
-    compute_seconds: float = 0.0
     durations: dict = field(default_factory=dict)
     """Seconds per action, by action kind code (``F``, ``B``, ``W``, ``BW``, ``RD``, ``OPT``, ...)."""
+
+    @property
+    def compute_seconds(self) -> float:
+        """Time spent in forward and backward passes (from :attr:`durations`)."""
+        return sum(sum(self.durations.get(code, ())) for code in ("F", "B", "W", "BW"))
 
 
 @dataclass
@@ -191,7 +195,6 @@ class StageWorker:
     def forward(self, a: Action) -> None:
         self._fault("before_forward")
         key = (a.pipeline, a.microbatch)
-        t0 = time.perf_counter()
         labels = None
         if self.is_first:
             inputs, labels = self._load(a.pipeline, a.microbatch)
@@ -215,7 +218,6 @@ class StageWorker:
         self._outputs[key] = outputs
         self.stats.forwards += 1
         self.stats.rerouted += int(a.pipeline != self.pipeline)
-        self.stats.compute_seconds += time.perf_counter() - t0
 
     def _backward_args(self, key: tuple[int, int]):
         inputs = self._inputs.pop(key)
@@ -229,29 +231,23 @@ class StageWorker:
 
     def backward_input(self, a: Action) -> None:
         key = (a.pipeline, a.microbatch)
-        t0 = time.perf_counter()
         outputs, grads, inputs = self._backward_args(key)
         input_grads, pending = backward_input(outputs, grads, inputs, list(self.parameters))
         self._fault("mid_backward")
         self.wstore.put(key, pending)
         if not self.is_first:
             self._grads_out[key] = [g for g in input_grads if g is not None]
-        self.stats.compute_seconds += time.perf_counter() - t0
 
     def backward_weight(self, a: Action) -> None:
-        t0 = time.perf_counter()
         self.wstore.pop((a.pipeline, a.microbatch))
-        self.stats.compute_seconds += time.perf_counter() - t0
 
     def backward_fused(self, a: Action) -> None:
         key = (a.pipeline, a.microbatch)
-        t0 = time.perf_counter()
         outputs, grads, inputs = self._backward_args(key)
         input_grads = backward_fused(outputs, grads, inputs, list(self.parameters))
         self._fault("mid_backward")
         if not self.is_first:
             self._grads_out[key] = [g for g in input_grads if g is not None]
-        self.stats.compute_seconds += time.perf_counter() - t0
 
     # --- messages ----------------------------------------------------------------------------
     def _tag(self, channel: str, a: Action) -> int:
