@@ -24,7 +24,7 @@ import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 from ..errors import ResilienceError
 
@@ -188,11 +188,9 @@ def load_trace(path: str | Path) -> Trace:
     )
 
 
-def parse_events(lines: Iterable[str], *, source: str = "<trace>", name: str = "trace") -> Trace:
-    """Parse ``ms,add|remove,node`` lines (blank lines and ``#`` comments are skipped)."""
-    events: list[TraceEvent] = []
-    live: set[str] = set()
-    last = 0
+def _records(lines: Iterable[str], source: str, form: str) -> Iterator[tuple[str, list[str]]]:
+    """(location for messages, the three comma-separated fields) of each line that is not blank or a
+    ``#`` comment; raises :class:`TraceError` naming ``form`` for a line without three fields."""
     for lineno, raw in enumerate(lines, 1):
         line = raw.strip()
         if not line or line.startswith("#"):
@@ -200,7 +198,16 @@ def parse_events(lines: Iterable[str], *, source: str = "<trace>", name: str = "
         where = f"{source}:{lineno}: {line!r}"
         parts = [p.strip() for p in line.split(",")]
         if len(parts) != 3:
-            raise TraceError(f"{where}: expected 3 fields 'ms,add|remove,node', got {len(parts)}")
+            raise TraceError(f"{where}: expected 3 fields {form}, got {len(parts)}")
+        yield where, parts
+
+
+def parse_events(lines: Iterable[str], *, source: str = "<trace>", name: str = "trace") -> Trace:
+    """Parse ``ms,add|remove,node`` lines (blank lines and ``#`` comments are skipped)."""
+    events: list[TraceEvent] = []
+    live: set[str] = set()
+    last = 0
+    for where, parts in _records(lines, source, "'ms,add|remove,node'"):
         ms_text, kind, node = parts
         if not re.fullmatch(r"\d+", ms_text):
             raise TraceError(f"{where}: time {ms_text!r} must be a non-negative integer of milliseconds")
@@ -228,14 +235,7 @@ def parse_samples(lines: Iterable[str], *, source: str = "<trace>", name: str = 
     changes: list[tuple[float, int]] = []
     t0: _dt.datetime | None = None
     current: int | None = None
-    for lineno, raw in enumerate(lines, 1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        where = f"{source}:{lineno}: {line!r}"
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) != 3:
-            raise TraceError(f"{where}: expected 3 fields 'YYYY-MM-DD, HH:MM:SS, live_nodes', got {len(parts)}")
+    for where, parts in _records(lines, source, "'YYYY-MM-DD, HH:MM:SS, live_nodes'"):
         try:
             stamp = _dt.datetime.fromisoformat(f"{parts[0]} {parts[1]}")
         except ValueError:
