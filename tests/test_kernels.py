@@ -598,3 +598,17 @@ def test_gpu_dispatch_prefers_csrc_when_built(monkeypatch, caplog):
     expected = next(name for name in ("csrc", "triton", "torch") if copy_mod._why_unavailable(name) is None)
     assert backend_name() == expected
     assert len(_choice_records(caplog)) == 1
+
+
+def test_host_checksum_equals_torch_path_across_blocks(monkeypatch):
+    """The numpy CPU path and the torch path agree over several blocks, a tail and a misaligned view."""
+    from ds_resilience.kernels import checksum as cs
+
+    monkeypatch.setattr(cs, "_REFERENCE_WORDS_PER_STEP", 1000)  # many blocks on a small tensor
+    gen = torch.Generator().manual_seed(7)
+    data = torch.randint(0, 256, (4 * 3500 + 3,), dtype=torch.uint8, generator=gen)
+    for t in (data, data[1:], data[5:4001]):
+        raw = t.clone()
+        assert cs._checksum_host(raw) == cs._checksum_torch(raw) == checksum_of_bytes(raw.numpy().tobytes())
+    full = torch.full((10_000,), 0xFFFFFFFF, dtype=torch.int64).to(torch.int32)  # all-ones words: wraps S1 and S2
+    assert cs.checksum_reference(full) == cs._checksum_torch(full.view(torch.uint8)) == checksum_of_bytes(full.numpy().tobytes())
