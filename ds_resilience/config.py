@@ -29,7 +29,7 @@ Keys (under ``"resilience"``), defaults in brackets::
     fault_injection[].rank          int >= 0
     fault_injection[].step          int >= 0
     fault_injection[].point         "before_forward" | "mid_backward" | "in_reduce" | "in_optimizer"
-    fault_injection[].kind          "exit" | "sigkill" | "hang"
+    fault_injection[].kind          "exit" | "sigkill" | "hang" | "lose_machine"
     checkpoint.enabled              bool                                  [true]
     checkpoint.interval             int >= 1                              [1]
     checkpoint.replicas             int >= 1                              [2]
@@ -39,6 +39,12 @@ Keys (under ``"resilience"``), defaults in brackets::
     checkpoint.persistent_dir       string | null                         [null]
     checkpoint.keep_last            int >= 1                              [2]
     checkpoint.stall_budget         number in (0, 1]                      [0.02]
+    checkpoint.ranks_per_machine    int >= 1 | null                       [null]
+    checkpoint.host_dir             string | null                         [null]
+    checkpoint.chunk_mb             number > 0                            [4.0]
+    checkpoint.interleave           bool                                  [true]
+    checkpoint.idle_fraction        number in (0, 1]                      [0.8]
+    checkpoint.max_restarts         int >= 0                              [3]
 
 ``configs/default_resilience.json`` is a complete CPU DeepSpeed config with every key at its default.
 A dataclass built directly in Python is checked the same way; its error paths are then relative to
@@ -67,7 +73,7 @@ SCHEDULES = ("1f1b", "decoupled")
 VARIANTS = ("adaptive", "decoupled", "recycle")
 SOLVERS = ("heuristic", "cpsat", "highs")
 FAULT_POINTS = ("before_forward", "mid_backward", "in_reduce", "in_optimizer")
-FAULT_KINDS = ("exit", "sigkill", "hang")
+FAULT_KINDS = ("exit", "sigkill", "hang", "lose_machine")
 
 _JSON_NAMES = {bool: "boolean", int: "integer", float: "number", str: "string", dict: "object",
                list: "list", tuple: "list", type(None): "null"}
@@ -299,6 +305,17 @@ class CheckpointConfig(_Section):
     keep_last: int = _opt(int, "disk checkpoints kept", default=2, minimum=1)
     stall_budget: float = _opt(float, "max fraction of iteration time checkpointing may stall training",
                                default=0.02, exclusive_minimum=0, maximum=1)
+    ranks_per_machine: int | None = _opt(int, "ranks that share a machine (and its host memory); null = the "
+                                         "launcher's LOCAL_WORLD_SIZE", default=None, nullable=True, minimum=1)
+    host_dir: str | None = _opt(str, "host-memory directory of the snapshots (tmpfs); null = /dev/shm/ds_resilience",
+                                default=None, nullable=True)
+    chunk_mb: float = _opt(float, "replication chunk size, MiB", default=4.0, exclusive_minimum=0)
+    interleave: bool = _opt(bool, "send replication chunks only in the idle spans of the schedule's network "
+                            "links (false: whenever ready)", default=True)
+    idle_fraction: float = _opt(float, "fraction of an idle span replication may fill (Gemini's alpha)",
+                                default=0.8, exclusive_minimum=0, maximum=1)
+    max_restarts: int = _opt(int, "restarts of all workers from the snapshots when a failure is beyond "
+                             "tolerance (0: stop instead)", default=3, minimum=0)
 
 
 _WORKER = _Spec(types=(str, Worker), what="a 'pipeline:stage' string", convert=_to_worker)

@@ -182,9 +182,10 @@ class StagingPipeline:
                                      for _ in range(self.num_sub_buffers)]
         return self._buffers[device]
 
-    def write(self, layout: Layout, leaves: list[torch.Tensor], out: torch.Tensor) -> int:
+    def write(self, layout: Layout, leaves: list[torch.Tensor], out: torch.Tensor, *, checksum: bool = True) -> int | None:
         """Copy ``leaves`` into ``out`` (a uint8 CPU tensor of ``layout.nbytes`` bytes whose padding
-        is zero, e.g. fresh or a new file mapping) and return the whole-payload checksum."""
+        is zero, e.g. fresh or a new file mapping) and return the whole-payload checksum (``None``
+        with ``checksum=False``: a plain copy, the checksum left to the caller)."""
         if out.dtype != torch.uint8 or out.numel() != layout.nbytes or out.device.type != "cpu":
             raise ValueError(f"out must be a CPU uint8 tensor of {layout.nbytes} bytes")
         total = 0
@@ -202,22 +203,23 @@ class StagingPipeline:
                 offset = meta.offset + start * tensor.element_size()
                 dst = out[offset : offset + nb]
                 if src.is_cuda:
-                    cs = self._copy_cuda(src, dst, slot, pending)
+                    cs = self._copy_cuda(src, dst, slot, pending, checksum)
                 elif self.stage_cpu:
                     buf = self._subs(src.device)[slot][:nb]
-                    cs = copy_chunk(src, buf, checksum=True)
+                    cs = copy_chunk(src, buf, checksum=checksum)
                     dst.copy_(buf)
                 else:
-                    cs = copy_chunk(src, dst, checksum=True)
+                    cs = copy_chunk(src, dst, checksum=checksum)
                 slot = (slot + 1) % self.num_sub_buffers
                 self.chunks_copied += 1
-                total = combine(total, int(cs), offset)  # offset % 4 == 0 by construction
+                if checksum:
+                    total = combine(total, int(cs), offset)  # offset % 4 == 0 by construction
         for event in pending:
             if event is not None:
                 event.synchronize()
-        return total
+        return total if checksum else None
 
-    def _copy_cuda(self, src: torch.Tensor, dst: torch.Tensor, slot: int, pending: list[Any]) -> int:
+    def _copy_cuda(self, src: torch.Tensor, dst: torch.Tensor, slot: int, pending: list[Any], checksum: bool = True) -> int | None:
         """Copy one chunk into device sub-buffer ``slot`` (current stream, with checksum), then drain
         it to ``dst`` on the side stream; the next chunk's copy overlaps this drain."""
         device = src.device
@@ -228,11 +230,11 @@ class StagingPipeline:
         side = self._side[device]
         if pending[slot] is not None:
             main.wait_event(pending[slot])  # the previous drain out of this sub-buffer is done
-        cs = copy_chunk(src, buf, checksum=True)
+        cs = copy_chunk(src, buf, checksum=checksum)
         side.wait_stream(main)
         with torch.cuda.stream(side):
             dst.copy_(buf, non_blocking=True)
             event = torch.cuda.Event()
             event.record(side)
         pending[slot] = event
-        return int(cs)
+        return None if cs is None else int(cs)

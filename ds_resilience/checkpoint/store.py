@@ -27,7 +27,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -35,7 +35,7 @@ from ..errors import ResilienceError
 from ..kernels.checksum import checksum_reference
 from .staging import Layout, StagingPipeline, unflatten
 
-__all__ = ["CheckpointCorrupt", "CheckpointError", "CorruptVersion", "ReplicaBytes", "SnapshotInfo", "SnapshotStore"]
+__all__ = ["CheckpointCorrupt", "CheckpointError", "CorruptVersion", "PendingSnapshot", "ReplicaBytes", "SnapshotInfo", "SnapshotStore"]
 
 logger = logging.getLogger("ds_resilience.checkpoint")
 
@@ -72,6 +72,18 @@ class CorruptVersion:
     owner: str
     step: int
     reason: str
+
+
+@dataclass(frozen=True)
+class PendingSnapshot:
+    """A version copied by :meth:`SnapshotStore.begin_save` but not committed yet."""
+
+    owner: str
+    step: int
+    vdir: Path
+    tmp: Path
+    layout: Layout
+    checksum: int | None
 
 
 @dataclass(frozen=True)
@@ -146,21 +158,86 @@ class SnapshotStore:
 
     def save(self, owner: str, step: int, state: Any) -> SnapshotInfo:
         """Flatten ``state`` straight into a new payload file and commit it as version ``step``."""
+        return self.finish_save(self.begin_save(owner, step, state, checksum=True))
+
+    def begin_save(self, owner: str, step: int, state: Any, *, checksum: bool = True) -> "PendingSnapshot":
+        """Copy ``state`` into an uncommitted payload file of version ``step`` (the part of a save
+        that must finish before the training state changes again); :meth:`finish_save` commits it.
+
+        With ``checksum=False`` the copy is a plain copy and the checksum is computed by
+        :meth:`finish_save`, e.g. on a background thread; on GPU the copy kernel computes it in the
+        same pass, so pass ``True`` there. Until :meth:`finish_save` the version does not exist.
+        """
         vdir = self._begin(owner, step)
         layout, leaves = self.pipeline.plan(state)
         tmp = vdir / f".{PAYLOAD}.tmp-{os.getpid()}"
         tmp.unlink(missing_ok=True)
+        value: int | None = 0
         if layout.nbytes:
             out = torch.from_file(str(tmp), shared=True, size=layout.nbytes, dtype=torch.uint8)  # zero-filled
-            checksum = self.pipeline.write(layout, leaves, out)
+            value = self.pipeline.write(layout, leaves, out, checksum=checksum)
             del out
         else:
             tmp.write_bytes(b"")
-            checksum = 0
+        return PendingSnapshot(owner, step, vdir, tmp, layout, value)
+
+    def finish_save(self, pending: "PendingSnapshot") -> SnapshotInfo:
+        """Checksum (if not yet done) and commit a :meth:`begin_save`; the version exists after this."""
+        checksum = pending.checksum
+        if checksum is None:
+            checksum = checksum_reference(
+                torch.from_file(str(pending.tmp), shared=False, size=pending.layout.nbytes, dtype=torch.uint8))
+        os.replace(pending.tmp, pending.vdir / PAYLOAD)
+        layout_bytes = pickle.dumps(pending.layout, protocol=pickle.HIGHEST_PROTOCOL)
+        _write_atomic(pending.vdir / LAYOUT, layout_bytes)
+        return self._commit(pending.vdir, pending.owner, pending.step, pending.layout.nbytes, checksum, layout_bytes)
+
+    def receive(self, owner: str, step: int, nbytes: int, layout_bytes: bytes, checksum: int,
+                fill: Callable[[torch.Tensor], None]) -> SnapshotInfo:
+        """Store a replica that arrives in pieces: ``fill`` writes the payload into the (shared,
+        uncommitted) mapping it is given; the result is verified before it is committed.
+
+        Raises:
+            CheckpointCorrupt: the received bytes do not match ``checksum`` (nothing is committed).
+            Whatever ``fill`` raises (a peer died mid-transfer): nothing is committed either, and
+            the previous version stays the newest.
+        """
+        vdir = self._begin(owner, step)
+        tmp = vdir / f".{PAYLOAD}.tmp-{os.getpid()}"
+        tmp.unlink(missing_ok=True)
+        try:
+            if nbytes:
+                buf = torch.from_file(str(tmp), shared=True, size=nbytes, dtype=torch.uint8)
+                fill(buf)
+                actual = checksum_reference(buf)
+                del buf
+            else:
+                tmp.write_bytes(b"")
+                actual = 0
+            if actual != checksum:
+                raise CheckpointCorrupt(f"replica {owner}@{step}: received checksum {actual:#018x} != sent {checksum:#018x}")
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         os.replace(tmp, vdir / PAYLOAD)
-        layout_bytes = pickle.dumps(layout, protocol=pickle.HIGHEST_PROTOCOL)
-        _write_atomic(vdir / LAYOUT, layout_bytes)
-        return self._commit(vdir, owner, step, layout.nbytes, checksum, layout_bytes)
+        _write_atomic(vdir / LAYOUT, bytes(layout_bytes))
+        return self._commit(vdir, owner, step, nbytes, checksum, bytes(layout_bytes))
+
+    def open_version(self, owner: str, step: int) -> tuple[SnapshotInfo, bytes, torch.Tensor]:
+        """A verified version's info, pickled layout and a read-only-in-effect payload mapping
+        (what a sender streams to a peer without copying it first)."""
+        info = self._verify(owner, step)
+        return info, (info.path / LAYOUT).read_bytes(), self._map(info)
+
+    def holdings(self) -> dict[str, list[int]]:
+        """Every owner's verified committed steps, newest first (corrupt versions are reported
+        and left out)."""
+        return {owner: steps for owner in self.owners() if (steps := [i.step for i in self.versions(owner)])}
+
+    def wipe(self) -> None:
+        """Delete everything under the root (what losing this machine's memory does)."""
+        shutil.rmtree(self.root, ignore_errors=True)
+        self._verified.clear()
 
     def put_bytes(self, owner: str, step: int, payload: bytes | bytearray | torch.Tensor,
                   layout: Layout | bytes, checksum: int) -> SnapshotInfo:

@@ -9,9 +9,12 @@ point of each iteration; a matching entry fires once:
 ``sigkill``  SIGKILL to itself (death by signal)
 ``hang``     SIGSTOP to itself: every thread stops, heartbeats included; the agent detects the
              silence and kills the process (if someone sends SIGCONT instead, training resumes)
+``lose_machine``  the machine is lost: its host memory (the in-memory snapshots of every rank on
+             it, ``lose_memory`` callback) is wiped, then SIGKILL as above
 
-Faults fire only in the first incarnation of a rank (``DSR_INCARNATION`` unset or 0), so a
-worker the agent relaunched does not kill itself again at the same step.
+Faults fire only in the first incarnation of a rank of the first attempt (``DSR_INCARNATION`` and
+``DSR_RESTART`` unset or 0), so a worker the agent relaunched does not kill itself again at the
+same step.
 """
 
 from __future__ import annotations
@@ -68,17 +71,21 @@ class FaultInjector:
         env: the environment to read ``DSR_FAULTS`` and ``DSR_INCARNATION`` from (default ``os.environ``).
         on_fire: called with the fault just before it fires (e.g. to flush logs or record the time).
         kill: how a signal is sent to this process (``os.kill``; replaceable in tests).
+        lose_memory: wipes this machine's host memory for ``lose_machine`` (default: nothing to wipe).
     """
 
     def __init__(self, faults: Sequence[FaultInjection], rank: int, *, env: Mapping[str, str] | None = None,
                  on_fire: Callable[[FaultInjection], None] | None = None,
-                 kill: Callable[[int, int], None] = os.kill) -> None:
+                 kill: Callable[[int, int], None] = os.kill,
+                 lose_memory: Callable[[], None] | None = None) -> None:
         env = os.environ if env is None else env
         override = faults_from_env(env)
         chosen = tuple(faults) if override is None else override
         self.rank = rank
         self.incarnation = int(env.get("DSR_INCARNATION", "0") or 0)
-        self.armed = self.incarnation == 0
+        self.restart = int(env.get("DSR_RESTART", "0") or 0)
+        self.armed = self.incarnation == 0 and self.restart == 0
+        self.lose_memory = lose_memory
         self._pending = {(f.step, f.point): f for f in chosen if f.rank == rank}
         self._on_fire = on_fire
         self._kill = kill
@@ -119,5 +126,9 @@ class FaultInjector:
             self._kill(os.getpid(), signal.SIGKILL)  # delivered before kill() returns
         elif kind == "hang":
             self._kill(os.getpid(), signal.SIGSTOP)
+        elif kind == "lose_machine":
+            if self.lose_memory is not None:
+                self.lose_memory()
+            self._kill(os.getpid(), signal.SIGKILL)
         else:  # pragma: no cover - FaultInjection validates kinds
             raise FaultPointError(f"unknown fault kind {kind!r}; allowed: {', '.join(FAULT_KINDS)}")

@@ -1,0 +1,250 @@
+"""The in-memory checkpoint tier of one worker: capture every iteration, replicate, persist, restore.
+
+:class:`InMemoryCheckpointer` ties the pieces together for one rank:
+
+* **capture** (:meth:`capture`, on the training thread right after the optimizer step): the state
+  (``state.py``) is copied into an uncommitted version in this machine's host-memory store
+  (``/dev/shm/ds_resilience/<job>/machine<M>``, created and removed by the node agent, so a worker
+  crash loses nothing). This copy is the only part training waits for; its time is the stall.
+* **commit** (a background thread): checksum, atomic commit, then the replicator is offered the
+  version and, every ``persistent_interval`` steps, it is copied to the persistent tier
+  (``<persistent_dir>/snapshots``, same format, ``keep_last`` versions).
+* **budget**: when a capture costs more than ``stall_budget`` of the iteration time, captures are
+  spread over more iterations (the effective interval grows) instead of stalling training.
+* **restore** (:meth:`restore`, collective at start-up of a restart): every rank reports what its
+  machine holds, ``restore_plan.plan_restore`` picks the newest step held for every rank, peers
+  send the snapshots whose owners lost them, and each rank loads its own.
+
+Placement: ranks ``r`` live on machine ``r // ranks_per_machine``; Gemini's group placement of the
+machines (``planning/placement.py``) decides which machines hold each machine's snapshots, and
+rank ``r``'s replicas go to the ranks with its local index on those machines.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..config import CheckpointConfig
+from ..errors import ConfigError
+from ..planning.placement import place
+from .replication import IdleGate, Replicator
+from .restore_plan import LOCAL, PEER, PERSISTENT, RestorePlan, plan_restore
+from .staging import StagingPipeline
+from .store import CheckpointError, SnapshotStore
+
+__all__ = ["DEFAULT_HOST_DIR", "InMemoryCheckpointer", "host_root", "owner_name"]
+
+logger = logging.getLogger("ds_resilience.checkpoint")
+
+DEFAULT_HOST_DIR = "/dev/shm/ds_resilience"
+_XFER_TAG = 1 << 26
+
+
+def owner_name(rank: int) -> str:
+    return f"rank{rank}"
+
+
+def host_root(cfg: CheckpointConfig, job_id: str) -> Path:
+    """Where a job's snapshots live in host memory (one sub-directory per machine)."""
+    return Path(cfg.host_dir or DEFAULT_HOST_DIR) / job_id
+
+
+class InMemoryCheckpointer:
+    """One rank's in-memory checkpoint tier (see the module docstring).
+
+    Args:
+        cfg: the ``resilience.checkpoint`` section.
+        rank, world: this rank and the world size.
+        job_id: names the host-memory directory (the agent's ``DSR_JOB_ID``).
+        local_world_size: ranks per machine when ``cfg.ranks_per_machine`` is null.
+        name: unique name for this attempt's replication groups.
+        replicate: build the replicator (a re-joining worker cannot: its peers' groups are gone).
+        group_store, timeout_s: rendezvous store and per-message timeout of the replication groups.
+
+    Raises:
+        ConfigError: a placement that cannot exist (more replicas than machines, ranks that do not
+            fill whole machines).
+    """
+
+    def __init__(self, cfg: CheckpointConfig, *, rank: int, world: int, job_id: str, local_world_size: int,
+                 name: str, replicate: bool = True, group_store=None, timeout_s: float = 60.0) -> None:
+        self.cfg, self.rank, self.world = cfg, rank, world
+        rpm = cfg.ranks_per_machine or local_world_size
+        if world % rpm:
+            raise ConfigError("resilience.checkpoint.ranks_per_machine",
+                              f"{rpm} ranks per machine do not divide the world size {world}; allowed: a divisor of {world}")
+        machines = world // rpm
+        if cfg.replicas > machines:
+            raise ConfigError(
+                "resilience.checkpoint.replicas",
+                f"{cfg.replicas} copies need {cfg.replicas} machines, this job has {machines} ({world} ranks, "
+                f"{rpm} per machine); allowed: 1..{machines}, or fewer ranks_per_machine")
+        self.rpm, self.machines = rpm, machines
+        self.machine, local = divmod(rank, rpm)
+        self.placement = place(machines, cfg.replicas)
+        self.send_to = [h * rpm + local for h in self.placement.stored_on(self.machine) if h != self.machine]
+        self.recv_from = [m * rpm + local for m in range(machines)
+                          if m != self.machine and self.machine in self.placement.stored_on(m)]
+        self.root = host_root(cfg, job_id)
+        pipeline = StagingPipeline(cfg.gpu_buffer_mb, cfg.num_sub_buffers)
+        self.store = SnapshotStore(self.root / f"machine{self.machine}", keep=2, pipeline=pipeline)
+        self.owner = owner_name(rank)
+        self.disk = (SnapshotStore(Path(cfg.persistent_dir) / "snapshots", keep=cfg.keep_last)
+                     if cfg.persistent_dir else None)
+        self.gate = IdleGate(enabled=cfg.interleave)
+        self.replicator: Replicator | None = None
+        if replicate and self.send_to + self.recv_from:
+            self.replicator = Replicator(self.store, rank=rank, owner_of=owner_name, send_to=self.send_to,
+                                         recv_from=self.recv_from, name=name,
+                                         chunk_bytes=max(64, int(cfg.chunk_mb * (1 << 20)) // 64 * 64),
+                                         timeout_s=timeout_s, gate=self.gate, group_store=group_store)
+        self.interval = cfg.interval  # effective interval: grows when captures exceed the budget
+        self.captures: list[dict[str, float]] = []  # step, stall_s (the training thread's wait)
+        self.committed: int | None = None
+        self.persisted: int | None = None
+        self.errors: list[str] = []
+        self._commits: queue.Queue = queue.Queue()
+        self._cond = threading.Condition()
+        self._committer = threading.Thread(target=self._commit_loop, name="dsr-ckpt-commit", daemon=True)
+        self._committer.start()
+
+    # --- capture -------------------------------------------------------------------------------------
+    def due(self, step: int) -> bool:
+        """Whether step ``step`` is captured (step 0, the initial state, always is)."""
+        return step % self.interval == 0
+
+    def capture(self, step: int, state: Any) -> float:
+        """Copy ``state`` (of step ``step``) into host memory; returns the stall in seconds."""
+        started = time.perf_counter()
+        params = state.get("params", []) if isinstance(state, dict) else []
+        on_gpu = any(torch.is_tensor(p) and p.is_cuda for p in params)  # the kernel checksums in the copy
+        pending = self.store.begin_save(self.owner, step, state, checksum=on_gpu)
+        stall = time.perf_counter() - started
+        self._commits.put(pending)
+        self.captures.append({"step": step, "stall_s": stall})
+        return stall
+
+    def note_iteration(self, seconds: float) -> None:
+        """Adapt the interval so that the capture stall stays within ``stall_budget`` of an iteration."""
+        if not self.captures or seconds <= 0:
+            return
+        recent = [c["stall_s"] for c in self.captures[-5:]]
+        stall = sorted(recent)[len(recent) // 2]
+        needed = max(1, math.ceil(stall / (self.cfg.stall_budget * seconds * self.cfg.interval))) * self.cfg.interval
+        if needed != self.interval:
+            logger.info("rank %d: snapshot stall %.1f ms vs iteration %.1f ms (budget %.0f%%): interval %d -> %d",
+                        self.rank, stall * 1e3, seconds * 1e3, self.cfg.stall_budget * 100, self.interval, needed)
+            self.interval = needed
+
+    def _commit_loop(self) -> None:
+        while True:
+            pending = self._commits.get()
+            if pending is None:
+                return
+            try:
+                self.store.finish_save(pending)
+                with self._cond:
+                    self.committed = pending.step
+                    self._cond.notify_all()
+                if self.replicator is not None:
+                    self.replicator.offer(pending.step)
+                if self.disk is not None and pending.step % self.cfg.persistent_interval == 0:
+                    self._persist(pending.step)
+            except Exception as exc:  # noqa: BLE001 - a failed snapshot must not stop training
+                self.errors.append(f"{pending.owner}@{pending.step}: {exc}")
+                logger.warning("snapshot %s@%d failed: %s", pending.owner, pending.step, exc)
+
+    def _persist(self, step: int) -> None:
+        info, layout, payload = self.store.open_version(self.owner, step)
+        self.disk.receive(self.owner, step, info.nbytes, layout, info.checksum, lambda buf: buf.copy_(payload))
+        self.persisted = step
+
+    def wait_committed(self, step: int, timeout_s: float = 30.0) -> bool:
+        """Block until version ``step`` (or a newer one) is committed locally."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self.committed is None or self.committed < step:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def load_local(self, step: int) -> Any:
+        """This rank's own version ``step`` from host memory (verified)."""
+        return self.store.load(self.owner, step)
+
+    def lose_memory(self) -> None:
+        """Wipe this machine's host memory (the ``lose_machine`` fault)."""
+        self.store.wipe()
+
+    def close(self) -> None:
+        self._commits.put(None)
+        self._committer.join(30.0)
+        if self.replicator is not None:
+            self.replicator.close()
+
+    # --- restore -------------------------------------------------------------------------------------
+    def restore(self, group=None) -> tuple[Any, RestorePlan, dict[str, float]]:
+        """Collective over every rank (all alive, e.g. right after a restart): agree on the newest
+        step held for every rank, fetch what this rank lost from a peer or disk, and load it.
+
+        Returns ``(state, plan, timings)``; raises :class:`CheckpointError` when some rank's
+        snapshot is nowhere.
+        """
+        t0 = time.perf_counter()
+        mine = {int(o.removeprefix("rank")): steps for o, steps in self.store.holdings().items()
+                if o.startswith("rank")}
+        disk = {}
+        if self.disk is not None:
+            disk = {self.rank: [i.step for i in self.disk.versions(self.owner)]}
+        gathered: list[Any] = [None] * self.world
+        dist.all_gather_object(gathered, (mine, disk), group=group)
+        memory = {h: held for h, (held, _) in enumerate(gathered)}
+        persistent: dict[int, list[int]] = {}
+        for _, d in gathered:
+            persistent.update(d)
+        plan = plan_restore(self.world, memory, persistent, {r: r // self.rpm for r in range(self.world)})
+        t1 = time.perf_counter()
+        for holder, owner in plan.transfers():
+            if self.rank == holder:
+                self._send_snapshot(owner, plan.step, group)
+            elif self.rank == owner:
+                self._recv_snapshot(holder, plan.step, group)
+        t2 = time.perf_counter()
+        source = plan.sources[self.rank][0]
+        state = (self.disk if source == PERSISTENT else self.store).load(self.owner, plan.step)
+        if source == PERSISTENT:  # back into host memory, so the next failure finds it there
+            self.store.save(self.owner, plan.step, state)
+        t3 = time.perf_counter()
+        return state, plan, {"plan_s": t1 - t0, "transfer_s": t2 - t1, "load_s": t3 - t2, "total_s": t3 - t0}
+
+    def _send_snapshot(self, owner: int, step: int, group) -> None:
+        info, layout, payload = self.store.open_version(owner_name(owner), step)
+        header = torch.tensor([info.nbytes, info.checksum & 0xFFFFFFFF, info.checksum >> 32, len(layout)], dtype=torch.int64)
+        dist.send(header, owner, group=group, tag=_XFER_TAG)
+        dist.send(torch.frombuffer(bytearray(layout), dtype=torch.uint8), owner, group=group, tag=_XFER_TAG + 1)
+        if info.nbytes:
+            dist.send(payload.contiguous(), owner, group=group, tag=_XFER_TAG + 2)
+
+    def _recv_snapshot(self, holder: int, step: int, group) -> None:
+        header = torch.zeros(4, dtype=torch.int64)
+        dist.recv(header, holder, group=group, tag=_XFER_TAG)
+        nbytes, lo, hi, layout_len = (int(v) for v in header.tolist())
+        layout = torch.empty(layout_len, dtype=torch.uint8)
+        dist.recv(layout, holder, group=group, tag=_XFER_TAG + 1)
+
+        def fill(buf: torch.Tensor) -> None:
+            dist.recv(buf, holder, group=group, tag=_XFER_TAG + 2)
+
+        self.store.receive(self.owner, step, nbytes, layout.numpy().tobytes(), (hi << 32) | lo, fill)
+

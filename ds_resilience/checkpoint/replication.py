@@ -1,0 +1,285 @@
+"""Replication of snapshots to peers over gloo, chunk by chunk, in the schedule's idle spans.
+
+Each rank streams its newest committed version to its holders (the ranks with its local index on
+the machines that store its machine's snapshots, see ``planning/placement.py``) and stores what its
+sources stream to it. Every pair of ranks that exchange replicas gets its own two-member gloo group
+(created in one global order, so construction cannot deadlock), used by two threads: this rank's
+sender to the peer and receiver from it. A version goes out as::
+
+    header  int64[6]  step, nbytes, checksum low and high 32 bits, layout length, chunk bytes
+    layout  uint8[layout length]        the pickled Layout
+    chunks  uint8[<= chunk bytes] ...   the payload, straight from (and into) the shm files
+
+A step of ``-1`` says goodbye. The receiver writes the chunks into an uncommitted shm file and
+commits it only once its checksum matches (``SnapshotStore.receive``): a sender that dies mid-version
+leaves the previous version in place, and a corrupted transfer is rejected.
+
+Interleaving: before each chunk the sender asks the :class:`IdleGate` for a span long enough for one
+chunk (its measured send time); the engine opens the gate while it runs an action the timeline marks
+as link-idle (``sim/idle.py``), for the measured length of that action times ``idle_fraction``. When
+the spans are too short for a version, it simply takes more iterations: the sender always sends the
+newest committed version when it starts one, so intermediate versions are skipped, never queued.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from ..runtime.coordinator import poison
+from ..runtime.groups import Group, new_group
+from .store import CheckpointError, SnapshotStore
+
+__all__ = ["IdleGate", "ReplicationStats", "Replicator"]
+
+logger = logging.getLogger("ds_resilience.checkpoint")
+
+_HEADER_TAG = 11
+_LAYOUT_TAG = 12
+_CHUNK_TAG = 13
+_BYE = -1
+
+
+class IdleGate:
+    """Lets replication chunks through only while the training link is idle.
+
+    ``open(seconds)`` starts an idle span that ends after ``seconds`` (``None``: unknown length) or
+    at ``close()``; :meth:`acquire` blocks until a span has at least the time one chunk needs. A
+    disabled gate (``interleave: false``) is always open.
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self._cond = threading.Condition()
+        self._deadline: float | None = None  # monotonic end of the open span; None: closed
+        self._stopped = False
+        self.opened = 0
+
+    def open(self, seconds: float | None) -> None:
+        with self._cond:
+            self._deadline = float("inf") if seconds is None else time.monotonic() + seconds
+            self.opened += 1
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._deadline = None
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+
+    def acquire(self, need_s: float) -> bool:
+        """Wait for an open span with ``need_s`` seconds left; ``False`` once stopped."""
+        if not self.enabled:
+            return not self._stopped
+        with self._cond:
+            while not self._stopped:
+                if self._deadline is not None and self._deadline - time.monotonic() >= need_s:
+                    return True
+                self._cond.wait(0.005 if self._deadline is not None else 0.1)
+            return False
+
+
+@dataclass
+class ReplicationStats:
+    """Counters of one rank's replication (read by logs, tests and benchmarks)."""
+
+    versions_sent: int = 0
+    versions_skipped: int = 0
+    versions_received: int = 0
+    rejected: int = 0
+    bytes_sent: int = 0
+    send_seconds: float = 0.0  # wall time from a version's header to its last chunk (all holders)
+    replicated: dict[int, int] = field(default_factory=dict)  # holder rank -> newest step sent to it
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def throughput_bytes_per_s(self) -> float:
+        return self.bytes_sent / self.send_seconds if self.send_seconds > 0 else 0.0
+
+
+class Replicator:
+    """Sends this rank's snapshots to ``send_to`` and stores the snapshots of ``recv_from``.
+
+    Args:
+        store: this machine's snapshot store (local versions are read from it, replicas land in it).
+        rank: this rank; ``owner_of(r)`` names rank ``r``'s snapshots in the store.
+        send_to, recv_from: the holders of this rank's snapshots, and the ranks whose it holds.
+        name: unique name of this set of pair groups (session and attempt).
+        chunk_bytes: payload bytes per message.
+        timeout_s: how long one message may take before the pair counts as broken.
+        gate: the idle gate (default: always open).
+        group_store: the store the pair groups rendezvous in (default: the default group's).
+    """
+
+    def __init__(self, store: SnapshotStore, *, rank: int, owner_of: Callable[[int], str], send_to: Sequence[int],
+                 recv_from: Sequence[int], name: str, chunk_bytes: int, timeout_s: float = 60.0,
+                 gate: IdleGate | None = None, group_store=None) -> None:
+        if chunk_bytes < 64:
+            raise CheckpointError(f"replication chunk must be at least 64 bytes, got {chunk_bytes}")
+        self.store, self.rank, self.owner_of = store, rank, owner_of
+        self.send_to, self.recv_from = tuple(send_to), tuple(recv_from)
+        self.chunk_bytes = chunk_bytes
+        self.gate = gate or IdleGate(enabled=False)
+        self.stats = ReplicationStats()
+        self.chunk_seconds = 0.0  # measured time of one chunk (moving average), what a span must hold
+        self._cond = threading.Condition()
+        self._offered: int | None = None
+        self._sent: int | None = None
+        self._current: int | None = None  # the step being sent
+        self._closing = False
+        self._dead: set[int] = set()
+        self._groups: dict[int, Group] = {}
+        for peer in sorted(set(self.send_to) | set(self.recv_from)):  # global order: (min, max) pairs
+            self._groups[peer] = new_group([rank, peer], name=f"{name}/repl", timeout_s=timeout_s,
+                                           store=group_store, me=rank)
+        self._threads = [threading.Thread(target=self._send_loop, name="dsr-repl-send", daemon=True)]
+        self._threads += [threading.Thread(target=self._recv_loop, args=(src,), name=f"dsr-repl-recv{src}", daemon=True)
+                          for src in self.recv_from]
+        for t in self._threads:
+            t.start()
+
+    # --- the training side -------------------------------------------------------------------------
+    def offer(self, step: int) -> None:
+        """Version ``step`` is committed locally: replicate it (or a newer one) when the sender is free."""
+        with self._cond:
+            if self._offered is not None and self._offered not in (self._sent, self._current):
+                self.stats.versions_skipped += 1  # superseded before it started: spread, not queued
+            self._offered = step
+            self._cond.notify_all()
+
+    def lag(self) -> int:
+        """Steps between the newest offered version and the newest fully sent one."""
+        with self._cond:
+            if self._offered is None:
+                return 0
+            return self._offered - (self._sent if self._sent is not None else -1)
+
+    def wait_replicated(self, step: int, timeout_s: float) -> bool:
+        """Block until a version >= ``step`` reached every live holder, or the timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._sent is None or self._sent < step:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closing:
+                    return False
+                self._cond.wait(left)
+            return True
+
+    def drop(self, ranks: Sequence[int]) -> None:
+        """Peers that failed: stop sending to them and free any thread blocked on them."""
+        for r in ranks:
+            if r in self._groups and r not in self._dead:
+                self._dead.add(r)
+                poison(self._groups[r])
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Finish the version in flight (up to ``timeout_s``), say goodbye, and stop the threads."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._threads[0].join(timeout_s)
+        self.gate.stop()
+        deadline = time.monotonic() + timeout_s
+        for t in self._threads[1:]:
+            t.join(max(0.0, deadline - time.monotonic()))
+        for peer, group in self._groups.items():
+            if peer not in self._dead:
+                poison(group)  # frees a receiver whose sender never said goodbye
+        for t in self._threads:
+            t.join(1.0)
+
+    # --- sending -------------------------------------------------------------------------------------
+    def _send_loop(self) -> None:
+        owner = self.owner_of(self.rank)
+        while True:
+            with self._cond:
+                while not self._closing and (self._offered is None or self._offered == self._sent):
+                    self._cond.wait()
+                if self._offered is None or self._offered == self._sent:
+                    break  # closing with nothing new
+                step = self._current = self._offered
+            try:
+                self._send_version(owner, step)
+            except Exception as exc:  # noqa: BLE001 - a replication error must never stop training
+                self.stats.errors.append(f"send {owner}@{step}: {exc}")
+                logger.warning("replication of %s@%d failed: %s", owner, step, exc)
+            with self._cond:
+                self._current = None
+                self._sent = step if self._sent is None else max(self._sent, step)
+                self._cond.notify_all()
+        for dst in self.send_to:
+            if dst not in self._dead:
+                try:
+                    self._groups[dst].isend(torch.tensor([_BYE, 0, 0, 0, 0, 0], dtype=torch.int64), dst, _HEADER_TAG).wait()
+                except Exception:  # noqa: BLE001 - the peer is gone already
+                    pass
+
+    def _send_version(self, owner: str, step: int) -> None:
+        try:
+            info, layout, payload = self.store.open_version(owner, step)
+        except CheckpointError:
+            return  # pruned meanwhile: a newer one is offered already
+        started = time.perf_counter()
+        header = torch.tensor([step, info.nbytes, info.checksum & 0xFFFFFFFF, info.checksum >> 32, len(layout),
+                               self.chunk_bytes], dtype=torch.int64)
+        layout_t = torch.frombuffer(bytearray(layout), dtype=torch.uint8)
+        for dst in self.send_to:
+            if dst in self._dead:
+                continue
+            group = self._groups[dst]
+            try:
+                group.isend(header, dst, _HEADER_TAG).wait()
+                group.isend(layout_t, dst, _LAYOUT_TAG).wait()
+                for start in range(0, info.nbytes, self.chunk_bytes):
+                    if not self.gate.acquire(self.chunk_seconds):
+                        return
+                    t0 = time.perf_counter()
+                    group.isend(payload[start : start + self.chunk_bytes], dst, _CHUNK_TAG).wait()
+                    dt = time.perf_counter() - t0
+                    self.chunk_seconds = dt if not self.chunk_seconds else 0.8 * self.chunk_seconds + 0.2 * dt
+                    self.stats.bytes_sent += min(self.chunk_bytes, info.nbytes - start)
+            except Exception:
+                self._dead.add(dst)  # the pair is broken for good; recovery finds older replicas
+                raise
+            self.stats.replicated[dst] = step
+        self.stats.send_seconds += time.perf_counter() - started
+        self.stats.versions_sent += 1
+
+    # --- receiving -----------------------------------------------------------------------------------
+    def _recv_loop(self, src: int) -> None:
+        group = self._groups[src]
+        owner = self.owner_of(src)
+        header = torch.zeros(6, dtype=torch.int64)
+        while src not in self._dead:
+            try:
+                group.irecv(header, src, _HEADER_TAG).wait()
+            except Exception:  # noqa: BLE001 - peer gone or poisoned at close
+                return
+            step, nbytes, lo, hi, layout_len, chunk = (int(v) for v in header.tolist())
+            if step == _BYE:
+                return
+            try:
+                layout = torch.empty(layout_len, dtype=torch.uint8)
+                group.irecv(layout, src, _LAYOUT_TAG).wait()
+
+                def fill(buf: torch.Tensor) -> None:
+                    for start in range(0, nbytes, chunk):
+                        group.irecv(buf[start : start + chunk], src, _CHUNK_TAG).wait()
+
+                self.store.receive(owner, step, nbytes, layout.numpy().tobytes(), (hi << 32) | lo, fill)
+                self.stats.versions_received += 1
+            except CheckpointError as exc:
+                self.stats.rejected += 1
+                self.stats.errors.append(f"recv {owner}@{step}: {exc}")
+                logger.warning("rejected replica %s@%d: %s", owner, step, exc)
+            except Exception as exc:  # noqa: BLE001 - peer died mid-version: the previous one stays
+                self.stats.errors.append(f"recv {owner}@{step}: {exc}")
+                return
