@@ -116,6 +116,7 @@ def main(argv=None) -> int:
             else:
                 print(f"step {step:3d} loss {float(loss):.4f} samples/s {samples / dt:7.1f} time_s {dt:.3f}", flush=True)
     total = time.perf_counter() - started
+    engine.close_snapshots()  # the last snapshot is committed and replicated; threads stop
     if rank == 0 and args.progress:
         print(flush=True)
     if stopped:

@@ -55,6 +55,7 @@ def train_and_replicate(rank: int, world: int, cfg_dict: dict, job: str, steps: 
     model, opt, sched = _model(rank, width)
     ck.capture(0, _state(model, opt, sched, 0, rank))
     for step in range(1, steps + 1):
+        ck.wait_copied()  # the optimizer may change the tensors only after the copy
         _train_step(model, opt, sched, step, rank)
         ck.capture(step, _state(model, opt, sched, step, rank))
     assert ck.wait_committed(steps, 30)
@@ -93,6 +94,7 @@ def kill_mid_replication(rank: int, world: int, cfg_dict: dict, job: str) -> dic
     model, opt, sched = _model(rank, 256)
     for step in range(2):
         if step:
+            ck.wait_copied()
             _train_step(model, opt, sched, step, rank)
         ck.capture(step, _state(model, opt, sched, step, rank))
         assert ck.wait_committed(step, 30)
@@ -114,6 +116,7 @@ def kill_mid_replication(rank: int, world: int, cfg_dict: dict, job: str) -> dic
             return work
 
         group.isend = dying_isend
+        ck.wait_copied()
         _train_step(model, opt, sched, 2, rank)
         ck.capture(2, _state(model, opt, sched, 2, rank))
         time.sleep(60)  # killed before this ends

@@ -183,8 +183,27 @@ def test_keep_deletes_older_versions(tmp_path):
     for step in range(1, 6):
         store.save("w0", step, {"x": torch.full((4,), float(step))})
     assert [i.step for i in store.versions("w0")] == [5, 4]
-    assert sorted(p.name for p in (tmp_path / "w0").iterdir()) == ["v000000000004", "v000000000005"]
+    assert sorted(p.name for p in (tmp_path / "w0").iterdir() if not p.name.startswith(".")) == [
+        "v000000000004", "v000000000005"]
     assert torch.equal(store.load("w0", 4)["x"], torch.full((4,), 4.0))
+    assert store.reused == 2  # versions 4 and 5 were written into the files of pruned 2 and 3
+
+
+def test_recycled_payloads_keep_every_version_exact(tmp_path):
+    """A recycled file holds the new version's bytes only: no byte of the old one survives, and a
+    version still mapped by a reader (open_version) is never recycled under it."""
+    store = SnapshotStore(tmp_path, keep=1)
+    store.save("w0", 0, {"x": torch.arange(1000, dtype=torch.float32)})
+    info, _, mapped = store.open_version("w0", 0)
+    before = mapped.clone()
+    for step in range(1, 5):
+        store.save("w0", step, {"x": torch.full((1000,), float(step))})
+        assert torch.equal(store.load("w0", step)["x"], torch.full((1000,), float(step)))
+    assert torch.equal(mapped, before)  # the pinned version 0 was unlinked, not overwritten
+    store.release("w0", 0)
+    assert store.reused == 2  # steps 3 and 4 reused the files of 1 and 2; step 2 could not reuse 0
+    store.save("w0", 5, {"y": torch.zeros(7, dtype=torch.int64)})  # another layout: a new file
+    assert store.reused == 2 and torch.equal(store.load("w0")["y"], torch.zeros(7, dtype=torch.int64))
 
 
 def test_put_bytes_replica(tmp_path):

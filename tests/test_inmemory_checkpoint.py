@@ -44,7 +44,7 @@ def _same(a: dict, b: dict) -> None:
 def _train(tmp_path, world, cfg, job):
     out = run_workers(prog.train_and_replicate, world, args=(cfg, job, STEPS), timeout_s=120)
     for r in out:
-        assert r["replicated"] and not r["errors"], r
+        assert r["replicated"] and not r["errors"], (r["errors"], r["replicated"])
     return out
 
 
@@ -61,7 +61,7 @@ def test_wiped_machine_restores_bitwise_from_its_peer(tmp_path):
         assert restored[r]["step"] == STEPS and restored[r]["steps"] == STEPS
         _same(restored[r]["digest"], trained[r]["digest"])
     sources = restored[0]["sources"]
-    assert sources[1] == (PEER, 0) and sources[0] == (LOCAL, 0) and sources[2] == (LOCAL, 2)
+    assert sources[1] == (PEER, 0, 1) and sources[0] == (LOCAL, 0, 0) and sources[2] == (LOCAL, 2, 2)
 
 
 @pytest.mark.timeout(300)
@@ -73,7 +73,7 @@ def test_flipped_byte_is_detected_and_the_other_replica_used(tmp_path):
     data[len(data) // 3] ^= 0x10
     payload.write_bytes(bytes(data))
     restored = run_workers(prog.restore, 2, args=(cfg, job), timeout_s=120)
-    assert restored[1]["sources"][1] == (PEER, 0), restored[1]["sources"]
+    assert restored[1]["sources"][1] == (PEER, 0, 1), restored[1]["sources"]
     assert any("checksum" in c for c in restored[1]["corrupt"]), restored[1]["corrupt"]
     assert restored[1]["step"] == STEPS
     _same(restored[1]["digest"], trained[1]["digest"])
@@ -97,7 +97,7 @@ def test_every_holder_lost_falls_back_to_the_persistent_tier(tmp_path):
     shutil.rmtree(tmp_path / "shm" / job)  # both machines lost
     restored = run_workers(prog.restore, 2, args=(cfg, job), timeout_s=120)
     for r in range(2):
-        assert restored[r]["sources"][r] == (PERSISTENT, None) and restored[r]["step"] == STEPS
+        assert restored[r]["sources"][r] == (PERSISTENT, None, r) and restored[r]["step"] == STEPS
         _same(restored[r]["digest"], trained[r]["digest"])
     kept = sorted(p.name for p in (tmp_path / "disk" / "snapshots" / "rank0").iterdir())
     assert kept == [f"v{2:012d}", f"v{4:012d}"]  # keep_last = 2 of steps 0, 2, 4
@@ -111,7 +111,7 @@ def test_mixed_placement_n5_m2_replicates_in_a_ring_inside_the_last_group(tmp_pa
     assert [r["received"] >= 1 for r in trained] == [True] * 5
     shutil.rmtree(tmp_path / "shm" / job / "machine3")
     restored = run_workers(prog.restore, 5, args=(cfg, job), timeout_s=120)
-    assert restored[3]["sources"][3] == (PEER, 2)
+    assert restored[3]["sources"][3] == (PEER, 2, 3)
     _same(restored[3]["digest"], trained[3]["digest"])
 
 
@@ -120,15 +120,28 @@ def test_plan_restore_picks_the_newest_step_held_for_every_rank():
     memory = {0: {0: [5, 4], 1: [4, 3]}, 1: {}, 2: {2: [5, 4]}}
     plan = plan_restore(3, memory)
     assert plan.step == 4
-    assert plan.sources == {0: (LOCAL, 0), 1: (PEER, 0), 2: (LOCAL, 2)}
-    assert plan.transfers() == [(0, 1)]
+    assert plan.sources == {0: (LOCAL, 0, 0), 1: (PEER, 0, 1), 2: (LOCAL, 2, 2)}
+    assert plan.transfers() == [(0, 1, 1)]
 
 
 def test_plan_restore_prefers_memory_and_falls_back_to_disk():
     plan = plan_restore(2, {0: {0: [6]}, 1: {}}, {0: [4], 1: [4]})
-    assert plan.step == 4 and plan.sources == {0: (PERSISTENT, None), 1: (PERSISTENT, None)}
+    assert plan.step == 4 and plan.sources == {0: (PERSISTENT, None, 0), 1: (PERSISTENT, None, 1)}
     plan = plan_restore(2, {0: {0: [4], 1: [4]}, 1: {}}, {0: [4], 1: [4]})
-    assert plan.sources == {0: (LOCAL, 0), 1: (PEER, 0)}
+    assert plan.sources == {0: (LOCAL, 0, 0), 1: (PEER, 0, 1)}
+
+
+def test_plan_restore_uses_a_data_parallel_peer_of_the_same_stage():
+    """PP2 x DP2: stage 1 = ranks 2, 3. Rank 2's machine is gone and its replica holder (rank 3)
+    only has its older step 2; rank 3's own step 4 restores both stage-1 ranks."""
+    memory = {0: {0: [4, 3], 1: [4, 3]}, 1: {1: [4, 3], 0: [4, 3]}, 2: {}, 3: {3: [4, 3], 2: [2, 1]}}
+    stage_of = {0: 0, 1: 0, 2: 1, 3: 1}
+    with pytest.raises(CheckpointError, match="no step is held for every rank"):
+        plan_restore(4, memory)  # ranks on their own: rank 2's steps and the others' never meet
+    plan = plan_restore(4, memory, stage_of=stage_of)
+    assert plan.step == 4
+    assert plan.sources[2] == (PEER, 3, 3) and plan.sources[3] == (LOCAL, 3, 3)
+    assert plan.transfers() == [(3, 2, 3)]
 
 
 def test_plan_restore_names_the_ranks_with_nothing():
@@ -144,3 +157,18 @@ def test_impossible_placements_are_config_errors(tmp_path, extra, match):
     cfg = CheckpointConfig.from_dict({"ranks_per_machine": 2, "host_dir": str(tmp_path), **extra})
     with pytest.raises(ConfigError, match=match):
         InMemoryCheckpointer(cfg, rank=0, world=4, job_id="x", local_world_size=4, name="x")
+
+
+def test_capture_copies_in_the_background_and_wait_copied_guards_the_tensors(tmp_path):
+    """capture() returns before the copy; after wait_copied() the optimizer may change the tensors
+    and the snapshot still holds the captured values."""
+    cfg = CheckpointConfig.from_dict({"replicas": 1, "ranks_per_machine": 1, "host_dir": str(tmp_path)})
+    ck = InMemoryCheckpointer(cfg, rank=0, world=1, job_id="j", local_world_size=1, name="j")
+    x = torch.arange(1 << 20, dtype=torch.float32)
+    ck.capture(3, {"params": [x], "steps": 3})
+    ck.wait_copied()
+    x.add_(1.0)  # what the next optimizer step does
+    assert ck.wait_committed(3, 30)
+    assert torch.equal(ck.load_local(3)["params"][0], torch.arange(1 << 20, dtype=torch.float32))
+    assert ck.captures[-1]["copy_s"] > 0
+    ck.close()

@@ -24,7 +24,7 @@ STEPS = 8
 POINTS = ("before_forward", "mid_backward", "in_reduce", "in_optimizer")
 
 
-def _config(tmp: Path, *, dp: int, faults=(), name="cfg") -> Path:
+def _config(tmp: Path, *, dp: int, faults=(), name="cfg", checkpoint=None) -> Path:
     base = json.loads((REPO / "configs" / "gpt_cpu_pp2_dp2.json").read_text())
     base["optimizer"] = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}
     base["resilience"] = {
@@ -32,16 +32,17 @@ def _config(tmp: Path, *, dp: int, faults=(), name="cfg") -> Path:
         "variant": "recycle",
         "fault_injection": list(faults),
         "detector": {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 2.0, "pg_timeout_s": 60.0},
-        "checkpoint": {"persistent_dir": str(tmp / "ckpt")},
+        "checkpoint": {"persistent_dir": str(tmp / "ckpt"), **(checkpoint or {})},
     }
     path = tmp / f"{name}.json"
     path.write_text(json.dumps(base))
     return path
 
 
-def run_job(tmp: Path, *, world: int = 4, faults=(), name="job", rejoin_after=None, steps=STEPS, pace=0.0):
+def run_job(tmp: Path, *, world: int = 4, faults=(), name="job", rejoin_after=None, steps=STEPS, pace=0.0,
+            checkpoint=None, max_restarts=0):
     """Run the GPT under the agent; returns (exit code, agent events, per-rank dumps)."""
-    cfg = _config(tmp, dp=world // 2, faults=faults, name=name)
+    cfg = _config(tmp, dp=world // 2, faults=faults, name=name, checkpoint=checkpoint)
     dump = tmp / name
     agent = Agent(
         SCRIPT,
@@ -50,6 +51,7 @@ def run_job(tmp: Path, *, world: int = 4, faults=(), name="job", rejoin_after=No
         heartbeat_interval_s=0.2,
         heartbeat_timeout_s=2.0,
         rejoin_after_s=rejoin_after,
+        max_restarts=max_restarts,
         log_dir=tmp / f"{name}-logs",
         env={"PYTHONPATH": str(REPO)},
         echo=lambda msg: print(msg, file=sys.stderr),
@@ -192,3 +194,42 @@ def test_rejoin_returns_to_fault_free_and_stays_exact(tmp_path):
     assert joined and 2 < joined[0]["resume_step"] < steps, dumps[1]["recovery"]
     # back to fault-free: after the re-join every worker runs its own pipeline's work only
     assert_equal_to_reference(dumps, reference, steps=steps)
+
+
+# ranks 2 and 3 are stage 1; each rank is its own machine, groups {0,1} {2,3}: rank 2's snapshots
+# are replicated on rank 3's machine and the other way round
+RESTART_CASES = {
+    # rank 2's machine is lost; rank 3 (a plain crash) keeps its memory: rank 2 restores from it
+    "peer": ([{"rank": 2, "step": 2, "point": "before_forward", "kind": "lose_machine"},
+              {"rank": 3, "step": 4, "point": "mid_backward", "kind": "sigkill"}], {"2": "peer", "3": "local"}),
+    # two process crashes in one iteration: both newest snapshots are still in their machines' memory
+    "local": ([{"rank": 2, "step": 4, "point": "before_forward", "kind": "sigkill"},
+               {"rank": 3, "step": 4, "point": "mid_backward", "kind": "exit"}], {"2": "local", "3": "local"}),
+    # both machines of stage 1 are lost: the persistent tier has it
+    "persistent": ([{"rank": 2, "step": 2, "point": "before_forward", "kind": "lose_machine"},
+                    {"rank": 3, "step": 4, "point": "mid_backward", "kind": "lose_machine"}],
+                   {"2": "persistent", "3": "persistent"}),
+}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", sorted(RESTART_CASES))
+def test_beyond_tolerance_restarts_from_snapshots_and_stays_exact(tmp_path, case, reference4):
+    """A whole stage lost: the agent restarts every worker, each restores the newest step held for
+    all of them (local memory, a peer's memory, or disk) and training ends bitwise where a
+    fault-free run ends, having lost at most the iteration in flight."""
+    faults, expected = RESTART_CASES[case]
+    checkpoint = {"ranks_per_machine": 1, "replicas": 2, "persistent_interval": 1, "stall_budget": 1.0}
+    code, events, dumps = run_job(tmp_path, faults=faults, checkpoint=checkpoint, max_restarts=1)
+    assert code == 0, logs(tmp_path, "job")
+    assert [e.kind for e in events].count("restart") == 1, [e.kind for e in events]
+    assert sorted(dumps) == [0, 1, 2, 3]
+    restored = [r for r in dumps[0]["recovery"] if r["kind"] == "restored"]
+    assert restored, dumps[0]["recovery"]
+    sources = restored[0]["sources"]
+    assert {k: sources[k] for k in expected} == expected, sources
+    assert sources["0"] == sources["1"] == "local"
+    # the last failure hit iteration 4 (global step 4): only that iteration is lost (step 3 if the
+    # dying worker's newest snapshot had not reached its holder yet)
+    assert restored[0]["resume_step"] in (3, 4), restored
+    assert_equal_to_reference(dumps, reference4)

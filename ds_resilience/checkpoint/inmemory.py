@@ -2,12 +2,14 @@
 
 :class:`InMemoryCheckpointer` ties the pieces together for one rank:
 
-* **capture** (:meth:`capture`, on the training thread right after the optimizer step): the state
-  (``state.py``) is copied into an uncommitted version in this machine's host-memory store
-  (``/dev/shm/ds_resilience/<job>/machine<M>``, created and removed by the node agent, so a worker
-  crash loses nothing). This copy is the only part training waits for; its time is the stall.
-* **commit** (a background thread): checksum, atomic commit, then the replicator is offered the
-  version and, every ``persistent_interval`` steps, it is copied to the persistent tier
+* **capture** (:meth:`capture`, called right after the optimizer step): the state (``state.py``:
+  live tensors, nothing cloned) is handed to a background thread that copies it into an uncommitted
+  version in this machine's host-memory store (``/dev/shm/ds_resilience/<job>/machine<M>``, created
+  and removed by the node agent, so a worker crash loses nothing). The copy overlaps the next
+  iteration's forward and backward passes, which do not change the tensors; the next optimizer step
+  first waits for it (:meth:`wait_copied`). That wait, plus the hand-over, is the stall.
+* **commit** (the same thread): checksum, atomic commit, then the replicator is offered the version
+  and, every ``persistent_interval`` steps, it is copied to the persistent tier
   (``<persistent_dir>/snapshots``, same format, ``keep_last`` versions).
 * **budget**: when a capture costs more than ``stall_budget`` of the iteration time, captures are
   spread over more iterations (the effective interval grows) instead of stalling training.
@@ -27,6 +29,7 @@ import math
 import queue
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +86,12 @@ class InMemoryCheckpointer:
             raise ConfigError("resilience.checkpoint.ranks_per_machine",
                               f"{rpm} ranks per machine do not divide the world size {world}; allowed: a divisor of {world}")
         machines = world // rpm
+        if cfg.replicas > machines and cfg.ranks_per_machine is None:
+            logger.warning("rank %d: all %d ranks are on one machine: snapshots stay in its memory only (they "
+                           "survive worker crashes, not the machine's loss); set resilience.checkpoint."
+                           "ranks_per_machine to place replicas", rank, world)
+            cfg = replace(cfg, replicas=machines)
+            self.cfg = cfg
         if cfg.replicas > machines:
             raise ConfigError(
                 "resilience.checkpoint.replicas",
@@ -98,7 +107,7 @@ class InMemoryCheckpointer:
         pipeline = StagingPipeline(cfg.gpu_buffer_mb, cfg.num_sub_buffers)
         self.store = SnapshotStore(self.root / f"machine{self.machine}", keep=2, pipeline=pipeline)
         self.owner = owner_name(rank)
-        self.disk = (SnapshotStore(Path(cfg.persistent_dir) / "snapshots", keep=cfg.keep_last)
+        self.disk = (SnapshotStore(Path(cfg.persistent_dir) / "snapshots", keep=cfg.keep_last, recycle=False)
                      if cfg.persistent_dir else None)
         self.gate = IdleGate(enabled=cfg.interleave)
         self.replicator: Replicator | None = None
@@ -110,6 +119,8 @@ class InMemoryCheckpointer:
         self.interval = cfg.interval  # effective interval: grows when captures exceed the budget
         self.captures: list[dict[str, float]] = []  # step, stall_s (the training thread's wait)
         self.committed: int | None = None
+        self.copied: int | None = None
+        self.last_captured: int | None = None
         self.persisted: int | None = None
         self.errors: list[str] = []
         self._commits: queue.Queue = queue.Queue()
@@ -123,15 +134,36 @@ class InMemoryCheckpointer:
         return step % self.interval == 0
 
     def capture(self, step: int, state: Any) -> float:
-        """Copy ``state`` (of step ``step``) into host memory; returns the stall in seconds."""
+        """Start copying ``state`` (of step ``step``, live tensors) into host memory; returns the
+        time this call took. The tensors must not change before :meth:`wait_copied` returns.
+
+        Capturing a step again (after a rollback replays it) first waits for the earlier commits.
+        """
         started = time.perf_counter()
-        params = state.get("params", []) if isinstance(state, dict) else []
-        on_gpu = any(torch.is_tensor(p) and p.is_cuda for p in params)  # the kernel checksums in the copy
-        pending = self.store.begin_save(self.owner, step, state, checksum=on_gpu)
+        if self.last_captured is not None and step <= self.last_captured:
+            self.wait_committed(self.last_captured)
+        self.last_captured = step
+        self._commits.put((step, state))
         stall = time.perf_counter() - started
-        self._commits.put(pending)
-        self.captures.append({"step": step, "stall_s": stall})
+        self.captures.append({"step": step, "stall_s": stall, "copy_s": 0.0})
         return stall
+
+    def wait_copied(self, timeout_s: float = 300.0) -> float:
+        """Block until the last capture's copy is done (call before the optimizer changes the
+        tensors); returns the wait, which is added to that capture's stall."""
+        started = time.perf_counter()
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self.last_captured is not None and (self.copied is None or self.copied < self.last_captured):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CheckpointError(f"rank {self.rank}: snapshot copy of step {self.last_captured} "
+                                          f"took over {timeout_s:.0f} s")
+                self._cond.wait(left)
+        waited = time.perf_counter() - started
+        if self.captures:
+            self.captures[-1]["stall_s"] += waited
+        return waited
 
     def note_iteration(self, seconds: float) -> None:
         """Adapt the interval so that the capture stall stays within ``stall_budget`` of an iteration."""
@@ -147,10 +179,25 @@ class InMemoryCheckpointer:
 
     def _commit_loop(self) -> None:
         while True:
-            pending = self._commits.get()
-            if pending is None:
+            item = self._commits.get()
+            if item is None:
                 return
+            step, state = item
+            pending = None
             try:
+                t0 = time.perf_counter()
+                params = state.get("params", []) if isinstance(state, dict) else []
+                on_gpu = any(torch.is_tensor(p) and p.is_cuda for p in params)  # the kernel checksums in the copy
+                pending = self.store.begin_save(self.owner, step, state, checksum=on_gpu)
+                del state, item
+                copy_s = time.perf_counter() - t0
+                with self._cond:
+                    self.copied = step
+                    self._cond.notify_all()
+                for c in reversed(self.captures[-3:]):
+                    if c["step"] == step:
+                        c["copy_s"] = copy_s
+                        break
                 self.store.finish_save(pending)
                 with self._cond:
                     self.committed = pending.step
@@ -160,12 +207,19 @@ class InMemoryCheckpointer:
                 if self.disk is not None and pending.step % self.cfg.persistent_interval == 0:
                     self._persist(pending.step)
             except Exception as exc:  # noqa: BLE001 - a failed snapshot must not stop training
-                self.errors.append(f"{pending.owner}@{pending.step}: {exc}")
-                logger.warning("snapshot %s@%d failed: %s", pending.owner, pending.step, exc)
+                self.errors.append(f"{self.owner}@{step}: {exc}")
+                logger.warning("snapshot %s@%d failed: %s", self.owner, step, exc)
+                with self._cond:
+                    self.copied = step if self.copied is None else max(self.copied, step)  # never block training
+                    self._cond.notify_all()
 
     def _persist(self, step: int) -> None:
         info, layout, payload = self.store.open_version(self.owner, step)
-        self.disk.receive(self.owner, step, info.nbytes, layout, info.checksum, lambda buf: buf.copy_(payload))
+        try:
+            self.disk.receive(self.owner, step, info.nbytes, layout, info.checksum, lambda buf: buf.copy_(payload))
+        finally:
+            del payload
+            self.store.release(self.owner, step)
         self.persisted = step
 
     def wait_committed(self, step: int, timeout_s: float = 30.0) -> bool:
@@ -179,6 +233,12 @@ class InMemoryCheckpointer:
                 self._cond.wait(left)
         return True
 
+    def mark_held(self, step: int) -> None:
+        """Version ``step`` is in this rank's store already (restored): count it as captured."""
+        with self._cond:
+            self.last_captured = self.copied = self.committed = step
+            self._cond.notify_all()
+
     def load_local(self, step: int) -> Any:
         """This rank's own version ``step`` from host memory (verified)."""
         return self.store.load(self.owner, step)
@@ -188,53 +248,78 @@ class InMemoryCheckpointer:
         self.store.wipe()
 
     def close(self) -> None:
+        self.gate.open(None)  # training is over: the last version may use the link freely
         self._commits.put(None)
         self._committer.join(30.0)
         if self.replicator is not None:
             self.replicator.close()
 
     # --- restore -------------------------------------------------------------------------------------
-    def restore(self, group=None) -> tuple[Any, RestorePlan, dict[str, float]]:
+    def restore(self, group=None, stage_of: dict[int, int] | None = None) -> tuple[Any, RestorePlan, dict[str, float]]:
         """Collective over every rank (all alive, e.g. right after a restart): agree on the newest
         step held for every rank, fetch what this rank lost from a peer or disk, and load it.
 
-        Returns ``(state, plan, timings)``; raises :class:`CheckpointError` when some rank's
-        snapshot is nowhere.
+        ``stage_of`` (rank -> stage) lets a rank restore from a data-parallel peer's snapshot of
+        the same stage (identical state); see :func:`plan_restore`. Returns ``(state, plan,
+        timings)``; raises :class:`CheckpointError` when some rank's snapshot is nowhere.
         """
         t0 = time.perf_counter()
-        mine = {int(o.removeprefix("rank")): steps for o, steps in self.store.holdings().items()
+        mine = {int(o.removeprefix("rank")): steps for o, steps in self.store.holdings(verify=False).items()
                 if o.startswith("rank")}
-        disk = {}
-        if self.disk is not None:
-            disk = {self.rank: [i.step for i in self.disk.versions(self.owner)]}
+        disk = {self.rank: self.disk.holdings(verify=False).get(self.owner, [])} if self.disk is not None else {}
         gathered: list[Any] = [None] * self.world
         dist.all_gather_object(gathered, (mine, disk), group=group)
-        memory = {h: held for h, (held, _) in enumerate(gathered)}
+        memory = {h: {o: list(steps) for o, steps in held.items()} for h, (held, _) in enumerate(gathered)}
         persistent: dict[int, list[int]] = {}
         for _, d in gathered:
             persistent.update(d)
-        plan = plan_restore(self.world, memory, persistent, {r: r // self.rpm for r in range(self.world)})
+        machine_of = {r: r // self.rpm for r in range(self.world)}
+        while True:  # plan on the manifests; the copies the plan reads are verified, a bad one is dropped
+            plan = plan_restore(self.world, memory, persistent, machine_of, stage_of)
+            bad = []
+            for rank, (source, holder, owner) in plan.sources.items():
+                reader = rank if source == LOCAL else holder  # LOCAL: the rank reads its own machine
+                if source != PERSISTENT and reader == self.rank and not self.store.verify(owner_name(owner), plan.step):
+                    bad.append((self.machine, owner, plan.step))
+            reports: list[Any] = [None] * self.world
+            dist.all_gather_object(reports, bad, group=group)
+            found = {b for rep in reports for b in rep}
+            if not found:
+                break
+            for machine, owner, step in found:  # the copy is bad for every rank of that machine
+                for h in memory:
+                    if machine_of[h] == machine and step in memory[h].get(owner, ()):
+                        memory[h][owner] = [x for x in memory[h][owner] if x != step]
         t1 = time.perf_counter()
-        for holder, owner in plan.transfers():
+        for holder, rank, owner in plan.transfers():
             if self.rank == holder:
-                self._send_snapshot(owner, plan.step, group)
-            elif self.rank == owner:
+                self._send_snapshot(owner, rank, plan.step, group)
+            elif self.rank == rank:
                 self._recv_snapshot(holder, plan.step, group)
         t2 = time.perf_counter()
-        source = plan.sources[self.rank][0]
-        state = (self.disk if source == PERSISTENT else self.store).load(self.owner, plan.step)
-        if source == PERSISTENT:  # back into host memory, so the next failure finds it there
-            self.store.save(self.owner, plan.step, state)
+        source, _, owner = plan.sources[self.rank]
+        if source == PEER:
+            state = self.store.load(self.owner, plan.step, cached=True)  # received (and verified) under its name
+        else:
+            tier = self.disk if source == PERSISTENT else self.store
+            state = tier.load(owner_name(owner), plan.step, cached=True)  # verified in the plan round
+            if owner != self.rank or source == PERSISTENT:  # into host memory under its own name
+                self.store.save(self.owner, plan.step, state)
         t3 = time.perf_counter()
         return state, plan, {"plan_s": t1 - t0, "transfer_s": t2 - t1, "load_s": t3 - t2, "total_s": t3 - t0}
 
-    def _send_snapshot(self, owner: int, step: int, group) -> None:
+    def _send_snapshot(self, owner: int, to: int, step: int, group) -> None:
         info, layout, payload = self.store.open_version(owner_name(owner), step)
-        header = torch.tensor([info.nbytes, info.checksum & 0xFFFFFFFF, info.checksum >> 32, len(layout)], dtype=torch.int64)
-        dist.send(header, owner, group=group, tag=_XFER_TAG)
-        dist.send(torch.frombuffer(bytearray(layout), dtype=torch.uint8), owner, group=group, tag=_XFER_TAG + 1)
-        if info.nbytes:
-            dist.send(payload.contiguous(), owner, group=group, tag=_XFER_TAG + 2)
+        try:
+            header = torch.tensor([info.nbytes, info.checksum & 0xFFFFFFFF, info.checksum >> 32, len(layout)],
+                                  dtype=torch.int64)
+            dist.send(header, to, group=group, tag=_XFER_TAG)
+            dist.send(torch.frombuffer(bytearray(layout), dtype=torch.uint8), to, group=group, tag=_XFER_TAG + 1)
+            if info.nbytes:
+                dist.send(payload.contiguous(), to, group=group, tag=_XFER_TAG + 2)
+        finally:
+            del payload
+            self.store.release(owner_name(owner), step)
 
     def _recv_snapshot(self, holder: int, step: int, group) -> None:
         header = torch.zeros(4, dtype=torch.int64)

@@ -59,10 +59,13 @@ class IdleGate:
         self._deadline: float | None = None  # monotonic end of the open span; None: closed
         self._stopped = False
         self.opened = 0
+        self.longest = 0.0  # the longest span opened: a chunk slower than every span still goes in it
 
     def open(self, seconds: float | None) -> None:
         with self._cond:
             self._deadline = float("inf") if seconds is None else time.monotonic() + seconds
+            if seconds is not None:
+                self.longest = max(self.longest, seconds)
             self.opened += 1
             self._cond.notify_all()
 
@@ -80,6 +83,8 @@ class IdleGate:
         if not self.enabled:
             return not self._stopped
         with self._cond:
+            if self.longest > 0:
+                need_s = min(need_s, 0.9 * self.longest)
             while not self._stopped:
                 if self._deadline is not None and self._deadline - time.monotonic() >= need_s:
                     return True
@@ -227,6 +232,13 @@ class Replicator:
             info, layout, payload = self.store.open_version(owner, step)
         except CheckpointError:
             return  # pruned meanwhile: a newer one is offered already
+        try:
+            self._stream(owner, step, info, layout, payload)
+        finally:
+            del payload
+            self.store.release(owner, step)
+
+    def _stream(self, owner: str, step: int, info, layout: bytes, payload: torch.Tensor) -> None:
         started = time.perf_counter()
         header = torch.tensor([step, info.nbytes, info.checksum & 0xFFFFFFFF, info.checksum >> 32, len(layout),
                                self.chunk_bytes], dtype=torch.int64)

@@ -21,22 +21,24 @@ LOCAL, PEER, PERSISTENT = "local", "peer", "persistent"
 
 @dataclass(frozen=True)
 class RestorePlan:
-    """The step every rank restores, and per rank ``(source, holder rank or None)``."""
+    """The step every rank restores, and per rank ``(source, holder rank or None, snapshot owner)``:
+    the owner is the rank itself, or a data-parallel peer of its stage whose state is identical."""
 
     step: int
-    sources: dict[int, tuple[str, int | None]]
+    sources: dict[int, tuple[str, int | None, int]]
 
     def count(self, source: str) -> int:
-        return sum(1 for s, _ in self.sources.values() if s == source)
+        return sum(1 for s, _, _ in self.sources.values() if s == source)
 
-    def transfers(self) -> list[tuple[int, int]]:
-        """``(holder, owner)`` pairs of peer transfers, in the order every rank executes them."""
-        return sorted(((h, o) for o, (s, h) in self.sources.items() if s == PEER), key=lambda t: (t[1], t[0]))
+    def transfers(self) -> list[tuple[int, int, int]]:
+        """``(holder, rank, snapshot owner)`` of the peer transfers, in the order every rank runs them."""
+        return sorted(((h, r, o) for r, (s, h, o) in self.sources.items() if s == PEER), key=lambda t: (t[1], t[0]))
 
 
 def plan_restore(world: int, memory: Mapping[int, Mapping[int, Sequence[int]]],
                  persistent: Mapping[int, Sequence[int]] | None = None,
-                 machine_of: Mapping[int, int] | None = None) -> RestorePlan:
+                 machine_of: Mapping[int, int] | None = None,
+                 stage_of: Mapping[int, int] | None = None) -> RestorePlan:
     """Choose the restore step and sources.
 
     Args:
@@ -44,35 +46,50 @@ def plan_restore(world: int, memory: Mapping[int, Mapping[int, Sequence[int]]],
         memory: ``memory[h][o]``: the steps of owner ``o`` that rank ``h``'s machine holds.
         persistent: ``persistent[o]``: the steps of owner ``o`` on disk.
         machine_of: rank -> machine; ranks on one machine share its memory (default: one rank each).
+        stage_of: rank -> pipeline stage, when the data-parallel replicas of a stage hold identical
+            states (no sharded optimizer): then any replica's snapshot restores every replica, so a
+            stage is covered while any of its snapshots survives. ``None``: every rank is unique.
 
     Raises:
         CheckpointError: some rank's snapshot exists nowhere (naming the ranks).
     """
     persistent = persistent or {}
     machine_of = machine_of or {r: r for r in range(world)}
+    stage_of = stage_of or {r: r for r in range(world)}
     in_memory: dict[int, set[int]] = {o: set() for o in range(world)}
     for holdings in memory.values():
         for o, steps in holdings.items():
             if o in in_memory:
                 in_memory[o].update(steps)
     on_disk = {o: set(persistent.get(o, ())) for o in range(world)}
-    candidates = set.intersection(*(in_memory[o] | on_disk[o] for o in range(world))) if world else set()
+    peers = {r: [q for q in range(world) if stage_of[q] == stage_of[r]] for r in range(world)}
+    covered = {r: set().union(*(in_memory[q] | on_disk[q] for q in peers[r])) for r in range(world)}
+    candidates = set.intersection(*covered.values()) if world else set()
     if not candidates:
-        missing = [o for o in range(world) if not in_memory[o] and not on_disk[o]]
+        missing = [r for r in range(world) if not covered[r]]
         detail = (f"ranks {missing} have no snapshot in any host memory or on disk" if missing
                   else "no step is held for every rank at once")
         raise CheckpointError(f"cannot restore: {detail}; memory holds "
                               + ", ".join(f"rank {o}: {sorted(in_memory[o])}" for o in range(world))
                               + "; disk holds " + ", ".join(f"rank {o}: {sorted(on_disk[o])}" for o in range(world)))
     step = max(candidates)
-    sources: dict[int, tuple[str, int | None]] = {}
-    for o in range(world):
-        holders = sorted(h for h, held in memory.items() if step in held.get(o, ()))
-        local = [h for h in holders if machine_of.get(h) == machine_of[o]]
-        if local:
-            sources[o] = (LOCAL, o)
-        elif holders:
-            sources[o] = (PEER, holders[0])
-        else:
-            sources[o] = (PERSISTENT, None)
+    sources: dict[int, tuple[str, int | None, int]] = {}
+    for r in range(world):
+        owners = [r] + [q for q in peers[r] if q != r]  # its own snapshot first
+        choice = None
+        for o in owners:  # host memory of its own machine
+            local = [h for h, held in memory.items() if machine_of.get(h) == machine_of[r] and step in held.get(o, ())]
+            if local:
+                choice = (LOCAL, min(local), o)
+                break
+        for o in owners if choice is None else ():  # a peer's memory
+            holders = sorted(h for h, held in memory.items() if step in held.get(o, ()))
+            if holders:
+                choice = (PEER, holders[0], o)
+                break
+        for o in owners if choice is None else ():  # disk
+            if step in on_disk[o]:
+                choice = (PERSISTENT, None, o)
+                break
+        sources[r] = choice
     return RestorePlan(step, sources)

@@ -15,6 +15,7 @@ back. The state of step ``s`` is taken right after the worker's optimizer step `
 
 from __future__ import annotations
 
+import pickle
 import random
 from typing import Any, Sequence
 
@@ -35,8 +36,9 @@ class StateMismatch(ResilienceError):
 def collect(*, params: Sequence[torch.Tensor], optimizer: Any, lr_scheduler: Any, steps: int, samples: int,
             stage: int, rank: int) -> dict[str, Any]:
     """The worker's state as live tensors plus plain values (copy it before training goes on)."""
-    rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
-                           "numpy": np.random.get_state()}
+    # the Python and NumPy states pickled whole: one plain value each, not 625 ints to walk
+    rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": pickle.dumps(random.getstate()),
+                           "numpy": pickle.dumps(np.random.get_state())}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         rng["cuda"] = torch.cuda.get_rng_state_all()
     return {
@@ -79,8 +81,8 @@ def apply(state: dict[str, Any], *, params: Sequence[torch.nn.Parameter], optimi
         lr_scheduler.load_state_dict(state["lr_scheduler"])
     rng = state["rng"]
     torch.set_rng_state(rng["torch"])
-    random.setstate(rng["python"])
-    np.random.set_state(rng["numpy"])
+    random.setstate(pickle.loads(rng["python"]))
+    np.random.set_state(pickle.loads(rng["numpy"]))
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
     return int(state["steps"]), int(state["samples"])

@@ -19,6 +19,7 @@ One writer per owner is assumed (the owner's worker, or the agent storing a peer
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -33,7 +34,7 @@ import torch
 
 from ..errors import ResilienceError
 from ..kernels.checksum import checksum_reference
-from .staging import Layout, StagingPipeline, unflatten
+from .staging import Layout, StagingPipeline, TensorMeta, unflatten
 
 __all__ = ["CheckpointCorrupt", "CheckpointError", "CorruptVersion", "PendingSnapshot", "ReplicaBytes", "SnapshotInfo", "SnapshotStore"]
 
@@ -112,10 +113,12 @@ class SnapshotStore:
         keep: committed versions kept per owner; older ones are deleted after a new one commits.
         job_id: names the default root.
         pipeline: the staging pipeline used by :meth:`save` (default: 128 MB in 4 sub-buffers).
+        recycle: reuse a pruned version's payload file for the next version of the same layout
+            (saves tmpfs page allocation; off for a disk tier, where it only costs space).
     """
 
     def __init__(self, root: Path | str | None = None, *, keep: int = 2, job_id: str = "default",
-                 pipeline: StagingPipeline | None = None) -> None:
+                 pipeline: StagingPipeline | None = None, recycle: bool = True) -> None:
         if keep < 1:
             raise CheckpointError(f"keep must be >= 1, got {keep}")
         self.root = Path(root) if root is not None else self.default_root(job_id)
@@ -124,6 +127,14 @@ class SnapshotStore:
         self.pipeline = pipeline or StagingPipeline()
         self.corrupt: list[CorruptVersion] = []
         self._verified: dict[tuple[str, int], tuple[Any, ...]] = {}
+        self._seq = itertools.count(1)  # makes every uncommitted payload's name unique
+        # A pruned version's payload file is kept as its owner's spare and reused by the next
+        # version with the same tensor layout: tmpfs pages already allocated, no zero-filling.
+        self._spares: dict[str, tuple[Path, tuple[TensorMeta, ...]]] = {}
+        self._metas: dict[tuple[str, int], tuple[TensorMeta, ...]] = {}
+        self.reused = 0
+        self.recycle = recycle
+        self._pins: dict[tuple[str, int], int] = {}  # versions mapped by open_version: never recycled
 
     @staticmethod
     def default_root(job_id: str) -> Path:
@@ -170,11 +181,10 @@ class SnapshotStore:
         """
         vdir = self._begin(owner, step)
         layout, leaves = self.pipeline.plan(state)
-        tmp = vdir / f".{PAYLOAD}.tmp-{os.getpid()}"
-        tmp.unlink(missing_ok=True)
+        tmp = self._new_payload(owner, vdir, layout.tensors)
         value: int | None = 0
         if layout.nbytes:
-            out = torch.from_file(str(tmp), shared=True, size=layout.nbytes, dtype=torch.uint8)  # zero-filled
+            out = torch.from_file(str(tmp), shared=True, size=layout.nbytes, dtype=torch.uint8)  # zero-filled or a spare
             value = self.pipeline.write(layout, leaves, out, checksum=checksum)
             del out
         else:
@@ -188,6 +198,7 @@ class SnapshotStore:
             checksum = checksum_reference(
                 torch.from_file(str(pending.tmp), shared=False, size=pending.layout.nbytes, dtype=torch.uint8))
         os.replace(pending.tmp, pending.vdir / PAYLOAD)
+        self._metas[(pending.owner, pending.step)] = pending.layout.tensors
         layout_bytes = pickle.dumps(pending.layout, protocol=pickle.HIGHEST_PROTOCOL)
         _write_atomic(pending.vdir / LAYOUT, layout_bytes)
         return self._commit(pending.vdir, pending.owner, pending.step, pending.layout.nbytes, checksum, layout_bytes)
@@ -203,8 +214,8 @@ class SnapshotStore:
             the previous version stays the newest.
         """
         vdir = self._begin(owner, step)
-        tmp = vdir / f".{PAYLOAD}.tmp-{os.getpid()}"
-        tmp.unlink(missing_ok=True)
+        metas = pickle.loads(layout_bytes).tensors
+        tmp = self._new_payload(owner, vdir, metas)
         try:
             if nbytes:
                 buf = torch.from_file(str(tmp), shared=True, size=nbytes, dtype=torch.uint8)
@@ -221,18 +232,65 @@ class SnapshotStore:
             raise
         os.replace(tmp, vdir / PAYLOAD)
         _write_atomic(vdir / LAYOUT, bytes(layout_bytes))
+        self._metas[(owner, step)] = metas
         return self._commit(vdir, owner, step, nbytes, checksum, bytes(layout_bytes))
+
+    def _new_payload(self, owner: str, vdir: Path, metas: tuple[TensorMeta, ...]) -> Path:
+        """A fresh uncommitted payload path in ``vdir``: the owner's spare file when its tensor
+        layout matches (padding stays zero: the same tensor ranges are overwritten), else none yet."""
+        tmp = vdir / f".{PAYLOAD}.tmp-{os.getpid()}-{next(self._seq)}"
+        spare = self._spares.pop(owner, None)
+        if spare is not None:
+            if spare[1] == metas:
+                try:
+                    os.replace(spare[0], tmp)
+                    self.reused += 1
+                    return tmp
+                except FileNotFoundError:
+                    pass
+            else:
+                spare[0].unlink(missing_ok=True)
+        return tmp
 
     def open_version(self, owner: str, step: int) -> tuple[SnapshotInfo, bytes, torch.Tensor]:
         """A verified version's info, pickled layout and a read-only-in-effect payload mapping
-        (what a sender streams to a peer without copying it first)."""
-        info = self._verify(owner, step)
-        return info, (info.path / LAYOUT).read_bytes(), self._map(info)
+        (what a sender streams to a peer without copying it first). The version stays pinned, so
+        pruning never recycles its file under the mapping, until :meth:`release`."""
+        key = (owner, step)
+        self._pins[key] = self._pins.get(key, 0) + 1
+        try:
+            info = self._verify(owner, step)
+            return info, (info.path / LAYOUT).read_bytes(), self._map(info)
+        except BaseException:
+            self.release(owner, step)
+            raise
 
-    def holdings(self) -> dict[str, list[int]]:
-        """Every owner's verified committed steps, newest first (corrupt versions are reported
-        and left out)."""
-        return {owner: steps for owner in self.owners() if (steps := [i.step for i in self.versions(owner)])}
+    def release(self, owner: str, step: int) -> None:
+        """Undo one :meth:`open_version`."""
+        key = (owner, step)
+        left = self._pins.get(key, 0) - 1
+        if left > 0:
+            self._pins[key] = left
+        else:
+            self._pins.pop(key, None)
+
+    def holdings(self, *, verify: bool = True) -> dict[str, list[int]]:
+        """Every owner's committed steps, newest first; verified (corrupt versions reported and
+        left out) unless ``verify=False``, which only reads the manifests' presence."""
+        if verify:
+            return {owner: steps for owner in self.owners() if (steps := [i.step for i in self.versions(owner)])}
+        return {owner: steps for owner in self.owners() if (steps := self._committed_steps(owner))}
+
+    def verify(self, owner: str, step: int) -> bool:
+        """Re-read and check a version; a corrupt one is reported (and ``False`` returned)."""
+        try:
+            self._verify(owner, step, cached=False)
+            return True
+        except CheckpointCorrupt as exc:
+            self._report(owner, step, exc)
+            return False
+        except CheckpointError:
+            return False
 
     def wipe(self) -> None:
         """Delete everything under the root (what losing this machine's memory does)."""
@@ -273,6 +331,14 @@ class SnapshotStore:
     def _delete(self, owner: str, step: int) -> None:
         vdir = self._version_dir(owner, step)
         (vdir / MANIFEST).unlink(missing_ok=True)  # un-exist first, then free the memory
+        metas = self._metas.pop((owner, step), None)
+        if self.recycle and metas is not None and owner not in self._spares and not self._pins.get((owner, step)):
+            spare = self.root / owner / f".spare-{os.getpid()}"
+            try:
+                os.replace(vdir / PAYLOAD, spare)
+                self._spares[owner] = (spare, metas)
+            except FileNotFoundError:
+                pass
         shutil.rmtree(vdir, ignore_errors=True)
         self._verified.pop((owner, step), None)
 
@@ -362,14 +428,16 @@ class SnapshotStore:
     def _layout(self, info: SnapshotInfo) -> Layout:
         return pickle.loads((info.path / LAYOUT).read_bytes())
 
-    def load(self, owner: str, step: int | None = None) -> Any:
+    def load(self, owner: str, step: int | None = None, *, cached: bool = False) -> Any:
         """The state of version ``step`` (default: :meth:`latest`), verified, as CPU tensors.
+
+        ``cached=True`` skips re-reading a version this store verified or wrote itself (unchanged).
 
         Raises:
             CheckpointError: no such (or no verifiable) version.
             CheckpointCorrupt: the requested ``step`` fails verification.
         """
-        info = self.latest(owner, cached=False) if step is None else self._verify(owner, step, cached=False)
+        info = self.latest(owner, cached=cached) if step is None else self._verify(owner, step, cached=cached)
         if info is None:
             raise CheckpointError(f"no verifiable snapshot of {owner} under {self.root}")
         return unflatten(self._layout(info), self._map(info))

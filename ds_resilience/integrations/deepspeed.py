@@ -49,6 +49,7 @@ from .ds_instructions import (
     StageOptimizerStep,
 )
 from .live import BeyondTolerance, LiveFailureMixin, is_failure
+from .snapshots import SnapshotMixin
 
 __all__ = ["ResilientPipelineEngine", "initialize", "init_distributed", "ActionSchedule", "INSTRUCTIONS", "BeyondTolerance"]
 
@@ -75,7 +76,7 @@ class _IteratorSource:
         return self.cache.pop(key)
 
 
-class ResilientPipelineEngine(LiveFailureMixin, PipelineEngine):
+class ResilientPipelineEngine(LiveFailureMixin, SnapshotMixin, PipelineEngine):
     """A PipelineEngine that runs IR schedules (fault-free or re-routed around failed workers).
 
     Extra keyword arguments:
@@ -155,8 +156,9 @@ class ResilientPipelineEngine(LiveFailureMixin, PipelineEngine):
                 seed=int(os.environ.get("DSR_SEED", "1234")),
                 fault_hook=faults.maybe_fire,
             )
-            if rejoin:
-                self._join()
+        self._init_snapshots(live=live, rejoin=rejoin, faults=faults)
+        if self.alive and rejoin:
+            self._join()
 
     def _install_groups(self, groups) -> None:
         """Switch the worker to a new generation's groups."""
@@ -177,6 +179,7 @@ class ResilientPipelineEngine(LiveFailureMixin, PipelineEngine):
         if groups is not None and record.kind != "rejoin":
             poison(groups.world)
             poison(groups.stage)
+        self._snapshots_drop(record.failed)
 
     # --- planning ------------------------------------------------------------------------------
     def _make_schedule(self, live: bool) -> Schedule:
@@ -226,6 +229,7 @@ class ResilientPipelineEngine(LiveFailureMixin, PipelineEngine):
     # --- the optimizer step of one stage ---------------------------------------------------------
     def _stage_step(self) -> None:
         self._snapshot_before_step()
+        self._before_optimizer_step()
         self._force_grad_boundary = True
         self.optimizer.step()
         self.zero_grad()
@@ -234,6 +238,7 @@ class ResilientPipelineEngine(LiveFailureMixin, PipelineEngine):
         self._force_grad_boundary = False
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
+        self._capture()
 
     # --- training --------------------------------------------------------------------------------
     def train_batch(self, data_iter=None):
@@ -262,11 +267,13 @@ class ResilientPipelineEngine(LiveFailureMixin, PipelineEngine):
     def _train_iteration(self):
         started = time.perf_counter()
         self.worker.begin_iteration(self.global_steps)
+        self._begin_actions()
         self._exec_schedule(self._train_schedule())
         self.worker.end_iteration()
         stats = self.worker.stats
         loss = self._aggregate_loss(stats.loss_sum)
         elapsed = time.perf_counter() - started
+        self._end_iteration_snapshots(elapsed)
         self.iteration_log.append(
             {"step": self.global_steps, "loss": float(loss), "seconds": elapsed, "rerouted": stats.rerouted, "forwards": stats.forwards}
         )
@@ -332,7 +339,7 @@ class ResilientPipelineEngine(LiveFailureMixin, PipelineEngine):
         return f"dsr/{self.session}/idle/{step}"
 
     def _exec_action(self, action: Action) -> None:
-        self.worker.execute(action)
+        self._run_action(action)
 
     _exec_ir_forward = _exec_ir_backward_input = _exec_ir_backward_weight = _exec_ir_backward_fused = _exec_action
     _exec_ir_send_activation = _exec_ir_recv_activation = _exec_ir_send_grad = _exec_ir_recv_grad = _exec_action

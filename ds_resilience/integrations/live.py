@@ -44,16 +44,20 @@ class BeyondTolerance(ResilienceError):
     """A stage lost every replica: training stopped cleanly after saving what survived.
 
     Attributes:
-        checkpoint_dir: where the surviving stages were saved.
+        checkpoint_dir: where the surviving stages were saved (``None`` with ``restart``).
         step: the optimizer step the checkpoint holds.
         lost_stages: the stages that could not be saved.
+        restart: the agent restarts every worker from the in-memory snapshots; the script should
+            just exit (status 0).
     """
 
-    def __init__(self, message: str, *, checkpoint_dir: str, step: int, lost_stages: list[int]) -> None:
+    def __init__(self, message: str, *, checkpoint_dir: str | None, step: int, lost_stages: list[int],
+                 restart: bool = False) -> None:
         super().__init__(message)
         self.checkpoint_dir = checkpoint_dir
         self.step = step
         self.lost_stages = lost_stages
+        self.restart = restart
 
 
 def is_failure(exc: BaseException) -> bool:
@@ -69,12 +73,17 @@ class LiveFailureMixin:
 
     # --- the optimizer step keeps a pre-step snapshot while failures are live ----------------------
     def _snapshot_before_step(self) -> None:
-        if self.coordinator is not None:
+        """Keep the pre-step state, unless the in-memory tier holds it already (its snapshot of
+        the current step, taken after the previous optimizer step)."""
+        self._pre_step = None
+        if self.coordinator is not None and self._needs_pre_step_copy():
             self._pre_step = take_snapshot(self.worker.parameters, self.optimizer, self.lr_scheduler, self.global_steps)
 
     def _rollback_to(self, steps: int) -> None:
         snap = getattr(self, "_pre_step", None)
         if self.global_steps == steps:
+            return
+        if snap is None and self.global_steps == steps + 1 and self._rollback_from_snapshot(steps):
             return
         if snap is None or snap.steps != steps or self.global_steps != steps + 1:
             raise ResilienceError(
@@ -173,6 +182,16 @@ class LiveFailureMixin:
     # --- beyond tolerance --------------------------------------------------------------------------
     def _stop_beyond_tolerance(self, record, target, step: int) -> None:
         lost = list(target.uncovered_stages())
+        if getattr(record, "restart", False) and self.checkpointer is not None:
+            ready = self._snapshots_ready_for_restart(step)
+            self.coordinator.mark_applied(record)
+            self.recovery_log.append({"epoch": record.epoch, "kind": "restart", "resume_step": step, **ready})
+            raise BeyondTolerance(
+                f"stage(s) {lost} lost every replica (failed ranks {list(record.failed)}); the agent restarts all "
+                f"workers from the in-memory snapshots (this worker's step {step} is committed: "
+                f"{ready['committed']}, replicated: {ready['replicated']})",
+                checkpoint_dir=None, step=step, lost_stages=lost, restart=True,
+            )
         base = self.resilience.checkpoint.persistent_dir or os.path.join(os.getcwd(), "checkpoints")
         ckpt_dir = os.path.join(base, f"global_step{step}")
         writers = {s: min(target.stage_peers(s)) for s in range(target.pp) if s not in lost}

@@ -23,11 +23,13 @@ from __future__ import annotations
 import argparse
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -35,6 +37,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch.distributed as dist
 
+from ..checkpoint.inmemory import DEFAULT_HOST_DIR
 from ..config import load_resilience_config
 from ..errors import ResilienceError
 from . import membership as mb
@@ -115,8 +118,14 @@ class Agent:
         exit_grace_s: how long a worker that stopped its heartbeat on purpose (it is exiting) may
             stay silent beyond the heartbeat timeout before it counts as hung.
         max_join_attempts: relaunches of one rank that may die before re-joining before giving up.
+        max_restarts: when a failure is beyond tolerance, restart every worker from the in-memory
+            snapshots up to this many times (0: stop with exit code 3 instead).
+        host_dir: the host-memory directory of the snapshots; the agent owns ``host_dir/<job id>``
+            (workers write it, it outlives them) and removes it when it exits.
+        keep_snapshots: leave the snapshots in host memory when the agent exits (for inspection).
         env: extra environment for the workers (overrides the agent's own, not the protocol's).
-        log_dir: when set, worker ``r``'s output goes to ``log_dir/rank{r}.{incarnation}.log``.
+        log_dir: when set, worker ``r``'s output goes to ``log_dir/rank{r}.{incarnation}.log``
+            (``.restart{n}.log`` after the n-th restart).
         echo: where the agent's messages go (default: stderr).
     """
 
@@ -124,6 +133,7 @@ class Agent:
                  master_addr: str = "127.0.0.1", master_port: int = 0, heartbeat_interval_s: float = 0.5,
                  heartbeat_timeout_s: float = 5.0, rejoin_after_s: float | None = None, stop_grace_s: float = 300.0,
                  exit_grace_s: float = 30.0, max_join_attempts: int = 3, store_timeout_s: float = 30.0,
+                 max_restarts: int = 0, host_dir: str | os.PathLike[str] | None = None, keep_snapshots: bool = False,
                  env: Mapping[str, str] | None = None, log_dir: str | os.PathLike[str] | None = None,
                  echo: Callable[[str], None] | None = None) -> None:
         if num_workers < 1:
@@ -140,7 +150,14 @@ class Agent:
         self.heartbeat_interval_s, self.heartbeat_timeout_s = heartbeat_interval_s, heartbeat_timeout_s
         self.rejoin_after_s, self.stop_grace_s, self.store_timeout_s = rejoin_after_s, stop_grace_s, store_timeout_s
         self.exit_grace_s, self.max_join_attempts = exit_grace_s, max_join_attempts
+        if max_restarts < 0:
+            raise AgentError(f"max_restarts must be >= 0, got {max_restarts}")
         self.env = dict(env or {})
+        self.max_restarts, self.restarts = max_restarts, 0
+        self.job_id = self.env.get("DSR_JOB_ID") or f"job-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.host_dir = Path(host_dir) if host_dir is not None else Path(DEFAULT_HOST_DIR)
+        self.keep_snapshots = keep_snapshots
+        self._restart_pending = False
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self._echo = echo or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.tick_s = min(heartbeat_interval_s / 2, 0.05)
@@ -169,17 +186,7 @@ class Agent:
             for signum in (signal.SIGINT, signal.SIGTERM):
                 handlers[signum] = signal.signal(signum, self._on_signal)
         try:
-            try:
-                self.store = dist.TCPStore(self.master_addr, self.port, is_master=True, wait_for_workers=False,
-                                           timeout=timedelta(seconds=self.store_timeout_s))
-            except RuntimeError as exc:  # DistNetworkError: port taken, bad address
-                raise AgentError(f"cannot host the store on {self.master_addr}:{self.port}: {exc}") from exc
-            self.port = self.store.port
-            self._echo(f"[ds_resilience agent] store at {self.master_addr}:{self.port}; launching "
-                       f"{self.num_workers} workers of {self.script}")
-            self._publish("start", f"launching {self.num_workers} workers")  # before any worker looks
-            for rank in range(self.num_workers):
-                self._launch(rank, 0)
+            self._start_attempt()
             self.exit_code = self._monitor()
         except _Interrupted as exc:
             self.message = f"interrupted by {signal.Signals(exc.signum).name}; workers killed"
@@ -188,8 +195,38 @@ class Agent:
             for signum, old in handlers.items():
                 signal.signal(signum, old)
             self._kill_all()
+            if not self.keep_snapshots:
+                shutil.rmtree(self.host_dir / self.job_id, ignore_errors=True)
         self._summary()
         return self.exit_code
+
+    def _start_attempt(self) -> None:
+        """Host a fresh store and launch every rank (the first attempt, or a restart)."""
+        try:
+            self.store = dist.TCPStore(self.master_addr, 0 if self.restarts else self.port, is_master=True,
+                                       wait_for_workers=False, timeout=timedelta(seconds=self.store_timeout_s))
+        except RuntimeError as exc:  # DistNetworkError: port taken, bad address
+            raise AgentError(f"cannot host the store on {self.master_addr}:{self.port}: {exc}") from exc
+        self.port = self.store.port
+        what = f"restart {self.restarts} from the in-memory snapshots" if self.restarts else "launching"
+        self._echo(f"[ds_resilience agent] store at {self.master_addr}:{self.port}; {what}: "
+                   f"{self.num_workers} workers of {self.script}")
+        self._publish("start", f"{what}: {self.num_workers} workers")  # before any worker looks
+        for rank in range(self.num_workers):
+            self._launch(rank, 0)
+
+    def _restart(self) -> None:
+        """Every worker is gone after a stop with restart: start them all again, same job id."""
+        self._kill_all()
+        self.restarts += 1
+        self._event("restart", detail=f"attempt {self.restarts} of {self.max_restarts}: all workers restore "
+                                      f"the newest snapshot held for every rank")
+        self._workers, self._failed, self.epochs = {}, set(), []
+        self._rejoin_due.clear()
+        self._join_attempts.clear()
+        self._restart_pending = False
+        self.exit_code, self.message = None, ""
+        self._start_attempt()
 
     # --- launching ------------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: Any) -> None:
@@ -202,12 +239,14 @@ class Agent:
                "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.port),
                "TORCHELASTIC_USE_AGENT_STORE": "True", "DSR_AGENT": "1", "DSR_AGENT_PID": str(os.getpid()),
                "DSR_INCARNATION": str(incarnation), "DSR_REJOIN": "1" if incarnation else "0",
+               "DSR_RESTART": str(self.restarts), "DSR_JOB_ID": self.job_id,
                "DSR_HEARTBEAT_INTERVAL_S": str(self.heartbeat_interval_s),
                "DSR_HEARTBEAT_TIMEOUT_S": str(self.heartbeat_timeout_s)}
         out: Any = None
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            out = open(self.log_dir / f"rank{rank}.{incarnation}.log", "wb")  # noqa: SIM115 - child keeps it
+            suffix = f".restart{self.restarts}" if self.restarts else ""
+            out = open(self.log_dir / f"rank{rank}.{incarnation}{suffix}.log", "wb")  # noqa: SIM115 - child keeps it
         try:
             proc = subprocess.Popen([sys.executable, "-u", self.script, *self.script_args, f"--local_rank={rank}"],
                                     env=env, stdin=subprocess.DEVNULL, stdout=out,
@@ -253,6 +292,10 @@ class Agent:
                 self.message = "all live workers finished" + (f" ({len(self._failed)} failed)" if self._failed else "")
                 return EXIT_OK
             if stop_deadline is not None and (not live or time.monotonic() > stop_deadline):
+                if self._restart_pending:
+                    self._restart()
+                    stop_deadline = None
+                    continue
                 if live:
                     self.message += f"; survivors did not exit within {self.stop_grace_s:.0f} s and were killed"
                 return self.exit_code if self.exit_code is not None else EXIT_STOPPED
@@ -328,10 +371,12 @@ class Agent:
         reason = "; ".join(f.reason for f in failures)
         code, lost = self._beyond_tolerance()
         if lost:
-            then = "stopping after a checkpoint" if code == EXIT_STOPPED else "stopping all workers"
+            self._restart_pending = code == EXIT_STOPPED and self.restarts < self.max_restarts
+            then = ("restarting all workers from the in-memory snapshots" if self._restart_pending else
+                    "stopping after a checkpoint" if code == EXIT_STOPPED else "stopping all workers")
             self.message = f"beyond tolerance: {lost}. {reason}; {then}"
             self.exit_code = code
-            self._record_failures(failures, self._publish("stop", self.message))
+            self._record_failures(failures, self._publish("stop", self.message, restart=self._restart_pending))
             for w in self._workers.values():
                 if w.state == "joining":
                     w.proc.kill()
@@ -385,11 +430,11 @@ class Agent:
                             detail=f"incarnation {w.incarnation} registered")
 
     # --- helpers --------------------------------------------------------------------------------
-    def _publish(self, kind: str, reason: str, joining: tuple[int, ...] = ()) -> mb.EpochRecord:
+    def _publish(self, kind: str, reason: str, joining: tuple[int, ...] = (), restart: bool = False) -> mb.EpochRecord:
         alive = tuple(r for r in range(self.num_workers) if r not in self._failed)
         record = mb.EpochRecord(epoch=len(self.epochs) + 1, failed=tuple(self._failed), alive=alive,
                                 joining=joining, stop=kind == "stop", reason=reason, detected_at=time.time(),
-                                kind=kind)
+                                kind=kind, restart=restart)
         mb.publish_epoch(self.store, record)
         self.epochs.append(record)
         self._echo(f"[ds_resilience agent] epoch {record.epoch} ({kind}): {reason}; alive {list(alive)}")
@@ -471,16 +516,21 @@ def main_run(argv: Sequence[str]) -> int:
 
             num = torch.cuda.device_count() if torch.cuda.is_available() else 1
         interval, timeout, store_timeout = args.heartbeat_interval, args.heartbeat_timeout, 30.0
+        max_restarts, host_dir = 0, None
         cfg_path = _ds_config_path(args.script_args)
         if cfg_path is not None:
-            detector = load_resilience_config(cfg_path).detector
+            resilience = load_resilience_config(cfg_path)
+            detector = resilience.detector
+            if resilience.checkpoint.enabled:
+                max_restarts, host_dir = resilience.checkpoint.max_restarts, resilience.checkpoint.host_dir
             interval = detector.heartbeat_interval_s if interval is None else interval
             timeout = detector.heartbeat_timeout_s if timeout is None else timeout
             store_timeout = detector.store_timeout_s
         agent = Agent(args.script, args.script_args, num_workers=num, master_addr=args.master_addr,
                       master_port=args.master_port, heartbeat_interval_s=0.5 if interval is None else interval,
                       heartbeat_timeout_s=5.0 if timeout is None else timeout, rejoin_after_s=args.rejoin_after,
-                      stop_grace_s=args.stop_grace, store_timeout_s=store_timeout, log_dir=args.log_dir)
+                      stop_grace_s=args.stop_grace, store_timeout_s=store_timeout, log_dir=args.log_dir,
+                      max_restarts=max_restarts, host_dir=host_dir)
         return agent.run()
     except ResilienceError as exc:
         print(f"ds-resilience run: error: {exc}", file=sys.stderr)

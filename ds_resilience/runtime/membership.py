@@ -102,6 +102,8 @@ class EpochRecord:
         alive: global ranks that are members (disjoint from ``failed``).
         joining: ranks (a subset of ``alive``) that re-join in this epoch and need state.
         stop: the job must stop (a stage lost every replica): save a checkpoint and exit 0.
+        restart: with ``stop``: the agent restarts every worker from the in-memory snapshots, so
+            survivors only make sure their newest snapshot is committed, then exit 0.
         reason: a human-readable cause, e.g. ``"rank 2 crashed (killed by SIGKILL)"``.
         detected_at: the agent's ``time.time()`` when it detected the change.
         kind: ``"start" | "crash" | "hang" | "rejoin" | "stop"``.
@@ -115,6 +117,7 @@ class EpochRecord:
     reason: str = ""
     detected_at: float = 0.0
     kind: str = "start"
+    restart: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.epoch, bool) or not isinstance(self.epoch, int) or self.epoch < 1:
@@ -129,6 +132,8 @@ class EpochRecord:
             raise MembershipError(f"kind must be one of {EPOCH_KINDS}, got {self.kind!r}")
         if bool(self.stop) != (self.kind == "stop"):
             raise MembershipError(f"stop={self.stop!r} contradicts kind={self.kind!r}")
+        if self.restart and not self.stop:
+            raise MembershipError("restart=True needs stop=True")
 
     def to_json(self) -> str:
         """The record as a JSON object string."""
