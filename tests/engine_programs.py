@@ -97,3 +97,47 @@ def train_scenarios(rank: int, world: int, pp: int, microbatches: int, scenarios
     # rank 0 hosts the store: nobody leaves while another rank may still read it
     torch.distributed.barrier()
     return out
+
+
+def resilient_save_load(rank: int, world: int, save_dir: str) -> dict[str, Any]:
+    """The resilient engine's save_checkpoint / load_checkpoint: asynchronous, keep_last, bitwise."""
+    import torch
+
+    if EXAMPLES not in sys.path:
+        sys.path.insert(0, EXAMPLES)
+    import deepspeed
+    from gpt_model import GPTConfig, SyntheticCorpus, build_pipeline_module, micro_batch
+
+    import ds_resilience
+    from ds_resilience.checkpoint.persistent import AsyncPersistentCheckpointEngine
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    pp, microbatches = 2, 2
+    dp = world // pp
+    cfg = GPTConfig()
+    corpus = SyntheticCorpus(cfg, seed=11)
+    module = build_pipeline_module(cfg, num_stages=pp, seed=5)
+    config = ds_config(microbatches=microbatches, dp=dp)
+    config["resilience"] = {"checkpoint": {"keep_last": 1}}
+
+    def source(p: int, i: int, m: int):
+        return micro_batch(corpus, pipeline=p, iteration=i, microbatch=m, dp=dp, microbatches=microbatches,
+                           micro_batch_size=MICRO_BATCH_SIZE)
+
+    engine, *_ = ds_resilience.initialize(model=module, config=config,
+                                          model_parameters=[p for p in module.parameters() if p.requires_grad],
+                                          batch_source=source)
+    saved = {}
+    for tag in ("a", "b"):
+        engine.train_batch()
+        saved[tag] = {n: p.detach().clone() for n, p in module.named_parameters()}
+        engine.save_checkpoint(save_dir, tag=tag)
+    is_async = isinstance(engine.checkpoint_engine, AsyncPersistentCheckpointEngine)
+    engine.checkpoint_engine.flush()
+    torch.distributed.barrier()
+    engine.train_batch()  # move away from "b"
+    moved = any(not torch.equal(p, saved["b"][n]) for n, p in module.named_parameters())
+    engine.load_checkpoint(save_dir, tag="b")
+    back = all(torch.equal(p, saved["b"][n]) for n, p in module.named_parameters())
+    torch.distributed.barrier()
+    return {"async": is_async, "moved": moved, "back": back, "steps": engine.global_steps}

@@ -127,3 +127,39 @@ def kill_mid_replication(rank: int, world: int, cfg_dict: dict, job: str) -> dic
     newest = ck.store.load("rank0")
     return {"held": held, "newest_steps": newest["steps"], "errors": list(ck.replicator.stats.errors),
             "leftovers": sorted(p.name for p in (ck.store.root / "rank0").rglob(".payload*"))}
+
+
+def gated_replication(rank: int, world: int, cfg_dict: dict, job: str) -> dict:
+    """Rank 0 captures 5 versions while its gate stays closed (no idle span), then opens it: the
+    version in flight finishes and only the newest follows; the ones between are skipped."""
+    _init(rank, world)
+    cfg = CheckpointConfig.from_dict(cfg_dict)
+    ck = InMemoryCheckpointer(cfg, rank=rank, world=world, job_id=job, local_world_size=1, name=f"{job}/a0")
+    model, opt, sched = _model(rank, 128)
+    out: dict = {}
+    if rank == 0:
+        for step in range(5):
+            if step:
+                ck.wait_copied()
+                _train_step(model, opt, sched, step, rank)
+            ck.capture(step, _state(model, opt, sched, step, rank))
+            assert ck.wait_committed(step, 30)
+    dist.barrier()
+    if rank == 1:
+        time.sleep(0.5)
+        out["held_while_closed"] = ck.store.holdings().get("rank0", [])
+    dist.barrier()
+    if rank == 0:
+        ck.gate.open(None)  # an idle span of unknown length
+        out["replicated"] = ck.replicator.wait_replicated(4, 30)
+        out["skipped"] = ck.replicator.stats.versions_skipped
+        out["sent"] = ck.replicator.stats.versions_sent
+        out["digest"] = _digest(model, opt)
+    dist.barrier()
+    if rank == 1:
+        out["held"] = ck.store.holdings().get("rank0", [])
+        out["newest"] = ck.store.load("rank0")
+    ck.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    return out

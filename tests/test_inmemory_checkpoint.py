@@ -172,3 +172,62 @@ def test_capture_copies_in_the_background_and_wait_copied_guards_the_tensors(tmp
     assert torch.equal(ck.load_local(3)["params"][0], torch.arange(1 << 20, dtype=torch.float32))
     assert ck.captures[-1]["copy_s"] > 0
     ck.close()
+
+
+# --- interleaving and the stall budget -------------------------------------------------------------
+def test_replication_waits_for_idle_spans_and_skips_superseded_versions(tmp_path):
+    cfg, job = _cfg(tmp_path, interleave=True, chunk_mb=0.02), _job()
+    r0, r1 = run_workers(prog.gated_replication, 2, args=(cfg, job), timeout_s=120)
+    assert r1["held_while_closed"] == []  # nothing committed on the holder while the link was busy
+    assert r0["replicated"] and r0["skipped"] == 3 and r0["sent"] == 2  # 0 (in flight), then 4
+    assert r1["held"] == [4, 0]
+    for x, y in zip(r1["newest"]["params"], r0["digest"]["params"]):
+        assert torch.equal(x, y)
+
+
+def test_idle_gate_blocks_until_a_long_enough_span_opens():
+    import threading
+
+    from ds_resilience.checkpoint.replication import IdleGate
+
+    gate = IdleGate(enabled=True)
+    got = []
+    t = threading.Thread(target=lambda: got.append(gate.acquire(0.05)))
+    t.start()
+    t.join(0.2)
+    assert t.is_alive()  # closed: a chunk waits
+    gate.open(0.01)  # too short for a 50 ms chunk, but the longest span so far: it may go in
+    t.join(2.0)
+    assert got == [True]
+    gate.close()
+    assert IdleGate(enabled=False).acquire(10.0)  # interleave off: always open
+    gate.stop()
+    assert gate.acquire(0.0) is False
+
+
+def test_replication_windows_avoid_actions_that_overlap_messages():
+    from ds_resilience.costs import CostModel
+    from ds_resilience.planning.generators import generate
+    from ds_resilience.sim.idle import replication_windows
+
+    schedule = generate("1f1b", 1, 2, 4)
+    free = replication_windows(schedule, 0)
+    assert len(free) == 8  # unit costs: messages take no time, every F and B is idle
+    slow = CostModel(name="slow-links", activation_bytes=(1.0, 1.0), p2p_bandwidth=0.5)  # 2 units per message
+    busy = replication_windows(schedule, 0, slow)
+    assert 0 < len(busy) < len(free)
+    actions = schedule.workers[0]
+    assert all(actions[w.index].kind.is_compute and w.idle >= w.duration / 2 for w in busy)
+
+
+def test_captures_spread_over_more_iterations_when_the_stall_exceeds_the_budget(tmp_path):
+    cfg = CheckpointConfig.from_dict({"replicas": 1, "ranks_per_machine": 1, "host_dir": str(tmp_path),
+                                      "stall_budget": 0.02})
+    ck = InMemoryCheckpointer(cfg, rank=0, world=1, job_id="j", local_world_size=1, name="j")
+    ck.captures = [{"step": s, "stall_s": 0.010, "copy_s": 0.0} for s in range(5)]
+    ck.note_iteration(0.100)  # 10 ms against a 2 ms budget: every 5th step
+    assert ck.interval == 5 and ck.due(10) and not ck.due(11)
+    ck.captures = [{"step": s, "stall_s": 0.0005, "copy_s": 0.0} for s in range(5)]
+    ck.note_iteration(0.100)
+    assert ck.interval == 1
+    ck.close()

@@ -306,3 +306,14 @@ def test_pipeline_engine_save_load_bitwise_and_keep_last(tmp_path):
         markers = sorted(glob.glob(os.path.join(save_dir, tag, ".complete-rank*")))
         assert [os.path.basename(m) for m in markers] == [f".complete-rank{r}" for r in range(4)]
     assert not glob.glob(os.path.join(save_dir, "*", "*.tmp-*"))
+
+
+def test_resilient_engine_save_and_load_checkpoint_go_through_the_persistent_tier(tmp_path):
+    import engine_programs
+
+    out = run_workers(engine_programs.resilient_save_load, 4, args=(str(tmp_path),), timeout_s=240)
+    for r in out:
+        assert r["async"] and r["moved"] and r["back"] and r["steps"] == 2, r
+    tags = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
+    assert tags == ["b"], tags  # keep_last = 1 pruned "a" once "b" was complete
+    assert (tmp_path / "latest").read_text().strip() == "b"

@@ -83,10 +83,9 @@ class IdleGate:
         if not self.enabled:
             return not self._stopped
         with self._cond:
-            if self.longest > 0:
-                need_s = min(need_s, 0.9 * self.longest)
             while not self._stopped:
-                if self._deadline is not None and self._deadline - time.monotonic() >= need_s:
+                need = min(need_s, 0.5 * self.longest) if self.longest > 0 else need_s
+                if self._deadline is not None and self._deadline - time.monotonic() >= need:
                     return True
                 self._cond.wait(0.005 if self._deadline is not None else 0.1)
             return False

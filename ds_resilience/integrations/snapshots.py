@@ -1,6 +1,8 @@
 """The in-memory checkpoint tier inside the resilient engine (a mixin of ``ResilientPipelineEngine``).
 
-Active under the agent (``ds-resilience run``) when ``resilience.checkpoint.enabled``:
+With ``resilience.checkpoint.enabled``, DeepSpeed's ``save_checkpoint`` / ``load_checkpoint`` go
+through the asynchronous, atomic ``AsyncPersistentCheckpointEngine`` (``keep_last`` tags). The
+in-memory tier is active under the agent (``ds-resilience run``):
 
 * the initial state is snapshot as step 0, then every ``interval`` steps right after the stage's
   optimizer step (``_stage_step``); the snapshot of step ``s`` is also the pre-step state of step
@@ -23,6 +25,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..checkpoint.inmemory import InMemoryCheckpointer
+from ..checkpoint.persistent import install
 from ..checkpoint.state import apply, collect
 from ..ir import Action
 from ..sim.idle import replication_windows
@@ -42,6 +45,9 @@ class SnapshotMixin:
         self._windows_of: int | None = None
         self._measured: dict[tuple[int, int], float] = {}
         self._action_cursor = 0
+        self.persistent_engine = None
+        if cfg.enabled:  # save_checkpoint / load_checkpoint: asynchronous, atomic, keep_last
+            self.persistent_engine = install(self, keep_last=cfg.keep_last)
         if not (live and cfg.enabled and self.alive):
             return
         world = int(os.environ.get("WORLD_SIZE", dist.get_world_size()))
@@ -96,6 +102,8 @@ class SnapshotMixin:
     def _end_iteration_snapshots(self, seconds: float) -> None:
         if self.checkpointer is not None:
             self.checkpointer.note_iteration(seconds)
+        if self.persistent_engine is not None and self.checkpoint_engine is self.persistent_engine:
+            self.persistent_engine.poll()  # finalize finished writes (commit markers, keep_last)
 
     # --- interleaving ----------------------------------------------------------------------------------
     def _begin_actions(self) -> None:
