@@ -1,11 +1,14 @@
 """``ds-resilience demo``: train the example GPT, kill a worker mid-run, keep training, compare.
 
-Runs ``examples/train_gpt.py`` on CPU with PP=2 x DP=2 under the agent twice: once fault-free (the
-reference), once with one worker SIGKILLed in the middle of a backward pass. The second run keeps
-training (the dead worker's micro-batches are re-routed to its data-parallel peer) while a progress
-bar shows the steps; the summary gives the steps done, the detection and recovery times, samples/s
-before, during and after the failure, and the largest parameter difference against the reference.
-Needs a source checkout (``examples/`` and ``configs/`` next to the package).
+Runs ``examples/train_gpt.py`` on CPU with PP=2 x DP=2 under the agent three times: once fault-free
+(the reference), once with one worker SIGKILLed in the middle of a backward pass, and once where
+that worker's whole stage is lost (its data-parallel peer's machine goes too, host memory and all).
+The second run keeps training (the dead worker's micro-batches are re-routed to its data-parallel
+peer) while a progress bar shows the steps; the summary gives the steps done, the detection and
+recovery times, samples/s before, during and after the failure, and the largest parameter difference
+against the reference. In the third run re-routing cannot cover the stage: the agent restarts every
+worker from the in-memory snapshots (one machine per rank, two replicas), and training again ends
+where the reference ends. Needs a source checkout (``examples/`` and ``configs/`` next to the package).
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ REPO = Path(__file__).resolve().parents[1]
 _STEP = re.compile(r"^step\s+(\d+) loss ([\d.]+) samples/s\s+([\d.]+)")
 
 
-def _job(out: Path, name: str, *, steps: int, faults: list[dict[str, Any]], echo):
+def _job(out: Path, name: str, *, steps: int, faults: list[dict[str, Any]], echo,
+         checkpoint: dict[str, Any] | None = None, max_restarts: int = 0):
     """Start the agent on a thread; returns (thread, agent, log dir, dump prefix, result holder)."""
     from .runtime.agent import Agent
 
@@ -36,6 +40,7 @@ def _job(out: Path, name: str, *, steps: int, faults: list[dict[str, Any]], echo
         "variant": "recycle",
         "fault_injection": faults,
         "detector": {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 2.0, "pg_timeout_s": 60.0},
+        "checkpoint": checkpoint or {},
     }
     cfg = out / f"{name}.json"
     cfg.write_text(json.dumps(base, indent=1))
@@ -48,6 +53,7 @@ def _job(out: Path, name: str, *, steps: int, faults: list[dict[str, Any]], echo
         heartbeat_interval_s=0.2,
         heartbeat_timeout_s=2.0,
         log_dir=logs,
+        max_restarts=max_restarts,
         env={"PYTHONPATH": str(REPO)},
         echo=echo,
     )
@@ -61,7 +67,8 @@ def _follow(thread, logs: Path, steps: int, draw: bool) -> None:
     """Draw a progress bar from rank 0's log while the job runs."""
     seen = 0
     while thread.is_alive() or seen == 0:
-        log = logs / "rank0.0.log"
+        found = sorted(logs.glob("rank0.0*.log"), key=lambda f: f.stat().st_mtime) if logs.exists() else []
+        log = found[-1] if found else logs / "rank0.0.log"  # after a restart: rank0.0.restart1.log
         if log.exists():
             lines = log.read_text(errors="replace").splitlines()
             for line in lines:
@@ -98,8 +105,8 @@ def _dumps(dump: Path) -> dict[int, dict]:
 
 
 def run_demo(*, steps: int = 30, kill_rank: int = 3, kill_step: int = 12, point: str = "mid_backward",
-             out: str | os.PathLike[str] = "out/demo") -> int:
-    """Run the demo; returns 0 when the faulty run finished every step and matches the reference."""
+             out: str | os.PathLike[str] = "out/demo", restart: bool = True) -> int:
+    """Run the demo; returns 0 when the faulty runs finished every step and match the reference."""
     if not (REPO / "examples" / "train_gpt.py").exists():
         print("ds-resilience demo: needs a source checkout (examples/ and configs/ beside the package)", file=sys.stderr)
         return 2
@@ -107,14 +114,15 @@ def run_demo(*, steps: int = 30, kill_rank: int = 3, kill_step: int = 12, point:
     outdir.mkdir(parents=True, exist_ok=True)
     quiet = lambda msg: None  # noqa: E731
     print(f"ds_resilience demo: example GPT on CPU, PP=2 x DP=2 (4 processes, gloo), {steps} steps")
-    print("1/2 fault-free reference run ...", flush=True)
+    runs = 3 if restart else 2
+    print(f"1/{runs} fault-free reference run ...", flush=True)
     thread, _, logs, ref_dump, result = _job(outdir, "reference", steps=steps, faults=[], echo=quiet)
     _follow(thread, logs, steps, draw=True)
     if _wait(thread, result) != 0:
         print(f"reference run failed; logs in {logs}", file=sys.stderr)
         return 1
     fault = {"rank": kill_rank, "step": kill_step, "point": point, "kind": "sigkill"}
-    print(f"2/2 the same run, worker rank {kill_rank} SIGKILLed at step {kill_step} ({point}) ...", flush=True)
+    print(f"2/{runs} the same run, worker rank {kill_rank} SIGKILLed at step {kill_step} ({point}) ...", flush=True)
     def echo(msg: str) -> None:
         if "epoch" in msg and "(start)" not in msg:
             print(f"{chr(10) if sys.stdout.isatty() else ''}  {msg.strip()}", flush=True)
@@ -126,7 +134,45 @@ def run_demo(*, steps: int = 30, kill_rank: int = 3, kill_step: int = 12, point:
     if code != 0 or not got:
         print(f"faulty run ended with code {code}; logs in {logs}", file=sys.stderr)
         return 1
-    return _summary(steps, kill_step, fault, agent.events, ref, got, outdir)
+    ok = _summary(steps, kill_step, fault, agent.events, ref, got, outdir)
+    if restart:
+        ok = max(ok, _restart_run(outdir, steps, kill_rank, kill_step, point, ref, echo))
+    return ok
+
+
+def _restart_run(outdir: Path, steps: int, kill_rank: int, kill_step: int, point: str, ref, echo) -> int:
+    """Run 3: the killed worker's data-parallel peer loses its machine a few steps later."""
+    peer = kill_rank ^ 1  # PP=2 x DP=2: ranks 2s and 2s+1 are stage s
+    lose_step = min(kill_step + 4, steps - 2)
+    faults = [{"rank": kill_rank, "step": kill_step, "point": point, "kind": "sigkill"},
+              {"rank": peer, "step": lose_step, "point": "before_forward", "kind": "lose_machine"}]
+    print(f"\n3/3 rank {kill_rank} SIGKILLed at step {kill_step}, then rank {peer}'s machine (host memory included) "
+          f"lost at step {lose_step}: stage {kill_rank // 2} has no replica left ...", flush=True)
+    thread, agent, logs, dump, result = _job(
+        outdir, "restart", steps=steps, faults=faults, echo=echo, max_restarts=1,
+        checkpoint={"ranks_per_machine": 1, "replicas": 2})
+    _follow(thread, logs, steps, draw=True)
+    code = _wait(thread, result)
+    got = _dumps(dump)
+    restored = [r for d in got.values() for r in d["recovery"] if r["kind"] == "restored"]
+    if code != 0 or len(got) != 4 or not restored:
+        print(f"restart run ended with code {code}; logs in {logs}", file=sys.stderr)
+        return 1
+    ref_params = {d["stage"]: d["params"] for d in ref.values()}
+    worst = max(float((t - ref_params[d["stage"]][n]).abs().max()) for d in got.values() for n, t in d["params"].items())
+    first = restored[0]
+    where = ", ".join(f"rank {r}: {s}" for r, s in sorted(first["sources"].items()))
+    print("\nrestart summary")
+    print(f"  restarts                       {sum(e.kind == 'restart' for e in agent.events)}")
+    print(f"  restored step                  {first['resume_step']} (the machine was lost at step {lose_step})")
+    print(f"  snapshot sources               {where}")
+    print(f"  restore time (slowest rank)    {max(r['total_s'] for r in restored) * 1e3:.1f} ms")
+    print(f"  steps done                     {min(d['steps'] for d in got.values())}/{steps}")
+    print(f"  largest parameter difference   {worst:.3e} against the fault-free reference")
+    ok = all(d["steps"] == steps for d in got.values()) and worst < 1e-4
+    print("OK: the lost stage came back from the in-memory snapshots and training matches the fault-free run"
+          if ok else "MISMATCH")
+    return 0 if ok else 1
 
 
 def _rate(times: list[float], lo: int, hi: int, samples: int) -> float:
@@ -183,7 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-step", type=int, default=12)
     parser.add_argument("--point", default="mid_backward", choices=("before_forward", "mid_backward", "in_reduce", "in_optimizer"))
     parser.add_argument("--out", default="out/demo")
+    parser.add_argument("--no-restart", action="store_true", help="skip run 3 (a whole stage lost, restart from memory)")
     args = parser.parse_args(argv)
     if not 1 <= args.kill_step < args.steps - 1:
         parser.error(f"--kill-step must be in 1..{args.steps - 2}")
-    return run_demo(steps=args.steps, kill_rank=args.kill_rank, kill_step=args.kill_step, point=args.point, out=args.out)
+    return run_demo(steps=args.steps, kill_rank=args.kill_rank, kill_step=args.kill_step, point=args.point, out=args.out,
+                    restart=not args.no_restart)

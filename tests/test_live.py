@@ -196,19 +196,20 @@ def test_rejoin_returns_to_fault_free_and_stays_exact(tmp_path):
     assert_equal_to_reference(dumps, reference, steps=steps)
 
 
-# ranks 2 and 3 are stage 1; each rank is its own machine, groups {0,1} {2,3}: rank 2's snapshots
-# are replicated on rank 3's machine and the other way round
+# ranks 2 and 3 are stage 1; each rank is its own machine; the engine groups machines pipeline-major,
+# {0, 2} and {1, 3}, so each stage-1 rank's snapshots are replicated on a stage-0 machine
 RESTART_CASES = {
-    # rank 2's machine is lost; rank 3 (a plain crash) keeps its memory: rank 2 restores from it
+    # rank 2's machine is lost; rank 3 (a plain crash) keeps its memory; rank 2 restores from a peer
     "peer": ([{"rank": 2, "step": 2, "point": "before_forward", "kind": "lose_machine"},
-              {"rank": 3, "step": 4, "point": "mid_backward", "kind": "sigkill"}], {"2": "peer", "3": "local"}),
+              {"rank": 3, "step": 4, "point": "mid_backward", "kind": "sigkill"}], {"2": "peer", "3": "local"}, 2),
     # two process crashes in one iteration: both newest snapshots are still in their machines' memory
     "local": ([{"rank": 2, "step": 4, "point": "before_forward", "kind": "sigkill"},
-               {"rank": 3, "step": 4, "point": "mid_backward", "kind": "exit"}], {"2": "local", "3": "local"}),
-    # both machines of stage 1 are lost: the persistent tier has it
+               {"rank": 3, "step": 4, "point": "mid_backward", "kind": "exit"}], {"2": "local", "3": "local"}, 2),
+    # both machines of stage 1 are lost, and with one copy per snapshot no other machine holds
+    # them: the persistent tier has them
     "persistent": ([{"rank": 2, "step": 2, "point": "before_forward", "kind": "lose_machine"},
                     {"rank": 3, "step": 4, "point": "mid_backward", "kind": "lose_machine"}],
-                   {"2": "persistent", "3": "persistent"}),
+                   {"2": "persistent", "3": "persistent"}, 1),
 }
 
 
@@ -218,8 +219,8 @@ def test_beyond_tolerance_restarts_from_snapshots_and_stays_exact(tmp_path, case
     """A whole stage lost: the agent restarts every worker, each restores the newest step held for
     all of them (local memory, a peer's memory, or disk) and training ends bitwise where a
     fault-free run ends, having lost at most the iteration in flight."""
-    faults, expected = RESTART_CASES[case]
-    checkpoint = {"ranks_per_machine": 1, "replicas": 2, "persistent_interval": 1, "stall_budget": 1.0}
+    faults, expected, replicas = RESTART_CASES[case]
+    checkpoint = {"ranks_per_machine": 1, "replicas": replicas, "persistent_interval": 1, "stall_budget": 1.0}
     code, events, dumps = run_job(tmp_path, faults=faults, checkpoint=checkpoint, max_restarts=1)
     assert code == 0, logs(tmp_path, "job")
     assert [e.kind for e in events].count("restart") == 1, [e.kind for e in events]

@@ -31,7 +31,7 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -72,6 +72,10 @@ class InMemoryCheckpointer:
         name: unique name for this attempt's replication groups.
         replicate: build the replicator (a re-joining worker cannot: its peers' groups are gone).
         group_store, timeout_s: rendezvous store and per-message timeout of the replication groups.
+        machine_order: the machines in the order group placement groups them (consecutive ones
+            form a group; default 0..N-1). Under independent failures every grouping is equally
+            good; the engine orders machines pipeline-major, so the replicas of a stage's workers
+            land on machines of other stages and losing a whole stage loses no snapshot.
 
     Raises:
         ConfigError: a placement that cannot exist (more replicas than machines, ranks that do not
@@ -79,7 +83,8 @@ class InMemoryCheckpointer:
     """
 
     def __init__(self, cfg: CheckpointConfig, *, rank: int, world: int, job_id: str, local_world_size: int,
-                 name: str, replicate: bool = True, group_store=None, timeout_s: float = 60.0) -> None:
+                 name: str, replicate: bool = True, group_store=None, timeout_s: float = 60.0,
+                 machine_order: Sequence[int] | None = None) -> None:
         self.cfg, self.rank, self.world = cfg, rank, world
         rpm = cfg.ranks_per_machine or local_world_size
         if world % rpm:
@@ -99,10 +104,19 @@ class InMemoryCheckpointer:
                 f"{rpm} per machine); allowed: 1..{machines}, or fewer ranks_per_machine")
         self.rpm, self.machines = rpm, machines
         self.machine, local = divmod(rank, rpm)
-        self.placement = place(machines, cfg.replicas)
-        self.send_to = [h * rpm + local for h in self.placement.stored_on(self.machine) if h != self.machine]
+        order = list(range(machines)) if machine_order is None else list(machine_order)
+        if sorted(order) != list(range(machines)):
+            raise CheckpointError(f"machine_order {order} is not a permutation of the {machines} machines")
+        self.placement = place(machines, cfg.replicas)  # over positions in ``order``
+        slot = {m: i for i, m in enumerate(order)}
+
+        def holders(m: int) -> list[int]:
+            return [order[h] for h in self.placement.stored_on(slot[m])]
+
+        self.holders = {m: holders(m) for m in range(machines)}
+        self.send_to = [h * rpm + local for h in self.holders[self.machine] if h != self.machine]
         self.recv_from = [m * rpm + local for m in range(machines)
-                          if m != self.machine and self.machine in self.placement.stored_on(m)]
+                          if m != self.machine and self.machine in self.holders[m]]
         self.root = host_root(cfg, job_id)
         pipeline = StagingPipeline(cfg.gpu_buffer_mb, cfg.num_sub_buffers)
         self.store = SnapshotStore(self.root / f"machine{self.machine}", keep=2, pipeline=pipeline)

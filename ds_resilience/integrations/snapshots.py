@@ -59,12 +59,22 @@ class SnapshotMixin:
             name=f"{self.session}/attempt{restart}", replicate=not rejoin,
             group_store=self.coordinator.store if self.coordinator is not None else None,
             timeout_s=self.resilience.detector.pg_timeout_s,
+            machine_order=self._machine_order(world, cfg.ranks_per_machine
+                                              or int(os.environ.get("LOCAL_WORLD_SIZE", world))),
         )
         faults.lose_memory = self.checkpointer.lose_memory
         if restart and not rejoin:
             self._restore_snapshots()
         elif not rejoin:
             self._capture()
+
+    def _machine_order(self, world: int, rpm: int) -> list[int] | None:
+        """Machines ordered pipeline-major (by the (pipeline, stage) of their first rank), so that
+        a placement group spans stages: a lost stage never takes every copy of its snapshots."""
+        if world % rpm:
+            return None  # the checkpointer reports the bad ranks_per_machine
+        firsts = {m: self.topology.coord(m * rpm)[0] for m in range(world // rpm)}
+        return sorted(firsts, key=lambda m: (firsts[m].pipeline, firsts[m].stage))
 
     # --- capture -------------------------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
