@@ -231,3 +231,20 @@ def test_captures_spread_over_more_iterations_when_the_stall_exceeds_the_budget(
     ck.note_iteration(0.100)
     assert ck.interval == 1
     ck.close()
+
+
+@pytest.mark.timeout(300)
+def test_corrupt_peer_replica_is_rejected_on_receipt_and_the_next_copy_used(tmp_path):
+    """Machine 1 is lost and rank 0's replica of rank 1 has a flipped byte: the receiver's checksum
+    rejects it, the plan drops that copy, and the persistent tier supplies rank 1's step."""
+    cfg, job = _cfg(tmp_path, persistent_dir=str(tmp_path / "disk"), persistent_interval=1), _job()
+    trained = _train(tmp_path, 2, cfg, job)
+    shutil.rmtree(tmp_path / "shm" / job / "machine1")
+    payload = tmp_path / "shm" / job / "machine0" / "rank1" / f"v{STEPS:012d}" / "payload.bin"
+    data = bytearray(payload.read_bytes())
+    data[-100] ^= 0x01
+    payload.write_bytes(bytes(data))
+    restored = run_workers(prog.restore, 2, args=(cfg, job), timeout_s=120)
+    assert restored[1]["sources"][1] == (PERSISTENT, None, 1) and restored[1]["step"] == STEPS
+    assert restored[0]["sources"][0] == (LOCAL, 0, 0)
+    _same(restored[1]["digest"], trained[1]["digest"])

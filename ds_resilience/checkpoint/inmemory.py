@@ -288,13 +288,20 @@ class InMemoryCheckpointer:
         for _, d in gathered:
             persistent.update(d)
         machine_of = {r: r // self.rpm for r in range(self.world)}
-        while True:  # plan on the manifests; the copies the plan reads are verified, a bad one is dropped
+        transfer_s = 0.0
+        while True:  # plan on the manifests; the copies actually read are verified, a bad one is dropped
             plan = plan_restore(self.world, memory, persistent, machine_of, stage_of)
             bad = []
-            for rank, (source, holder, owner) in plan.sources.items():
-                reader = rank if source == LOCAL else holder  # LOCAL: the rank reads its own machine
-                if source != PERSISTENT and reader == self.rank and not self.store.verify(owner_name(owner), plan.step):
-                    bad.append((self.machine, owner, plan.step))
+            t_x = time.perf_counter()
+            for holder, rank, owner in plan.transfers():  # the receiver checks the bytes
+                if self.rank == holder:
+                    self._send_snapshot(owner, rank, plan.step, group)
+                elif self.rank == rank and not self._recv_snapshot(holder, plan.step, group):
+                    bad.append((machine_of[holder], owner, plan.step))
+            transfer_s += time.perf_counter() - t_x
+            source, _, owner = plan.sources[self.rank]
+            if source == LOCAL and not self.store.verify(owner_name(owner), plan.step):
+                bad.append((self.machine, owner, plan.step))
             reports: list[Any] = [None] * self.world
             dist.all_gather_object(reports, bad, group=group)
             found = {b for rep in reports for b in rep}
@@ -304,13 +311,8 @@ class InMemoryCheckpointer:
                 for h in memory:
                     if machine_of[h] == machine and step in memory[h].get(owner, ()):
                         memory[h][owner] = [x for x in memory[h][owner] if x != step]
-        t1 = time.perf_counter()
-        for holder, rank, owner in plan.transfers():
-            if self.rank == holder:
-                self._send_snapshot(owner, rank, plan.step, group)
-            elif self.rank == rank:
-                self._recv_snapshot(holder, plan.step, group)
         t2 = time.perf_counter()
+        t1 = t2 - transfer_s
         source, _, owner = plan.sources[self.rank]
         if source == PEER:
             state = self.store.load(self.owner, plan.step, cached=True)  # received (and verified) under its name
@@ -323,7 +325,11 @@ class InMemoryCheckpointer:
         return state, plan, {"plan_s": t1 - t0, "transfer_s": t2 - t1, "load_s": t3 - t2, "total_s": t3 - t0}
 
     def _send_snapshot(self, owner: int, to: int, step: int, group) -> None:
-        info, layout, payload = self.store.open_version(owner_name(owner), step)
+        try:
+            info, layout, payload = self.store.open_version(owner_name(owner), step, verify=False)
+        except CheckpointError:  # gone or broken: tell the receiver, which reports it
+            dist.send(torch.tensor([-1, 0, 0, 0], dtype=torch.int64), to, group=group, tag=_XFER_TAG)
+            return
         try:
             header = torch.tensor([info.nbytes, info.checksum & 0xFFFFFFFF, info.checksum >> 32, len(layout)],
                                   dtype=torch.int64)
@@ -335,15 +341,23 @@ class InMemoryCheckpointer:
             del payload
             self.store.release(owner_name(owner), step)
 
-    def _recv_snapshot(self, holder: int, step: int, group) -> None:
+    def _recv_snapshot(self, holder: int, step: int, group) -> bool:
+        """Receive this rank's snapshot from ``holder``; ``False`` if it was missing or corrupt."""
         header = torch.zeros(4, dtype=torch.int64)
         dist.recv(header, holder, group=group, tag=_XFER_TAG)
         nbytes, lo, hi, layout_len = (int(v) for v in header.tolist())
+        if nbytes < 0:
+            return False
         layout = torch.empty(layout_len, dtype=torch.uint8)
         dist.recv(layout, holder, group=group, tag=_XFER_TAG + 1)
 
         def fill(buf: torch.Tensor) -> None:
             dist.recv(buf, holder, group=group, tag=_XFER_TAG + 2)
 
-        self.store.receive(self.owner, step, nbytes, layout.numpy().tobytes(), (hi << 32) | lo, fill)
+        try:
+            self.store.receive(self.owner, step, nbytes, layout.numpy().tobytes(), (hi << 32) | lo, fill)
+        except CheckpointError as exc:  # every byte was received first: the protocol stays in step
+            logger.warning("rank %d: snapshot from rank %d rejected: %s", self.rank, holder, exc)
+            return False
+        return True
 
