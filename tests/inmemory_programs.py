@@ -156,7 +156,10 @@ def gated_replication(rank: int, world: int, cfg_dict: dict, job: str) -> dict:
         out["sent"] = ck.replicator.stats.versions_sent
         out["digest"] = _digest(model, opt)
     dist.barrier()
-    if rank == 1:
+    if rank == 1:  # sent is not yet committed: the holder checksums the bytes first
+        deadline = time.monotonic() + 30
+        while 4 not in ck.store.holdings(verify=False).get("rank0", []) and time.monotonic() < deadline:
+            time.sleep(0.02)
         out["held"] = ck.store.holdings().get("rank0", [])
         out["newest"] = ck.store.load("rank0")
     ck.close()

@@ -99,7 +99,7 @@ def test_every_holder_lost_falls_back_to_the_persistent_tier(tmp_path):
     for r in range(2):
         assert restored[r]["sources"][r] == (PERSISTENT, None, r) and restored[r]["step"] == STEPS
         _same(restored[r]["digest"], trained[r]["digest"])
-    kept = sorted(p.name for p in (tmp_path / "disk" / "snapshots" / "rank0").iterdir())
+    kept = sorted(p.name for p in (tmp_path / "disk" / "snapshots" / job / "rank0").iterdir())
     assert kept == [f"v{2:012d}", f"v{4:012d}"]  # keep_last = 2 of steps 0, 2, 4
 
 

@@ -10,7 +10,7 @@
   first waits for it (:meth:`wait_copied`). That wait, plus the hand-over, is the stall.
 * **commit** (the same thread): checksum, atomic commit, then the replicator is offered the version
   and, every ``persistent_interval`` steps, it is copied to the persistent tier
-  (``<persistent_dir>/snapshots``, same format, ``keep_last`` versions).
+  (``<persistent_dir>/snapshots/<job>``, same format, ``keep_last`` versions).
 * **budget**: when a capture costs more than ``stall_budget`` of the iteration time, captures are
   spread over more iterations (the effective interval grows) instead of stalling training.
 * **restore** (:meth:`restore`, collective at start-up of a restart): every rank reports what its
@@ -121,7 +121,8 @@ class InMemoryCheckpointer:
         pipeline = StagingPipeline(cfg.gpu_buffer_mb, cfg.num_sub_buffers)
         self.store = SnapshotStore(self.root / f"machine{self.machine}", keep=2, pipeline=pipeline)
         self.owner = owner_name(rank)
-        self.disk = (SnapshotStore(Path(cfg.persistent_dir) / "snapshots", keep=cfg.keep_last, recycle=False)
+        # the job's own directory: snapshots of an earlier job in the same persistent_dir never mix in
+        self.disk = (SnapshotStore(Path(cfg.persistent_dir) / "snapshots" / job_id, keep=cfg.keep_last, recycle=False)
                      if cfg.persistent_dir else None)
         self.gate = IdleGate(enabled=cfg.interleave)
         self.replicator: Replicator | None = None
