@@ -293,3 +293,17 @@ def test_ordered_dict_and_namedtuple_preserved():
     state = OrderedDict(z=torch.arange(3), a=P(torch.ones(2), 5))
     staged = StagingPipeline().flatten(state)
     assert_bitwise(state, unflatten(staged.layout, staged.payload))
+
+
+def test_a_corrupt_replica_of_a_held_step_leaves_the_held_version_intact(tmp_path):
+    src = SnapshotStore(tmp_path / "a")
+    dst = SnapshotStore(tmp_path / "b")
+    src.save("w3", 7, {"x": torch.arange(100, dtype=torch.float32)})
+    rep = src.read_bytes("w3", 7)
+    dst.put_bytes("w3", 7, rep.payload, rep.layout, rep.checksum)
+    bad = rep.payload.clone()
+    bad[5] ^= 1
+    with pytest.raises(CheckpointCorrupt):
+        dst.put_bytes("w3", 7, bad, rep.layout, rep.checksum)  # the same step again, corrupted in transit
+    assert dst.latest("w3", cached=False).step == 7
+    assert torch.equal(dst.load("w3", 7)["x"], torch.arange(100, dtype=torch.float32))

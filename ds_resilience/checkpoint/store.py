@@ -209,11 +209,13 @@ class SnapshotStore:
         uncommitted) mapping it is given; the result is verified before it is committed.
 
         Raises:
-            CheckpointCorrupt: the received bytes do not match ``checksum`` (nothing is committed).
+            CheckpointCorrupt: the received bytes do not match ``checksum`` (nothing is committed,
+                and a version ``step`` held before stays as it was).
             Whatever ``fill`` raises (a peer died mid-transfer): nothing is committed either, and
             the previous version stays the newest.
         """
-        vdir = self._begin(owner, step)
+        vdir = self._version_dir(owner, step)
+        vdir.mkdir(parents=True, exist_ok=True)
         metas = pickle.loads(layout_bytes).tensors
         tmp = self._new_payload(owner, vdir, metas)
         try:
@@ -229,7 +231,13 @@ class SnapshotStore:
                 raise CheckpointCorrupt(f"replica {owner}@{step}: received checksum {actual:#018x} != sent {checksum:#018x}")
         except BaseException:
             tmp.unlink(missing_ok=True)
+            for d in (vdir, vdir.parent):  # directories this call created (rmdir leaves non-empty ones)
+                try:
+                    d.rmdir()
+                except OSError:
+                    break
             raise
+        self._begin(owner, step)  # verified: only now does a held version of this step stop existing
         os.replace(tmp, vdir / PAYLOAD)
         _write_atomic(vdir / LAYOUT, bytes(layout_bytes))
         self._metas[(owner, step)] = metas
@@ -302,7 +310,7 @@ class SnapshotStore:
 
     def put_bytes(self, owner: str, step: int, payload: bytes | bytearray | torch.Tensor,
                   layout: Layout | bytes, checksum: int) -> SnapshotInfo:
-        """Store a replica received from a peer; verified before anything is written.
+        """Store a replica held whole in memory (:meth:`receive` with a single copy).
 
         Raises:
             CheckpointCorrupt: the payload's checksum or size does not match (nothing is committed).
@@ -315,13 +323,7 @@ class SnapshotStore:
         layout_obj = pickle.loads(layout_bytes) if isinstance(layout, (bytes, bytearray)) else layout
         if raw.numel() != layout_obj.nbytes:
             raise CheckpointCorrupt(f"replica {owner}@{step}: {raw.numel()} bytes, layout says {layout_obj.nbytes}")
-        actual = checksum_reference(raw)
-        if actual != checksum:
-            raise CheckpointCorrupt(f"replica {owner}@{step}: checksum {actual:#018x} != expected {checksum:#018x}")
-        vdir = self._begin(owner, step)
-        _write_atomic(vdir / PAYLOAD, memoryview(raw.numpy()) if raw.numel() else b"")
-        _write_atomic(vdir / LAYOUT, bytes(layout_bytes))
-        return self._commit(vdir, owner, step, raw.numel(), checksum, bytes(layout_bytes))
+        return self.receive(owner, step, raw.numel(), bytes(layout_bytes), checksum, lambda buf: buf.copy_(raw))
 
     def _prune(self, owner: str, new_step: int) -> None:
         committed = self._committed_steps(owner)
