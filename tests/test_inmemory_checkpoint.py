@@ -248,3 +248,18 @@ def test_corrupt_peer_replica_is_rejected_on_receipt_and_the_next_copy_used(tmp_
     assert restored[1]["sources"][1] == (PERSISTENT, None, 1) and restored[1]["step"] == STEPS
     assert restored[0]["sources"][0] == (LOCAL, 0, 0)
     _same(restored[1]["digest"], trained[1]["digest"])
+
+
+def test_machine_key_groups_machines_across_stages(tmp_path):
+    """PP2 x DP2, one rank per machine, rank = stage * 2 + pipeline. By index the groups are
+    {0,1} {2,3}: a stage's two ranks hold each other's copies. Sorted pipeline-major they are
+    {0,2} {1,3}: every copy of a stage-1 snapshot sits on a stage-0 machine."""
+    cfg = CheckpointConfig.from_dict({"ranks_per_machine": 1, "replicas": 2, "host_dir": str(tmp_path)})
+    by_index = InMemoryCheckpointer(cfg, rank=2, world=4, job_id="j", local_world_size=1, name="j", replicate=False)
+    assert by_index.send_to == [3] and by_index.recv_from == [3]
+    by_index.close()
+    key = lambda rank: (rank % 2, rank // 2)  # noqa: E731 - (pipeline, stage)
+    ck = InMemoryCheckpointer(cfg, rank=2, world=4, job_id="j", local_world_size=1, name="j", replicate=False,
+                              machine_key=key)
+    assert ck.send_to == [0] and ck.recv_from == [0]
+    ck.close()

@@ -201,15 +201,22 @@ def test_rejoin_returns_to_fault_free_and_stays_exact(tmp_path):
 RESTART_CASES = {
     # rank 2's machine is lost; rank 3 (a plain crash) keeps its memory; rank 2 restores from a peer
     "peer": ([{"rank": 2, "step": 2, "point": "before_forward", "kind": "lose_machine"},
-              {"rank": 3, "step": 4, "point": "mid_backward", "kind": "sigkill"}], {"2": "peer", "3": "local"}, 2),
+              {"rank": 3, "step": 4, "point": "mid_backward", "kind": "sigkill"}], {"2": "peer", "3": "local"}, {"replicas": 2}),
+    # rank 3 crashes (memory intact, but it stops receiving replicas), then rank 2's machine is lost;
+    # no disk tier: stage 1's newest snapshots survive only on the stage-0 machine holding rank 2's
+    # replicas (with groups of consecutive machines, {2, 3}, no copy newer than step 2 would be left
+    # and no step would be held for both stages)
+    "peer_after_crash": ([{"rank": 3, "step": 2, "point": "mid_backward", "kind": "sigkill"},
+                          {"rank": 2, "step": 4, "point": "before_forward", "kind": "lose_machine"}],
+                         {"2": "peer", "3": "peer"}, {"replicas": 2, "persistent_dir": None}),
     # two process crashes in one iteration: both newest snapshots are still in their machines' memory
     "local": ([{"rank": 2, "step": 4, "point": "before_forward", "kind": "sigkill"},
-               {"rank": 3, "step": 4, "point": "mid_backward", "kind": "exit"}], {"2": "local", "3": "local"}, 2),
+               {"rank": 3, "step": 4, "point": "mid_backward", "kind": "exit"}], {"2": "local", "3": "local"}, {"replicas": 2}),
     # both machines of stage 1 are lost, and with one copy per snapshot no other machine holds
     # them: the persistent tier has them
     "persistent": ([{"rank": 2, "step": 2, "point": "before_forward", "kind": "lose_machine"},
                     {"rank": 3, "step": 4, "point": "mid_backward", "kind": "lose_machine"}],
-                   {"2": "persistent", "3": "persistent"}, 1),
+                   {"2": "persistent", "3": "persistent"}, {"replicas": 1}),
 }
 
 
@@ -219,8 +226,8 @@ def test_beyond_tolerance_restarts_from_snapshots_and_stays_exact(tmp_path, case
     """A whole stage lost: the agent restarts every worker, each restores the newest step held for
     all of them (local memory, a peer's memory, or disk) and training ends bitwise where a
     fault-free run ends, having lost at most the iteration in flight."""
-    faults, expected, replicas = RESTART_CASES[case]
-    checkpoint = {"ranks_per_machine": 1, "replicas": replicas, "persistent_interval": 1, "stall_budget": 1.0}
+    faults, expected, extra = RESTART_CASES[case]
+    checkpoint = {"ranks_per_machine": 1, "persistent_interval": 1, "stall_budget": 1.0, **extra}
     code, events, dumps = run_job(tmp_path, faults=faults, checkpoint=checkpoint, max_restarts=1)
     assert code == 0, logs(tmp_path, "job")
     assert [e.kind for e in events].count("restart") == 1, [e.kind for e in events]

@@ -24,14 +24,16 @@ rank ``r``'s replicas go to the ranks with its local index on those machines.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
+from collections import deque
 import queue
 import threading
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -56,9 +58,10 @@ def owner_name(rank: int) -> str:
     return f"rank{rank}"
 
 
-def host_root(cfg: CheckpointConfig, job_id: str) -> Path:
-    """Where a job's snapshots live in host memory (one sub-directory per machine)."""
-    return Path(cfg.host_dir or DEFAULT_HOST_DIR) / job_id
+def host_root(host_dir: str | Path | None, job_id: str) -> Path:
+    """Where a job's snapshots live in host memory (one sub-directory per machine); ``host_dir``
+    is ``resilience.checkpoint.host_dir`` (``None``: :data:`DEFAULT_HOST_DIR`)."""
+    return Path(host_dir or DEFAULT_HOST_DIR) / job_id
 
 
 class InMemoryCheckpointer:
@@ -72,10 +75,11 @@ class InMemoryCheckpointer:
         name: unique name for this attempt's replication groups.
         replicate: build the replicator (a re-joining worker cannot: its peers' groups are gone).
         group_store, timeout_s: rendezvous store and per-message timeout of the replication groups.
-        machine_order: the machines in the order group placement groups them (consecutive ones
-            form a group; default 0..N-1). Under independent failures every grouping is equally
-            good; the engine orders machines pipeline-major, so the replicas of a stage's workers
-            land on machines of other stages and losing a whole stage loses no snapshot.
+        machine_key: sorts the machines, by their first rank, into the order in which group
+            placement groups them (consecutive ones form a group; default: machine index). Under
+            independent failures every grouping is equally good; the engine sorts pipeline-major,
+            so the replicas of a stage's workers land on machines of other stages and losing a
+            whole stage loses no snapshot.
 
     Raises:
         ConfigError: a placement that cannot exist (more replicas than machines, ranks that do not
@@ -84,7 +88,7 @@ class InMemoryCheckpointer:
 
     def __init__(self, cfg: CheckpointConfig, *, rank: int, world: int, job_id: str, local_world_size: int,
                  name: str, replicate: bool = True, group_store=None, timeout_s: float = 60.0,
-                 machine_order: Sequence[int] | None = None) -> None:
+                 machine_key: Callable[[int], Any] | None = None) -> None:
         self.cfg, self.rank, self.world = cfg, rank, world
         rpm = cfg.ranks_per_machine or local_world_size
         if world % rpm:
@@ -104,9 +108,7 @@ class InMemoryCheckpointer:
                 f"{rpm} per machine); allowed: 1..{machines}, or fewer ranks_per_machine")
         self.rpm, self.machines = rpm, machines
         self.machine, local = divmod(rank, rpm)
-        order = list(range(machines)) if machine_order is None else list(machine_order)
-        if sorted(order) != list(range(machines)):
-            raise CheckpointError(f"machine_order {order} is not a permutation of the {machines} machines")
+        order = sorted(range(machines), key=lambda m: m if machine_key is None else machine_key(m * rpm))
         self.placement = place(machines, cfg.replicas)  # over positions in ``order``
         slot = {m: i for i, m in enumerate(order)}
 
@@ -117,7 +119,7 @@ class InMemoryCheckpointer:
         self.send_to = [h * rpm + local for h in self.holders[self.machine] if h != self.machine]
         self.recv_from = [m * rpm + local for m in range(machines)
                           if m != self.machine and self.machine in self.holders[m]]
-        self.root = host_root(cfg, job_id)
+        self.root = host_root(cfg.host_dir, job_id)
         pipeline = StagingPipeline(cfg.gpu_buffer_mb, cfg.num_sub_buffers)
         self.store = SnapshotStore(self.root / f"machine{self.machine}", keep=2, pipeline=pipeline)
         self.owner = owner_name(rank)
@@ -132,7 +134,8 @@ class InMemoryCheckpointer:
                                          chunk_bytes=max(64, int(cfg.chunk_mb * (1 << 20)) // 64 * 64),
                                          timeout_s=timeout_s, gate=self.gate, group_store=group_store)
         self.interval = cfg.interval  # effective interval: grows when captures exceed the budget
-        self.captures: list[dict[str, float]] = []  # step, stall_s (the training thread's wait)
+        # the newest captures: step, stall_s (the training thread's wait), copy_s (the background copy)
+        self.captures: deque[dict[str, float]] = deque(maxlen=64)
         self.committed: int | None = None
         self.copied: int | None = None
         self.last_captured: int | None = None
@@ -184,7 +187,7 @@ class InMemoryCheckpointer:
         """Adapt the interval so that the capture stall stays within ``stall_budget`` of an iteration."""
         if not self.captures or seconds <= 0:
             return
-        recent = [c["stall_s"] for c in self.captures[-5:]]
+        recent = [c["stall_s"] for c in list(self.captures)[-5:]]
         stall = sorted(recent)[len(recent) // 2]
         needed = max(1, math.ceil(stall / (self.cfg.stall_budget * seconds * self.cfg.interval))) * self.cfg.interval
         if needed != self.interval:
@@ -209,7 +212,7 @@ class InMemoryCheckpointer:
                 with self._cond:
                     self.copied = step
                     self._cond.notify_all()
-                for c in reversed(self.captures[-3:]):
+                for c in itertools.islice(reversed(self.captures), 3):
                     if c["step"] == step:
                         c["copy_s"] = copy_s
                         break

@@ -58,7 +58,6 @@ class IdleGate:
         self._cond = threading.Condition()
         self._deadline: float | None = None  # monotonic end of the open span; None: closed
         self._stopped = False
-        self.opened = 0
         self.longest = 0.0  # the longest span opened: a chunk slower than every span still goes in it
 
     def open(self, seconds: float | None) -> None:
@@ -66,7 +65,6 @@ class IdleGate:
             self._deadline = float("inf") if seconds is None else time.monotonic() + seconds
             if seconds is not None:
                 self.longest = max(self.longest, seconds)
-            self.opened += 1
             self._cond.notify_all()
 
     def close(self) -> None:
@@ -101,7 +99,6 @@ class ReplicationStats:
     rejected: int = 0
     bytes_sent: int = 0
     send_seconds: float = 0.0  # wall time from a version's header to its last chunk (all holders)
-    replicated: dict[int, int] = field(default_factory=dict)  # holder rank -> newest step sent to it
     errors: list[str] = field(default_factory=list)
 
     @property
@@ -158,13 +155,6 @@ class Replicator:
                 self.stats.versions_skipped += 1  # superseded before it started: spread, not queued
             self._offered = step
             self._cond.notify_all()
-
-    def lag(self) -> int:
-        """Steps between the newest offered version and the newest fully sent one."""
-        with self._cond:
-            if self._offered is None:
-                return 0
-            return self._offered - (self._sent if self._sent is not None else -1)
 
     def wait_replicated(self, step: int, timeout_s: float) -> bool:
         """Block until a version >= ``step`` reached every live holder, or the timeout."""
@@ -260,7 +250,6 @@ class Replicator:
             except Exception:
                 self._dead.add(dst)  # the pair is broken for good; recovery finds older replicas
                 raise
-            self.stats.replicated[dst] = step
         self.stats.send_seconds += time.perf_counter() - started
         self.stats.versions_sent += 1
 

@@ -27,9 +27,6 @@ class RestorePlan:
     step: int
     sources: dict[int, tuple[str, int | None, int]]
 
-    def count(self, source: str) -> int:
-        return sum(1 for s, _, _ in self.sources.values() if s == source)
-
     def transfers(self) -> list[tuple[int, int, int]]:
         """``(holder, rank, snapshot owner)`` of the peer transfers, in the order every rank runs them."""
         return sorted(((h, r, o) for r, (s, h, o) in self.sources.items() if s == PEER), key=lambda t: (t[1], t[0]))

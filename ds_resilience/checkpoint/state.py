@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ..errors import ResilienceError
+from ..runtime.snapshot import load_into
 
 __all__ = ["STATE_FORMAT", "StateMismatch", "apply", "collect"]
 
@@ -71,14 +72,7 @@ def apply(state: dict[str, Any], *, params: Sequence[torch.nn.Parameter], optimi
         raise StateMismatch(
             f"snapshot has {len(saved)} parameters {[tuple(s.shape) for s in saved][:4]}..., the stage has "
             f"{len(params)} {[tuple(p.shape) for p in params][:4]}...")
-    with torch.no_grad():
-        for p, s in zip(params, saved):
-            p.copy_(s)
-            p.grad = None
-    if optimizer is not None and state["optimizer"] is not None:
-        optimizer.load_state_dict(state["optimizer"])
-    if lr_scheduler is not None and state["lr_scheduler"] is not None:
-        lr_scheduler.load_state_dict(state["lr_scheduler"])
+    load_into(params, saved, optimizer, state["optimizer"], lr_scheduler, state["lr_scheduler"])
     rng = state["rng"]
     torch.set_rng_state(rng["torch"])
     random.setstate(pickle.loads(rng["python"]))

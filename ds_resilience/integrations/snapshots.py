@@ -42,8 +42,8 @@ class SnapshotMixin:
         cfg = self.resilience.checkpoint
         self.checkpointer = None
         self._windows: dict[int, Any] = {}
-        self._windows_of: int | None = None
-        self._measured: dict[tuple[int, int], float] = {}
+        self._windows_of = None  # the schedule the windows belong to
+        self._measured: dict[int, float] = {}  # action index -> its duration in the last iteration
         self._action_cursor = 0
         self.persistent_engine = None
         if cfg.enabled:  # save_checkpoint / load_checkpoint: asynchronous, atomic, keep_last
@@ -52,6 +52,7 @@ class SnapshotMixin:
             return
         world = int(os.environ.get("WORLD_SIZE", dist.get_world_size()))
         restart = int(os.environ.get("DSR_RESTART", "0") or 0)
+        topology = self.topology
         self.checkpointer = InMemoryCheckpointer(
             cfg, rank=self.topology.rank(self.me), world=world,
             job_id=os.environ.get("DSR_JOB_ID") or f"job-{self.session}",
@@ -59,22 +60,14 @@ class SnapshotMixin:
             name=f"{self.session}/attempt{restart}", replicate=not rejoin,
             group_store=self.coordinator.store if self.coordinator is not None else None,
             timeout_s=self.resilience.detector.pg_timeout_s,
-            machine_order=self._machine_order(world, cfg.ranks_per_machine
-                                              or int(os.environ.get("LOCAL_WORLD_SIZE", world))),
+            # pipeline-major: a placement group spans stages, so a lost stage keeps its snapshots
+            machine_key=lambda rank: (topology.coord(rank)[0].pipeline, topology.coord(rank)[0].stage),
         )
         faults.lose_memory = self.checkpointer.lose_memory
         if restart and not rejoin:
             self._restore_snapshots()
         elif not rejoin:
             self._capture()
-
-    def _machine_order(self, world: int, rpm: int) -> list[int] | None:
-        """Machines ordered pipeline-major (by the (pipeline, stage) of their first rank), so that
-        a placement group spans stages: a lost stage never takes every copy of its snapshots."""
-        if world % rpm:
-            return None  # the checkpointer reports the bad ranks_per_machine
-        firsts = {m: self.topology.coord(m * rpm)[0] for m in range(world // rpm)}
-        return sorted(firsts, key=lambda m: (firsts[m].pipeline, firsts[m].stage))
 
     # --- capture -------------------------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
@@ -119,9 +112,9 @@ class SnapshotMixin:
     def _begin_actions(self) -> None:
         self._action_cursor = 0
         ck = self.checkpointer
-        if ck is not None and ck.replicator is not None and ck.cfg.interleave and self._windows_of != id(self.schedule):
+        if ck is not None and ck.replicator is not None and ck.cfg.interleave and self._windows_of is not self.schedule:
             self._windows = {w.index: w for w in replication_windows(self.schedule, self.my_index, self.resilience.cost())}
-            self._windows_of = id(self.schedule)
+            self._windows_of = self.schedule
             self._measured.clear()
 
     def _run_action(self, action: Action) -> None:
@@ -131,14 +124,14 @@ class SnapshotMixin:
         if ck is None or ck.replicator is None or index not in self._windows:
             self.worker.execute(action)
             return
-        expected = self._measured.get((id(self.schedule), index))
+        expected = self._measured.get(index)
         ck.gate.open(None if expected is None else expected * ck.cfg.idle_fraction)
         started = time.perf_counter()
         try:
             self.worker.execute(action)
         finally:
             ck.gate.close()
-            self._measured[(id(self.schedule), index)] = time.perf_counter() - started
+            self._measured[index] = time.perf_counter() - started
 
     # --- failures ------------------------------------------------------------------------------------
     def _snapshots_drop(self, ranks) -> None:

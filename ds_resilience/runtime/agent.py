@@ -37,7 +37,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch.distributed as dist
 
-from ..checkpoint.inmemory import DEFAULT_HOST_DIR
+from ..checkpoint.inmemory import host_root
 from ..config import load_resilience_config
 from ..errors import ResilienceError
 from . import membership as mb
@@ -155,7 +155,7 @@ class Agent:
         self.env = dict(env or {})
         self.max_restarts, self.restarts = max_restarts, 0
         self.job_id = self.env.get("DSR_JOB_ID") or f"job-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.host_dir = Path(host_dir) if host_dir is not None else Path(DEFAULT_HOST_DIR)
+        self.host_dir = host_dir
         self.keep_snapshots = keep_snapshots
         self._restart_pending = False
         self.log_dir = Path(log_dir) if log_dir is not None else None
@@ -196,7 +196,7 @@ class Agent:
                 signal.signal(signum, old)
             self._kill_all()
             if not self.keep_snapshots:
-                shutil.rmtree(self.host_dir / self.job_id, ignore_errors=True)
+                shutil.rmtree(host_root(self.host_dir, self.job_id), ignore_errors=True)
         self._summary()
         return self.exit_code
 

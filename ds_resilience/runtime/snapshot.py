@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["StageSnapshot", "take_snapshot", "restore_snapshot", "snapshot_to_bytes", "snapshot_from_bytes"]
+__all__ = ["StageSnapshot", "load_into", "take_snapshot", "restore_snapshot", "snapshot_to_bytes", "snapshot_from_bytes"]
 
 
 @dataclass
@@ -59,18 +59,27 @@ def take_snapshot(params: Sequence[torch.nn.Parameter], optimizer: Any, lr_sched
     )
 
 
+def load_into(params: Sequence[torch.nn.Parameter], saved: Sequence[torch.Tensor], optimizer: Any,
+              optimizer_state: dict[str, Any] | None, lr_scheduler: Any, scheduler_state: dict[str, Any] | None) -> None:
+    """Copy saved parameters into the live ones (gradients dropped) and load the optimizer and
+    scheduler states; the states are loaded as given (pass copies if they are kept for reuse)."""
+    with torch.no_grad():
+        for p, s in zip(params, saved):
+            p.copy_(s)
+            p.grad = None
+    if optimizer is not None and optimizer_state is not None:
+        optimizer.load_state_dict(optimizer_state)
+    if lr_scheduler is not None and scheduler_state is not None:
+        lr_scheduler.load_state_dict(scheduler_state)
+
+
 def restore_snapshot(snapshot: StageSnapshot, params: Sequence[torch.nn.Parameter], optimizer: Any, lr_scheduler: Any) -> int:
-    """Copy ``snapshot`` back into the live objects; returns its step count."""
+    """Copy ``snapshot`` back into the live objects; returns its step count (the snapshot stays
+    reusable: its optimizer and scheduler states are loaded from copies)."""
     if len(snapshot.params) != len(params):
         raise ValueError(f"snapshot has {len(snapshot.params)} parameters, the stage has {len(params)}")
-    with torch.no_grad():
-        for p, saved in zip(params, snapshot.params):
-            p.copy_(saved)
-            p.grad = None
-    if optimizer is not None and snapshot.optimizer is not None:
-        optimizer.load_state_dict(_clone_state(snapshot.optimizer))
-    if lr_scheduler is not None and snapshot.lr_scheduler is not None:
-        lr_scheduler.load_state_dict(_clone_state(snapshot.lr_scheduler))
+    load_into(params, snapshot.params, optimizer, _clone_state(snapshot.optimizer), lr_scheduler,
+              _clone_state(snapshot.lr_scheduler))
     return snapshot.steps
 
 
