@@ -209,9 +209,12 @@ RESTART_CASES = {
     "peer_after_crash": ([{"rank": 3, "step": 2, "point": "mid_backward", "kind": "sigkill"},
                           {"rank": 2, "step": 4, "point": "before_forward", "kind": "lose_machine"}],
                          {"2": "peer", "3": "peer"}, {"replicas": 2, "persistent_dir": None}),
-    # two process crashes in one iteration: both newest snapshots are still in their machines' memory
-    "local": ([{"rank": 2, "step": 4, "point": "before_forward", "kind": "sigkill"},
-               {"rank": 3, "step": 4, "point": "mid_backward", "kind": "exit"}], {"2": "local", "3": "local"}, {"replicas": 2}),
+    # two process crashes in one iteration, at its gradient reduce (every backward done, so the
+    # snapshot of step 4, taken as the iteration began, is long committed): both newest snapshots
+    # are still in their machines' memory. (A worker that dies within milliseconds of a capture
+    # loses that capture, and the restore then takes the step from a peer instead.)
+    "local": ([{"rank": 2, "step": 4, "point": "in_reduce", "kind": "sigkill"},
+               {"rank": 3, "step": 4, "point": "in_reduce", "kind": "exit"}], {"2": "local", "3": "local"}, {"replicas": 2}),
     # both machines of stage 1 are lost, and with one copy per snapshot no other machine holds
     # them: the persistent tier has them
     "persistent": ([{"rank": 2, "step": 2, "point": "before_forward", "kind": "lose_machine"},
