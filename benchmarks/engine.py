@@ -88,7 +88,7 @@ def _program(rank: int, world: int, opts: dict) -> dict:
             rec = out.setdefault(sc["name"], {"times": [], "stage": engine.stage_id})
             rec["times"].append(elapsed / steps)
             if sc["engine"] != "vanilla" and getattr(engine, "worker", None) is not None and rnd == opts["rounds"] - 1:
-                rec["durations"] = engine.worker.stats.durations
+                rec["durations"] = engine.executor.stats.durations
                 rec["schedule"] = engine.schedule.to_text()
             del engine
     # link latency: small-message ping-pong between ranks 0 and 1 (both exist for any world >= 2)
@@ -164,7 +164,7 @@ def main() -> None:
         return statistics.median(per_round)
 
     from ds_resilience.ir import Schedule
-    from ds_resilience.sim import simulate
+    from ds_resilience.ir import simulate
 
     vanilla = it_time("vanilla")
     report = {"vanilla_s": vanilla}

@@ -244,7 +244,7 @@ def recover(rank: int, world: int, opts: dict) -> dict:
 
     from ds_resilience.checkpoint.inmemory import InMemoryCheckpointer
     from ds_resilience.checkpoint.restore_plan import PEER, PERSISTENT
-    from ds_resilience.checkpoint.state import apply
+    from ds_resilience.checkpoint.state import apply_tree as apply
 
     engine = _engine(opts, seed=2)  # other initial values: everything must come back
     loss = engine(torch.zeros(opts["batch"], opts["width"])).pow(2).mean()

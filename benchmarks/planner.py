@@ -27,8 +27,7 @@ from ds_resilience.costs import CostModel  # noqa: E402
 from ds_resilience.planning.planner import plan  # noqa: E402
 from ds_resilience.planning.table import TableSpec, build_table  # noqa: E402
 from ds_resilience.topology import Worker  # noqa: E402
-
-VARIANTS = ("adaptive", "decoupled", "recycle")
+from ds_resilience.vocab import VARIANTS  # noqa: E402
 
 
 def reference(solver: str) -> list[dict]:

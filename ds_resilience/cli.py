@@ -12,6 +12,7 @@ import sys
 from typing import Sequence
 
 from .errors import ResilienceError
+from .vocab import SCHEDULES, SOLVERS, VARIANTS
 
 __all__ = ["main", "build_parser"]
 
@@ -42,17 +43,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser("plan", help="build, check and measure a pipeline schedule")
     _add_grid(plan)
-    plan.add_argument("--schedule", choices=("1f1b", "decoupled"), default="1f1b", help="fault-free schedule")
+    plan.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="fault-free schedule")
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of the grid")
     plan.add_argument("--png", metavar="FILE", help="also write a Gantt chart")
     plan.add_argument("--fail", metavar="P:S[,P:S]", help="failed workers: plan the re-routed schedule")
     plan.add_argument(
         "--variant",
-        choices=("adaptive", "decoupled", "recycle"),
+        choices=VARIANTS,
         default="recycle",
         help="with --fail: re-routing only / + decoupled backward / + staggered optimizer (default)",
     )
-    plan.add_argument("--solver", choices=("heuristic", "cpsat"), default="cpsat", help="with --fail (default cpsat)")
+    plan.add_argument("--solver", choices=SOLVERS, default="cpsat", help="with --fail (default cpsat)")
     plan.add_argument("--time-limit", type=float, default=10.0, help="solver time limit in seconds (default 10)")
     plan.add_argument("--memory-cap", type=_positive_int, help="micro-batch states per worker (default 2*pp)")
     plan.set_defaults(handler=_cmd_plan)
@@ -61,8 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_grid(table)
     table.add_argument("--max-failures", type=int, default=1, help="tolerance: failures per set (default 1)")
     table.add_argument("--all-coverable", action="store_true", help="also every set leaving each stage a replica")
-    table.add_argument("--variant", choices=("adaptive", "decoupled", "recycle"), default="recycle")
-    table.add_argument("--solver", choices=("heuristic", "cpsat"), default="heuristic")
+    table.add_argument("--variant", choices=VARIANTS, default="recycle")
+    table.add_argument("--solver", choices=SOLVERS, default="heuristic")
     table.add_argument("--time-limit", type=float, default=10.0)
     table.add_argument("--memory-cap", type=_positive_int)
     table.add_argument("--workers", type=int, default=0, help="parallel processes (default: CPU count)")
@@ -95,8 +96,8 @@ def _parse_failed(text: str | None):
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    from .ir import simulate
     from .planning import generate
-    from .sim import simulate
 
     cost = _load_cost(args.cost)
     cost.check_stages(args.pp)
@@ -138,7 +139,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     }
     report.update(plan_report)
     if args.png:
-        from .sim.gantt import render_gantt
+        from .ir.gantt import render_gantt
 
         render_gantt(schedule, timeline, args.png, title=f"{schedule.name} dp={args.dp} pp={args.pp} m={args.microbatches}", cost=cost)
         report["png"] = args.png

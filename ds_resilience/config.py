@@ -13,9 +13,10 @@ Keys (under ``"resilience"``), defaults in brackets::
     variant                         "adaptive" | "decoupled" | "recycle"  ["recycle"]
     max_failures                    int >= 0                              [1]
     microbatches                    int >= 1 | null                       [null]
+    seed                            int >= 0                              [1234]
     simulate_failed                 list of "p:s" strings, no duplicates  [[]]
     cost_model                      null | path (string) | object         [null]
-    planner.solver                  "heuristic" | "cpsat" | "highs"       ["cpsat"]
+    planner.solver                  "heuristic" | "cpsat"                 ["cpsat"]
     planner.time_limit_s            number > 0                            [10.0]
     planner.cache_dir               string                                [".plan_cache"]
     planner.workers                 int >= 0 (0 = cpu count)              [0]
@@ -63,17 +64,12 @@ from typing import Any, Callable, ClassVar
 from .costs import CostModel
 from .errors import ConfigError, CostModelError, TopologyError
 from .topology import Worker, format_worker, parse_worker
+from .vocab import FAULT_KINDS, FAULT_POINTS, SCHEDULES, SOLVERS, VARIANTS
 
 __all__ = [
     "ResilienceConfig", "PlannerConfig", "DetectorConfig", "FaultInjection", "CheckpointConfig",
     "load_resilience_config", "SCHEDULES", "VARIANTS", "SOLVERS", "FAULT_POINTS", "FAULT_KINDS",
 ]
-
-SCHEDULES = ("1f1b", "decoupled")
-VARIANTS = ("adaptive", "decoupled", "recycle")
-SOLVERS = ("heuristic", "cpsat", "highs")
-FAULT_POINTS = ("before_forward", "mid_backward", "in_reduce", "in_optimizer")
-FAULT_KINDS = ("exit", "sigkill", "hang", "lose_machine")
 
 _JSON_NAMES = {bool: "boolean", int: "integer", float: "number", str: "string", dict: "object",
                list: "list", tuple: "list", type(None): "null"}
@@ -334,6 +330,9 @@ class ResilienceConfig(_Section):
                              default=1, minimum=0)
     microbatches: int | None = _opt(int, "micro-batches per pipeline; null = DeepSpeed's "
                                     "gradient_accumulation_steps", default=None, nullable=True, minimum=1)
+    seed: int = _opt(int, "base of every micro-batch's RNG stream (dropout masks are drawn from (seed, "
+                     "iteration, pipeline, micro-batch, stage), so a re-routed micro-batch draws the same)",
+                     default=1234, minimum=0)
     simulate_failed: tuple[Worker, ...] = _opt(tuple, "workers left idle (alive, running nothing)",
                                                default=(), what="a list", items=_WORKER, unique=True)
     cost_model: str | CostModel | None = _opt(

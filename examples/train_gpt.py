@@ -144,6 +144,7 @@ def main(argv=None) -> int:
             "times_s": times,
             "recovery": engine.recovery_log,
             "stopped": stopped,
+            "heartbeat_interval_s": engine.coordinator.heartbeat_interval_s if engine.coordinator else None,
         }, f"{args.dump}.rank{rank}.pt")
     if stopped:
         return 0

@@ -70,7 +70,8 @@ def train_scenarios(rank: int, world: int, pp: int, microbatches: int, scenarios
                 "schedule": sc.get("schedule", "1f1b"),
                 "variant": sc.get("variant", "recycle"),
                 "simulate_failed": sc.get("failed", []),
-                "planner": {"solver": sc.get("solver", "heuristic")},
+                "planner": {"solver": sc.get("solver", "heuristic"), **sc.get("planner", {})},
+                **{k: sc[k] for k in ("enabled", "max_failures", "seed") if k in sc},
             }
 
             def source(p: int, i: int, m: int):
@@ -80,10 +81,13 @@ def train_scenarios(rank: int, world: int, pp: int, microbatches: int, scenarios
             engine, *_ = ds_resilience.initialize(model=module, config=config, model_parameters=params,
                                                   batch_source=source)
             losses = []
+            plain = not hasattr(engine, "generation")  # "enabled": false gives DeepSpeed's own engine
+            it = data_iterator(corpus, pipeline=engine.grid.data_parallel_id, dp=dp, microbatches=microbatches,
+                               micro_batch_size=MICRO_BATCH_SIZE) if plain else None
             for _ in range(steps):
-                loss = engine.train_batch()
+                loss = engine.train_batch(it) if plain else engine.train_batch()
                 losses.append(None if loss is None else float(loss))
-            alive = engine.alive
+            alive = getattr(engine, "alive", True)
         state = {name: p.detach().clone() for name, p in module.named_parameters()}
         out[sc["name"]] = {
             "losses": losses,
@@ -92,6 +96,8 @@ def train_scenarios(rank: int, world: int, pp: int, microbatches: int, scenarios
             "pipeline": engine.grid.data_parallel_id,
             "alive": alive,
             "stats": getattr(engine, "iteration_log", None),
+            "engine_class": type(engine).__name__,
+            "schedule_source": engine.generation.source if hasattr(engine, "generation") else None,
         }
         del engine
     # rank 0 hosts the store: nobody leaves while another rank may still read it
@@ -109,7 +115,7 @@ def resilient_save_load(rank: int, world: int, save_dir: str) -> dict[str, Any]:
     from gpt_model import GPTConfig, SyntheticCorpus, build_pipeline_module, micro_batch
 
     import ds_resilience
-    from ds_resilience.checkpoint.persistent import AsyncPersistentCheckpointEngine
+    from ds_resilience.integrations.ds_checkpoint_engine import AsyncPersistentCheckpointEngine
 
     deepspeed.init_distributed(dist_backend="gloo")
     pp, microbatches = 2, 2

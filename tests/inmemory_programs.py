@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ds_resilience.checkpoint.inmemory import InMemoryCheckpointer
-from ds_resilience.checkpoint.state import apply, collect
+from ds_resilience.checkpoint.state import apply_tree as apply, collect
 from ds_resilience.config import CheckpointConfig
 
 
@@ -106,9 +106,14 @@ def kill_mid_replication(rank: int, world: int, cfg_dict: dict, job: str) -> dic
         real = group.isend
         sent = []
 
+        frames = []
+
         def dying_isend(tensor, dst, tag):
             work = real(tensor, dst, tag)
-            if tag == 13:  # a payload chunk
+            if tensor.dtype == torch.int64:  # a transport message starts: frame, header, payload...
+                frames.clear()
+            frames.append(tensor.numel())
+            if len(frames) > 2:  # a payload chunk
                 sent.append(tensor.numel())
                 if len(sent) == 2:
                     work.wait()

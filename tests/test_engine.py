@@ -135,3 +135,28 @@ def test_staggered_optimizer_with_global_norm_clipping_equals_a_global_step():
     # clipping was active: without it training goes elsewhere
     with pytest.raises(AssertionError):
         assert_params_close(results, "global", "noclip", rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.timeout(400)
+def test_config_keys_that_choose_the_engine_and_the_schedule_source_are_honoured(tmp_path):
+    """``enabled: false`` is DeepSpeed's own engine; a simulated failure set within ``max_failures``
+    takes its schedule from the plan table (built in ``planner.cache_dir``), one beyond it from the
+    planner; both schedules train the same parameters."""
+    cache = str(tmp_path / "plans")
+    scenarios = [
+        {"name": "vanilla", "engine": "vanilla"},
+        {"name": "disabled", "engine": "resilient", "enabled": False},
+        {"name": "table", "engine": "resilient", "failed": ["1:1"], "optimizer": "sgd", "max_failures": 1,
+         "planner": {"cache_dir": cache}},
+        {"name": "planner", "engine": "resilient", "failed": ["1:1"], "optimizer": "sgd", "max_failures": 0,
+         "planner": {"cache_dir": cache}},
+    ]
+    results = run_workers(train_scenarios, 4, args=(2, 4, scenarios), timeout_s=380)
+    assert {r["disabled"]["engine_class"] for r in results} == {"PipelineEngine"}
+    assert_params_close(results, "vanilla", "disabled", rtol=0, atol=0)
+    assert {r["table"]["schedule_source"] for r in results} == {"table"}
+    assert {r["planner"]["schedule_source"] for r in results} == {"planner"}
+    assert_params_close(results, "table", "planner", rtol=1e-6, atol=1e-8)
+    import pathlib
+
+    assert list(pathlib.Path(cache).glob("plans-*.json.gz")), "the plan table is cached where the config says"

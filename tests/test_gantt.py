@@ -11,11 +11,11 @@ import pytest
 from ds_resilience.costs import CostModel
 from ds_resilience.ir import validate
 from ds_resilience.planning import decoupled, list_schedule, lower, one_f_one_b
-from ds_resilience.sim import simulate
+from ds_resilience.ir import simulate
 
 pytest.importorskip("matplotlib")
 
-from ds_resilience.sim.gantt import render_gantt  # noqa: E402
+from ds_resilience.ir.gantt import render_gantt  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -74,7 +74,7 @@ def test_mismatched_timeline_is_an_error(tmp_path: Path) -> None:
 
 def test_import_sim_does_not_import_matplotlib() -> None:
     code = (
-        "import sys, ds_resilience.sim, ds_resilience.sim.gantt\n"
+        "import sys, ds_resilience.sim, ds_resilience.ir.gantt\n"
         "bad = sorted(m for m in ('matplotlib', 'torch') if m in sys.modules)\n"
         "assert not bad, bad\n"
     )

@@ -6,7 +6,7 @@ from ds_resilience.costs import CostModel
 from ds_resilience.errors import PlanningError
 from ds_resilience.ir import ActionKind
 from ds_resilience.planning import decoupled, generate, one_f_one_b, one_f_one_b_order
-from ds_resilience.sim import simulate
+from ds_resilience.ir import simulate
 
 GRID = [(p, m) for p in range(2, 9) for m in range(p, 4 * p + 1)]
 

@@ -208,7 +208,7 @@ def test_idle_gate_blocks_until_a_long_enough_span_opens():
 def test_replication_windows_avoid_actions_that_overlap_messages():
     from ds_resilience.costs import CostModel
     from ds_resilience.planning.generators import generate
-    from ds_resilience.sim.idle import replication_windows
+    from ds_resilience.ir.windows import replication_windows
 
     schedule = generate("1f1b", 1, 2, 4)
     free = replication_windows(schedule, 0)

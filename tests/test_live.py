@@ -111,6 +111,16 @@ def test_kill_every_position_recovers_exactly(tmp_path, reference4, rank):
         (rec,) = d["recovery"]
         assert rec["resume_step"] in (fault["step"], fault["step"] + 1)
         assert rec["recovery_s"] < 5.0
+        # plan, then execute: the recovery plan is in the log, and a single failure is a table lookup
+        plan = rec["plan"]
+        assert plan["action"] == "continue" and plan["failed"] == [rank] and plan["resume_step"] == rec["resume_step"]
+        assert rec["schedule_source"] == "table" and 0 <= rec["lookup_s"] < 1.0
+    # every survivor computed the same plan, and printed it as one JSON line
+    plans = {json.dumps(d["recovery"][0]["plan"], sort_keys=True) for d in dumps.values()}
+    assert len(plans) == 1
+    lines = [line for line in logs(tmp_path, "job").splitlines() if "recovery plan {" in line]
+    assert len(lines) == len(dumps), lines
+    assert json.loads(lines[0].split("recovery plan ", 1)[1]) == json.loads(plans.pop())
 
 
 @pytest.mark.timeout(600)
@@ -133,6 +143,10 @@ def test_two_failures_in_different_stages(tmp_path, reference4):
     assert code == 0, logs(tmp_path, "job")
     assert sorted(e.rank for e in events if e.kind == "crash") == [0, 3]
     assert_equal_to_reference(dumps, reference4, dead=[0, 3])
+    # the first set is in the plan table (max_failures 1), the second is planned on demand
+    for d in dumps.values():
+        assert [r["schedule_source"] for r in d["recovery"]] == ["table", "planner"], d["recovery"]
+        assert [r["plan"]["failed"] for r in d["recovery"]] == [[0], [0, 3]]
 
 
 @pytest.mark.timeout(600)
@@ -194,6 +208,23 @@ def test_rejoin_returns_to_fault_free_and_stays_exact(tmp_path):
     assert joined and 2 < joined[0]["resume_step"] < steps, dumps[1]["recovery"]
     # back to fault-free: after the re-join every worker runs its own pipeline's work only
     assert_equal_to_reference(dumps, reference, steps=steps)
+
+
+@pytest.mark.timeout(300)
+def test_the_cli_heartbeat_interval_reaches_the_workers(tmp_path):
+    """``ds-resilience run --heartbeat_interval`` is what the workers beat at (the config says 0.2 s):
+    the agent judges silence by its own interval, so the workers must use it too."""
+    from ds_resilience.runtime.agent import main_run
+
+    cfg = _config(tmp_path, dp=2)
+    dump = tmp_path / "hb"
+    code = main_run(["--num_gpus", "4", "--heartbeat_interval", "0.35", "--heartbeat_timeout", "4",
+                     "--log_dir", str(tmp_path / "hb-logs"), str(SCRIPT), "--deepspeed_config", str(cfg),
+                     "--steps", "2", "--dump", str(dump)])
+    assert code == 0, logs(tmp_path, "hb")
+    for r in range(4):
+        d = torch.load(f"{dump}.rank{r}.pt", weights_only=False)
+        assert d["heartbeat_interval_s"] == pytest.approx(0.35), (r, d["heartbeat_interval_s"])
 
 
 # ranks 2 and 3 are stage 1; each rank is its own machine; the engine groups machines pipeline-major,

@@ -19,8 +19,8 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 
 from dist_harness import run_workers
 from ds_resilience.checkpoint import persistent as P
-from ds_resilience.checkpoint.persistent import (AsyncPersistentCheckpointEngine, CheckpointWriteError, complete_tags,
-                                                 install, latest_complete_tag)
+from ds_resilience.checkpoint.persistent import CheckpointWriteError, complete_tags, latest_complete_tag
+from ds_resilience.integrations.ds_checkpoint_engine import AsyncPersistentCheckpointEngine, install
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 SLOW_S = 0.6

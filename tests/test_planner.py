@@ -7,7 +7,7 @@ from ds_resilience.errors import PlanningError
 from ds_resilience.ir import validate
 from ds_resilience.planning.bounds import lower_bound
 from ds_resilience.planning.planner import STEADY_ITERATIONS, VARIANTS, plan
-from ds_resilience.sim import simulate
+from ds_resilience.ir import simulate
 from ds_resilience.topology import Topology, Worker
 
 W = Worker

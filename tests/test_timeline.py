@@ -5,7 +5,7 @@ import pytest
 from ds_resilience.costs import CostModel
 from ds_resilience.errors import CostModelError
 from ds_resilience.planning import decoupled, one_f_one_b, repeat
-from ds_resilience.sim import complement, merge_spans, simulate
+from ds_resilience.ir import complement, merge_spans, simulate
 
 
 def test_busy_plus_idle_is_makespan_on_every_worker():

@@ -36,10 +36,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
+from ..comm.groups import Group, world_group
+from ..comm.transport import recv_header, recv_payload, send_message
 from ..config import CheckpointConfig
 from ..errors import ConfigError
+from ..launch import DEFAULT_HOST_DIR, snapshot_root
 from ..planning.placement import place
 from .replication import IdleGate, Replicator
 from .restore_plan import LOCAL, PEER, PERSISTENT, RestorePlan, plan_restore
@@ -50,7 +52,6 @@ __all__ = ["DEFAULT_HOST_DIR", "InMemoryCheckpointer", "host_root", "owner_name"
 
 logger = logging.getLogger("ds_resilience.checkpoint")
 
-DEFAULT_HOST_DIR = "/dev/shm/ds_resilience"
 _XFER_TAG = 1 << 26
 
 
@@ -58,10 +59,7 @@ def owner_name(rank: int) -> str:
     return f"rank{rank}"
 
 
-def host_root(host_dir: str | Path | None, job_id: str) -> Path:
-    """Where a job's snapshots live in host memory (one sub-directory per machine); ``host_dir``
-    is ``resilience.checkpoint.host_dir`` (``None``: :data:`DEFAULT_HOST_DIR`)."""
-    return Path(host_dir or DEFAULT_HOST_DIR) / job_id
+host_root = snapshot_root
 
 
 class InMemoryCheckpointer:
@@ -90,6 +88,7 @@ class InMemoryCheckpointer:
                  name: str, replicate: bool = True, group_store=None, timeout_s: float = 60.0,
                  machine_key: Callable[[int], Any] | None = None) -> None:
         self.cfg, self.rank, self.world = cfg, rank, world
+        self.timeout_s = timeout_s
         rpm = cfg.ranks_per_machine or local_world_size
         if world % rpm:
             raise ConfigError("resilience.checkpoint.ranks_per_machine",
@@ -273,24 +272,27 @@ class InMemoryCheckpointer:
             self.replicator.close()
 
     # --- restore -------------------------------------------------------------------------------------
-    def restore(self, group=None, stage_of: dict[int, int] | None = None) -> tuple[Any, RestorePlan, dict[str, float]]:
+    def restore(self, group: Group | None = None, stage_of: dict[int, int] | None = None) -> tuple[Any, RestorePlan, dict[str, float]]:
         """Collective over every rank (all alive, e.g. right after a restart): agree on the newest
         step held for every rank, fetch what this rank lost from a peer or disk, and load it.
 
-        ``stage_of`` (rank -> stage) lets a rank restore from a data-parallel peer's snapshot of
-        the same stage (identical state); see :func:`plan_restore`. Returns ``(state, plan,
+        ``group`` is every rank of the job (default: the default process group, with this tier's
+        timeout). ``stage_of`` (rank -> stage) lets a rank restore from a data-parallel peer's
+        snapshot of the same stage (identical state); see :func:`plan_restore`. What the ranks hold
+        is exchanged as JSON and snapshots over the state transport. Returns ``(state, plan,
         timings)``; raises :class:`CheckpointError` when some rank's snapshot is nowhere.
         """
         t0 = time.perf_counter()
+        group = group if group is not None else world_group(self.timeout_s)
         mine = {int(o.removeprefix("rank")): steps for o, steps in self.store.holdings(verify=False).items()
                 if o.startswith("rank")}
         disk = {self.rank: self.disk.holdings(verify=False).get(self.owner, [])} if self.disk is not None else {}
-        gathered: list[Any] = [None] * self.world
-        dist.all_gather_object(gathered, (mine, disk), group=group)
-        memory = {h: {o: list(steps) for o, steps in held.items()} for h, (held, _) in enumerate(gathered)}
+        gathered = group.all_gather_json({"memory": {str(o): s for o, s in mine.items()},
+                                          "disk": {str(r): s for r, s in disk.items()}})
+        memory = {h: {int(o): [int(x) for x in steps] for o, steps in g["memory"].items()} for h, g in enumerate(gathered)}
         persistent: dict[int, list[int]] = {}
-        for _, d in gathered:
-            persistent.update(d)
+        for g in gathered:
+            persistent.update({int(r): [int(x) for x in steps] for r, steps in g["disk"].items()})
         machine_of = {r: r // self.rpm for r in range(self.world)}
         transfer_s = 0.0
         while True:  # plan on the manifests; the copies actually read are verified, a bad one is dropped
@@ -306,9 +308,8 @@ class InMemoryCheckpointer:
             source, _, owner = plan.sources[self.rank]
             if source == LOCAL and not self.store.verify(owner_name(owner), plan.step):
                 bad.append((self.machine, owner, plan.step))
-            reports: list[Any] = [None] * self.world
-            dist.all_gather_object(reports, bad, group=group)
-            found = {b for rep in reports for b in rep}
+            reports = group.all_gather_json([list(b) for b in bad])
+            found = {tuple(b) for rep in reports for b in rep}
             if not found:
                 break
             for machine, owner, step in found:  # the copy is bad for every rank of that machine
@@ -328,40 +329,34 @@ class InMemoryCheckpointer:
         t3 = time.perf_counter()
         return state, plan, {"plan_s": t1 - t0, "transfer_s": t2 - t1, "load_s": t3 - t2, "total_s": t3 - t0}
 
-    def _send_snapshot(self, owner: int, to: int, step: int, group) -> None:
+    def _send_snapshot(self, owner: int, to: int, step: int, group: Group) -> None:
         try:
             info, layout, payload = self.store.open_version(owner_name(owner), step, verify=False)
         except CheckpointError:  # gone or broken: tell the receiver, which reports it
-            dist.send(torch.tensor([-1, 0, 0, 0], dtype=torch.int64), to, group=group, tag=_XFER_TAG)
+            send_message(group, to, tag=_XFER_TAG, kind="missing", fields={"step": step})
             return
         try:
-            header = torch.tensor([info.nbytes, info.checksum & 0xFFFFFFFF, info.checksum >> 32, len(layout)],
-                                  dtype=torch.int64)
-            dist.send(header, to, group=group, tag=_XFER_TAG)
-            dist.send(torch.frombuffer(bytearray(layout), dtype=torch.uint8), to, group=group, tag=_XFER_TAG + 1)
-            if info.nbytes:
-                dist.send(payload.contiguous(), to, group=group, tag=_XFER_TAG + 2)
+            send_message(group, to, tag=_XFER_TAG, fields={"step": step, "layout": layout.decode("utf-8")},
+                         payload=payload if info.nbytes else None, checksum=info.checksum)
         finally:
             del payload
             self.store.release(owner_name(owner), step)
 
-    def _recv_snapshot(self, holder: int, step: int, group) -> bool:
+    def _recv_snapshot(self, holder: int, step: int, group: Group) -> bool:
         """Receive this rank's snapshot from ``holder``; ``False`` if it was missing or corrupt."""
-        header = torch.zeros(4, dtype=torch.int64)
-        dist.recv(header, holder, group=group, tag=_XFER_TAG)
-        nbytes, lo, hi, layout_len = (int(v) for v in header.tolist())
-        if nbytes < 0:
+        message = recv_header(group, holder, tag=_XFER_TAG)
+        if message.kind == "missing":
             return False
-        layout = torch.empty(layout_len, dtype=torch.uint8)
-        dist.recv(layout, holder, group=group, tag=_XFER_TAG + 1)
+        layout = message.fields.get("layout")
+        if message.fields.get("step") != step or not isinstance(layout, str):
+            raise CheckpointError(f"rank {self.rank}: restore message from rank {holder} is not step {step}'s snapshot")
 
         def fill(buf: torch.Tensor) -> None:
-            dist.recv(buf, holder, group=group, tag=_XFER_TAG + 2)
+            recv_payload(group, message, buf, tag=_XFER_TAG, verify=False)  # the store verifies
 
         try:
-            self.store.receive(self.owner, step, nbytes, layout.numpy().tobytes(), (hi << 32) | lo, fill)
+            self.store.receive(self.owner, step, message.nbytes, layout.encode("utf-8"), message.checksum or 0, fill)
         except CheckpointError as exc:  # every byte was received first: the protocol stays in step
             logger.warning("rank %d: snapshot from rank %d rejected: %s", self.rank, holder, exc)
             return False
         return True
-

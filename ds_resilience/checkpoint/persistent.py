@@ -1,7 +1,9 @@
-"""Persistent checkpoint tier: an asynchronous, atomic DeepSpeed ``CheckpointEngine``.
+"""Persistent checkpoint tier: asynchronous, atomic checkpoint files, completion markers, retention.
 
-``engine.save_checkpoint(dir, tag)`` and ``engine.load_checkpoint(dir, tag)`` keep working
-unchanged; with :func:`install` the files are written like this:
+The DeepSpeed ``CheckpointEngine`` built on this module is
+:class:`ds_resilience.integrations.ds_checkpoint_engine.AsyncPersistentCheckpointEngine` (with
+:func:`~ds_resilience.integrations.ds_checkpoint_engine.install`); everything here is free of
+deepspeed. :class:`AsyncCheckpointWriter` writes the files like this:
 
 * ``save(state_dict, path)`` copies every tensor to host memory at once (a snapshot: training may
   go on and mutate the live tensors), then a background thread ``torch.save`` s it to
@@ -11,23 +13,12 @@ unchanged; with :func:`install` the files are written like this:
   ``<save_dir>/<tag>/.complete-rank<R>``.
 * Global rank 0 writes ``<save_dir>/latest`` (atomically) only once every rank's marker of a tag
   exists, and then deletes complete tags older than the newest ``keep_last`` complete ones.
+* :meth:`~AsyncCheckpointWriter.poll` commits what has finished without blocking;
+  :meth:`~AsyncCheckpointWriter.flush` (collective) and ``wait()`` force the commits.
 
-How it hooks into DeepSpeed 0.19.8 (``runtime/engine.py``):
-
-* ``save_checkpoint`` calls ``commit`` itself and writes ``latest`` right after, unless the engine
-  ``is_decoupled()``. A blocking ``commit`` there would make the save synchronous again, and a
-  ``latest`` written there would point at files still being written. So this engine reports
-  ``is_decoupled() == True``: DeepSpeed neither commits nor writes ``latest``; its own decoupled
-  commit at ``step()`` gets ``get_commit_info() == None`` and does nothing.
-* Commits happen in :meth:`AsyncPersistentCheckpointEngine.poll`, which :func:`install` runs
-  before every optimizer step (a wrapper around ``engine._take_model_step``, the method that both
-  ``DeepSpeedEngine.step`` and ``PipelineEngine._exec_optimizer_step`` call); it never blocks.
-  :meth:`~AsyncPersistentCheckpointEngine.flush` (collective) and ``wait()`` force them.
-* ``preserves_storage_sharing()`` is False: DeepSpeed then skips its own on-device clone
-  (``clone_tensors_for_torch_save``) and hands ``save()`` live tensors, which ``save()`` copies
-  (research note pitfall 4), so there is exactly one copy.
-* ``is_data_parallel_writer`` is the base rule (DP rank 0), so ``save_non_zero_checkpoint``,
-  derived from it once at engine init, stays right when the engine is swapped in later.
+A tag's ``info`` is any object with ``tag``, ``save_dir`` and ``save_latest`` (DeepSpeed's
+``CheckpointCommitInfo`` or :class:`CommitInfo`); :func:`complete_tags` and
+:func:`latest_complete_tag` read the markers back.
 """
 
 from __future__ import annotations
@@ -41,18 +32,18 @@ import shutil
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
 from ..errors import ResilienceError
 
 __all__ = [
-    "AsyncPersistentCheckpointEngine",
+    "AsyncCheckpointWriter",
     "CheckpointWriteError",
+    "CommitInfo",
     "complete_tags",
-    "install",
     "latest_complete_tag",
 ]
 
@@ -68,6 +59,19 @@ _INFLIGHT_LOCK = threading.Lock()
 
 class CheckpointWriteError(ResilienceError):
     """A background checkpoint write failed or did not finish in time."""
+
+
+@dataclass
+class CommitInfo:
+    """A tag being saved (the fields of DeepSpeed's ``CheckpointCommitInfo``, which works as well)."""
+
+    tag: str
+    save_dir: str
+    save_latest: bool
+
+
+def _is_commit_info(info: Any) -> bool:
+    return hasattr(info, "tag") and hasattr(info, "save_dir")
 
 
 def _rank_world() -> tuple[int, int]:
@@ -165,7 +169,7 @@ def _step_of(tag: str) -> int:
 class _PendingTag:
     __slots__ = ("info", "writes", "created_ns")
 
-    def __init__(self, info: CheckpointCommitInfo) -> None:
+    def __init__(self, info: Any) -> None:
         self.info = info
         self.writes: list[tuple[str, cf.Future]] = []
         self.created_ns = time.time_ns()
@@ -174,12 +178,12 @@ class _PendingTag:
         return all(f.done() for _, f in self.writes)
 
 
-class AsyncPersistentCheckpointEngine(CheckpointEngine):
-    """DeepSpeed checkpoint engine: host snapshot in ``save``, background atomic write, markers on
-    commit, ``latest`` and ``keep_last`` retention by global rank 0 once a tag is complete."""
+class AsyncCheckpointWriter:
+    """Host snapshot in ``save``, background atomic write, markers on commit, ``latest`` and
+    ``keep_last`` retention by global rank 0 once a tag is complete (see the module docstring)."""
 
-    def __init__(self, config_params=None, *, keep_last: int = 2, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        super().__init__(config_params)
+    def __init__(self, *, keep_last: int = 2, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 zipfile_serialization: bool = True) -> None:
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
             raise ValueError(f"keep_last must be an integer >= 1, got {keep_last!r}")
         if not timeout_s > 0:
@@ -187,14 +191,7 @@ class AsyncPersistentCheckpointEngine(CheckpointEngine):
         self.name = ENGINE_NAME
         self.keep_last = keep_last
         self.timeout_s = float(timeout_s)
-        self.zipfile_serialization = True
-        if config_params is not None:
-            try:
-                from deepspeed.runtime.model_checkpointing import CHECKPOINT_SERIALIZATION
-
-                self.zipfile_serialization = config_params.checkpoint_config[CHECKPOINT_SERIALIZATION]
-            except Exception:  # noqa: BLE001 - any config without the key keeps the default
-                pass
+        self.zipfile_serialization = zipfile_serialization
         self._executor = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ds-ckpt-writer")
         self._lock = threading.Lock()
         self._pending: OrderedDict[tuple[str, str], _PendingTag] = OrderedDict()
@@ -204,8 +201,8 @@ class AsyncPersistentCheckpointEngine(CheckpointEngine):
         self._save_dirs: set[str] = set()
         self.write_seconds: list[float] = []  # background time of each write (for benchmarks)
 
-    # --- DeepSpeed API -----------------------------------------------------------------------
-    def create(self, info: CheckpointCommitInfo):
+    # --- the CheckpointEngine API (DeepSpeed's names) -------------------------------------------
+    def create(self, info):
         entry = _PendingTag(info)
         with self._lock:
             self._pending[(info.save_dir, info.tag)] = entry
@@ -231,7 +228,7 @@ class AsyncPersistentCheckpointEngine(CheckpointEngine):
             else:  # save() outside save_checkpoint: tracked under its directory
                 key = (os.path.dirname(path), os.path.basename(path))
                 entry = self._pending.setdefault(
-                    key, _PendingTag(CheckpointCommitInfo(tag=key[1], save_dir=key[0], save_latest=False)))
+                    key, _PendingTag(CommitInfo(tag=key[1], save_dir=key[0], save_latest=False)))
                 entry.writes.append((path, future))
         return None
 
@@ -250,7 +247,7 @@ class AsyncPersistentCheckpointEngine(CheckpointEngine):
         return torch.load(path, map_location=map_location, weights_only=False)
 
     def commit(self, info):
-        """Wait for this rank's writes of ``info`` (a ``CheckpointCommitInfo`` or a tag), then write
+        """Wait for this rank's writes of ``info`` (a commit info or a tag), then write
         ``<save_dir>/<tag>/.complete-rank<R>``. Raises :class:`CheckpointWriteError` naming the file
         if a write failed or did not finish within ``timeout_s``."""
         entry = self._find(info)
@@ -282,17 +279,8 @@ class AsyncPersistentCheckpointEngine(CheckpointEngine):
             self._finalize(just_committed=(entry.info.save_dir, entry.info.tag))
         return True
 
-    def is_decoupled(self):
-        return True  # DeepSpeed must neither commit (blocking) nor write `latest` in save_checkpoint
-
-    def get_commit_info(self):
-        return None  # commits are driven by poll(); DeepSpeed's step-time decoupled commit is a no-op
-
     def cleanup(self):
         self.wait()
-
-    def preserves_storage_sharing(self):
-        return False  # save() copies to host itself; no second on-device clone by DeepSpeed
 
     # --- driving commits -----------------------------------------------------------------------
     def pending_tags(self) -> list[str]:
@@ -338,7 +326,7 @@ class AsyncPersistentCheckpointEngine(CheckpointEngine):
     # --- internals -----------------------------------------------------------------------------
     def _find(self, info) -> _PendingTag | None:
         with self._lock:
-            if isinstance(info, CheckpointCommitInfo):
+            if _is_commit_info(info):
                 entry = self._pending.get((info.save_dir, info.tag))
                 return entry if entry is not None else _PendingTag(info)
             tag = str(info)
@@ -393,27 +381,3 @@ class AsyncPersistentCheckpointEngine(CheckpointEngine):
                     continue
                 shutil.rmtree(os.path.join(save_dir, tag), ignore_errors=True)
 
-
-def install(engine, *, keep_last: int = 2, timeout_s: float = DEFAULT_TIMEOUT_S) -> AsyncPersistentCheckpointEngine:
-    """Make ``engine`` (a ``DeepSpeedEngine`` or ``PipelineEngine``) save checkpoints asynchronously
-    and atomically; ``save_checkpoint`` / ``load_checkpoint`` are called as before. Returns the
-    checkpoint engine (``flush()`` it before reading the checkpoint from another process)."""
-    old = getattr(engine, "checkpoint_engine", None)
-    if isinstance(old, AsyncPersistentCheckpointEngine):
-        old.wait()
-    elif old is not None and old.is_decoupled():
-        old.cleanup()
-    ce = AsyncPersistentCheckpointEngine(getattr(engine, "_config", None), keep_last=keep_last, timeout_s=timeout_s)
-    engine.checkpoint_engine = ce
-    take_step = getattr(engine, "_take_model_step", None)
-    if take_step is not None:
-        orig = getattr(take_step, "__ds_resilience_orig__", take_step)
-
-        def _take_model_step(*args, **kwargs):
-            if isinstance(engine.checkpoint_engine, AsyncPersistentCheckpointEngine):
-                engine.checkpoint_engine.poll()
-            return orig(*args, **kwargs)
-
-        _take_model_step.__ds_resilience_orig__ = orig
-        engine._take_model_step = _take_model_step
-    return ce

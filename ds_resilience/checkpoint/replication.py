@@ -4,19 +4,16 @@ Each rank streams its newest committed version to its holders (the ranks with it
 the machines that store its machine's snapshots, see ``planning/placement.py``) and stores what its
 sources stream to it. Every pair of ranks that exchange replicas gets its own two-member gloo group
 (created in one global order, so construction cannot deadlock), used by two threads: this rank's
-sender to the peer and receiver from it. A version goes out as::
-
-    header  int64[6]  step, nbytes, checksum low and high 32 bits, layout length, chunk bytes
-    layout  uint8[layout length]        the pickled Layout
-    chunks  uint8[<= chunk bytes] ...   the payload, straight from (and into) the shm files
-
-A step of ``-1`` says goodbye. The receiver writes the chunks into an uncommitted shm file and
-commits it only once its checksum matches (``SnapshotStore.receive``): a sender that dies mid-version
-leaves the previous version in place, and a corrupted transfer is rejected.
+sender to the peer and receiver from it. A version goes out as one message of the state transport
+(``comm/transport.py``): a JSON header with the step, size, checksum and the JSON layout, then the
+payload in ``chunk_mb`` frames, straight from (and into) the shm files; a ``bye`` message says
+goodbye. The receiver writes the chunks into an uncommitted shm file and commits it only once its
+layout parses and its checksum matches (``SnapshotStore.receive``): a sender that dies mid-version
+leaves the previous version in place, and a corrupted or malformed transfer is rejected.
 
 Interleaving: before each chunk the sender asks the :class:`IdleGate` for a span long enough for one
 chunk (its measured send time); the engine opens the gate while it runs an action the timeline marks
-as link-idle (``sim/idle.py``), for the measured length of that action times ``idle_fraction``. When
+as link-idle (``ir/windows.py``), for the measured length of that action times ``idle_fraction``. When
 the spans are too short for a version, it simply takes more iterations: the sender always sends the
 newest committed version when it starts one, so intermediate versions are skipped, never queued.
 """
@@ -31,18 +28,19 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..runtime.coordinator import poison
-from ..runtime.groups import Group, new_group
+from ..comm.groups import Group, new_group
+from ..comm.transport import TransportError, recv_header, recv_payload, send_message
 from .store import CheckpointError, SnapshotStore
 
 __all__ = ["IdleGate", "ReplicationStats", "Replicator"]
 
 logger = logging.getLogger("ds_resilience.checkpoint")
 
-_HEADER_TAG = 11
-_LAYOUT_TAG = 12
-_CHUNK_TAG = 13
-_BYE = -1
+_TAG = 11  # one stream per direction of a pair group
+IDLE_WAIT_S = 7 * 24 * 3600.0
+"""How long a receiver waits for its source's next version: until the source says goodbye, or the
+pair is poisoned (at close, or when the source fails), so in effect the stream's lifetime. Frames
+within a version wait for the group's timeout."""
 
 
 class IdleGate:
@@ -172,7 +170,7 @@ class Replicator:
         for r in ranks:
             if r in self._groups and r not in self._dead:
                 self._dead.add(r)
-                poison(self._groups[r])
+                self._groups[r].poison()
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Finish the version in flight (up to ``timeout_s``), say goodbye, and stop the threads."""
@@ -186,7 +184,7 @@ class Replicator:
             t.join(max(0.0, deadline - time.monotonic()))
         for peer, group in self._groups.items():
             if peer not in self._dead:
-                poison(group)  # frees a receiver whose sender never said goodbye
+                group.poison()  # frees a receiver whose sender never said goodbye
         for t in self._threads:
             t.join(1.0)
 
@@ -212,7 +210,7 @@ class Replicator:
         for dst in self.send_to:
             if dst not in self._dead:
                 try:
-                    self._groups[dst].isend(torch.tensor([_BYE, 0, 0, 0, 0, 0], dtype=torch.int64), dst, _HEADER_TAG).wait()
+                    send_message(self._groups[dst], dst, tag=_TAG, kind="bye")
                 except Exception:  # noqa: BLE001 - the peer is gone already
                     pass
 
@@ -229,24 +227,24 @@ class Replicator:
 
     def _stream(self, owner: str, step: int, info, layout: bytes, payload: torch.Tensor) -> None:
         started = time.perf_counter()
-        header = torch.tensor([step, info.nbytes, info.checksum & 0xFFFFFFFF, info.checksum >> 32, len(layout),
-                               self.chunk_bytes], dtype=torch.int64)
-        layout_t = torch.frombuffer(bytearray(layout), dtype=torch.uint8)
+        fields = {"owner": owner, "step": step, "layout": layout.decode("utf-8")}
+
+        def gate() -> bool:
+            return self.gate.acquire(self.chunk_seconds)
+
+        def measured(nbytes: int, seconds: float) -> None:
+            self.chunk_seconds = seconds if not self.chunk_seconds else 0.8 * self.chunk_seconds + 0.2 * seconds
+            self.stats.bytes_sent += nbytes
+
         for dst in self.send_to:
             if dst in self._dead:
                 continue
-            group = self._groups[dst]
             try:
-                group.isend(header, dst, _HEADER_TAG).wait()
-                group.isend(layout_t, dst, _LAYOUT_TAG).wait()
-                for start in range(0, info.nbytes, self.chunk_bytes):
-                    if not self.gate.acquire(self.chunk_seconds):
-                        return
-                    t0 = time.perf_counter()
-                    group.isend(payload[start : start + self.chunk_bytes], dst, _CHUNK_TAG).wait()
-                    dt = time.perf_counter() - t0
-                    self.chunk_seconds = dt if not self.chunk_seconds else 0.8 * self.chunk_seconds + 0.2 * dt
-                    self.stats.bytes_sent += min(self.chunk_bytes, info.nbytes - start)
+                done = send_message(self._groups[dst], dst, tag=_TAG, fields=fields,
+                                    payload=payload if info.nbytes else None, checksum=info.checksum,
+                                    chunk_bytes=self.chunk_bytes, before_chunk=gate, on_chunk=measured)
+                if not done:
+                    return
             except Exception:
                 self._dead.add(dst)  # the pair is broken for good; recovery finds older replicas
                 raise
@@ -257,24 +255,30 @@ class Replicator:
     def _recv_loop(self, src: int) -> None:
         group = self._groups[src]
         owner = self.owner_of(src)
-        header = torch.zeros(6, dtype=torch.int64)
         while src not in self._dead:
             try:
-                group.irecv(header, src, _HEADER_TAG).wait()
+                message = recv_header(group, src, tag=_TAG, timeout_s=IDLE_WAIT_S)
+            except TransportError as exc:  # malformed: the stream cannot be trusted any more
+                self.stats.rejected += 1
+                self.stats.errors.append(f"recv {owner}: {exc}")
+                logger.warning("replication stream from rank %d refused: %s", src, exc)
+                return
             except Exception:  # noqa: BLE001 - peer gone or poisoned at close
                 return
-            step, nbytes, lo, hi, layout_len, chunk = (int(v) for v in header.tolist())
-            if step == _BYE:
+            if message.kind == "bye":
+                return
+            step = message.fields.get("step")
+            layout = message.fields.get("layout")
+            if message.fields.get("owner") != owner or not isinstance(step, int) or not isinstance(layout, str):
+                self.stats.rejected += 1
+                self.stats.errors.append(f"recv {owner}: bad replica header {sorted(message.fields)}")
+                logger.warning("replication stream from rank %d: bad header, refused", src)
                 return
             try:
-                layout = torch.empty(layout_len, dtype=torch.uint8)
-                group.irecv(layout, src, _LAYOUT_TAG).wait()
-
                 def fill(buf: torch.Tensor) -> None:
-                    for start in range(0, nbytes, chunk):
-                        group.irecv(buf[start : start + chunk], src, _CHUNK_TAG).wait()
+                    recv_payload(group, message, buf, tag=_TAG, verify=False)  # the store verifies
 
-                self.store.receive(owner, step, nbytes, layout.numpy().tobytes(), (hi << 32) | lo, fill)
+                self.store.receive(owner, step, message.nbytes, layout.encode("utf-8"), message.checksum or 0, fill)
                 self.stats.versions_received += 1
             except CheckpointError as exc:
                 self.stats.rejected += 1

@@ -1,8 +1,8 @@
-"""Flatten a training state into a picklable layout plus one contiguous byte payload, and back.
+"""Copy a training state's tensors into one contiguous byte payload through staging sub-buffers.
 
-A state is any nesting of ``dict`` / ``list`` / ``tuple`` holding tensors and plain picklable values
-(parameters, an optimizer ``state_dict``, LR-scheduler state, the step, RNG states). :meth:`plan`
-walks it once and assigns every tensor a byte range of the payload; :meth:`write` copies the tensors
+A state is any nesting of ``dict`` / ``list`` / ``tuple`` holding tensors and plain values
+(``layout.py`` says which). :meth:`plan` walks it once and assigns every tensor a byte range of
+the payload (its :class:`~.layout.Layout` travels and is stored as JSON); :meth:`write` copies the tensors
 there chunk by chunk through ``num_sub_buffers`` staging sub-buffers of ``gpu_buffer_mb /
 num_sub_buffers`` MB each, used round-robin, with :func:`ds_resilience.kernels.copy_chunk`
 (``checksum=True``); the chunk checksums are folded into one whole-payload checksum with
@@ -23,7 +23,6 @@ drains). A CPU tensor is copied straight into the payload, one sub-buffer-sized 
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,39 +30,9 @@ import torch
 
 from ..kernels import copy_chunk
 from ..kernels.checksum import combine
+from .layout import ALIGN, Layout, TensorMeta, plan_layout, unflatten
 
 __all__ = ["ALIGN", "Layout", "StagedState", "StagingPipeline", "TensorMeta", "unflatten"]
-
-ALIGN = 64
-LAYOUT_FORMAT = 1
-
-
-@dataclass(frozen=True)
-class TensorMeta:
-    """Where one tensor lives in the payload: ``dtype`` is the torch name (``"float32"``)."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class _TensorRef:
-    """Placeholder for tensor ``index`` inside :attr:`Layout.tree`."""
-
-    index: int
-
-
-@dataclass(frozen=True)
-class Layout:
-    """The picklable half of a flattened state: its structure with tensors replaced by references,
-    every tensor's :class:`TensorMeta`, and the payload size in bytes."""
-
-    tree: Any
-    tensors: tuple[TensorMeta, ...]
-    nbytes: int
-    format: int = LAYOUT_FORMAT
 
 
 @dataclass(frozen=True)
@@ -77,61 +46,6 @@ class StagedState:
     @property
     def nbytes(self) -> int:
         return self.layout.nbytes
-
-
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-def _walk(obj: Any, leaves: list[torch.Tensor], metas: list[TensorMeta], cursor: list[int]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        nbytes = obj.numel() * obj.element_size()
-        metas.append(TensorMeta(str(obj.dtype).removeprefix("torch."), tuple(obj.shape), cursor[0], nbytes))
-        leaves.append(obj.detach())
-        cursor[0] = _align(cursor[0] + nbytes)
-        return _TensorRef(len(leaves) - 1)
-    if isinstance(obj, dict):
-        items = [(k, _walk(v, leaves, metas, cursor)) for k, v in obj.items()]
-        return OrderedDict(items) if isinstance(obj, OrderedDict) else dict(items)
-    if isinstance(obj, list):
-        return [_walk(v, leaves, metas, cursor) for v in obj]
-    if isinstance(obj, tuple):
-        items = [_walk(v, leaves, metas, cursor) for v in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
-    return obj  # a plain value: pickled with the layout
-
-
-def _rebuild(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(obj, _TensorRef):
-        return tensors[obj.index]
-    if isinstance(obj, dict):
-        items = [(k, _rebuild(v, tensors)) for k, v in obj.items()]
-        return OrderedDict(items) if isinstance(obj, OrderedDict) else dict(items)
-    if isinstance(obj, list):
-        return [_rebuild(v, tensors) for v in obj]
-    if isinstance(obj, tuple):
-        items = [_rebuild(v, tensors) for v in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
-    return obj
-
-
-def unflatten(layout: Layout, payload: torch.Tensor | bytes | bytearray | memoryview) -> Any:
-    """Rebuild the state from ``layout`` and its payload; tensors come back as fresh CPU tensors,
-    bitwise equal to the ones flattened (the payload may be freed or unmapped afterwards)."""
-    if not isinstance(payload, torch.Tensor):
-        payload = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
-    raw_all = payload.reshape(-1).view(torch.uint8)
-    if raw_all.numel() < layout.nbytes:
-        raise ValueError(f"payload has {raw_all.numel()} bytes, the layout needs {layout.nbytes}")
-    tensors: list[torch.Tensor] = []
-    for meta in layout.tensors:
-        dtype = getattr(torch, meta.dtype)
-        raw = raw_all[meta.offset : meta.offset + meta.nbytes].clone()  # owned and aligned
-        if meta.nbytes == 0:
-            tensors.append(torch.empty(meta.shape, dtype=dtype))
-        else:
-            tensors.append(raw.view(dtype).reshape(meta.shape))
-    return _rebuild(layout.tree, tensors)
 
 
 class StagingPipeline:
@@ -161,12 +75,7 @@ class StagingPipeline:
     # ----------------------------------------------------------------------------------- planning
     def plan(self, state: Any) -> tuple[Layout, list[torch.Tensor]]:
         """The layout of ``state`` and its tensors in payload order (nothing is copied)."""
-        leaves: list[torch.Tensor] = []
-        metas: list[TensorMeta] = []
-        cursor = [0]
-        tree = _walk(state, leaves, metas, cursor)
-        nbytes = metas[-1].offset + metas[-1].nbytes if metas else 0
-        return Layout(tree=tree, tensors=tuple(metas), nbytes=nbytes), leaves
+        return plan_layout(state)
 
     def flatten(self, state: Any) -> StagedState:
         """Plan and write ``state`` into a new zeroed CPU payload (pinned when CUDA is in use)."""

@@ -1,82 +1,236 @@
-"""What a snapshot holds: everything one worker needs to resume exactly where it was.
+"""One stage's training state: the one value that rollback, snapshots, re-join and restore move.
 
-:func:`collect` gathers a worker's training state as a nest of live tensors and plain values (the
-snapshot store copies the tensors, so nothing is cloned here); :func:`apply` puts a loaded state
-back. The state of step ``s`` is taken right after the worker's optimizer step ``s``:
+:class:`StageState` holds everything a worker needs to resume exactly where it was after ``steps``
+optimizer steps:
 
 * ``params``: the stage's trainable parameters, in module order;
 * ``optimizer``: the optimizer's ``state_dict`` (moments, step counts, param groups and LR);
 * ``lr_scheduler``: the scheduler's ``state_dict`` (or ``None``);
-* ``steps`` and ``samples``: DeepSpeed's ``global_steps`` and ``global_samples``;
-* ``rng``: the torch CPU (and, when present, CUDA), Python and NumPy generators;
+* ``steps`` and ``samples``: the engine's ``global_steps`` and ``global_samples``;
+* ``rng``: the torch CPU (and, when present, CUDA), Python and NumPy generators, as plain values;
 * ``sampler``: the data position. Micro-batches are addressed by ``(pipeline, iteration,
-  micro-batch)`` through ``batch_source``, so the position is the iteration: ``steps``.
+  micro-batch)``, so the position is the iteration: ``steps``.
+
+:func:`capture` takes it from a live stage (tensors are the live ones, not copies: the snapshot
+store copies them; :meth:`StageState.clone` makes the pre-step copy a rollback needs);
+:func:`apply` puts one back. :meth:`StageState.to_tree` is the nest the staging pipeline flattens
+into a payload and a JSON layout, and :meth:`StageState.from_tree` reads one back, checking it.
 """
 
 from __future__ import annotations
 
-import pickle
 import random
-from typing import Any, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 import torch
 
 from ..errors import ResilienceError
-from ..runtime.snapshot import load_into
 
-__all__ = ["STATE_FORMAT", "StateMismatch", "apply", "collect"]
+__all__ = ["STATE_FORMAT", "StageHost", "StageState", "StateMismatch", "apply", "apply_tree", "capture", "clone_tree", "collect"]
 
-STATE_FORMAT = 1
+STATE_FORMAT = 2
+_KEYS = ("format", "rank", "stage", "steps", "samples", "params", "optimizer", "lr_scheduler", "rng", "sampler", "extra")
 
 
 class StateMismatch(ResilienceError):
-    """A snapshot does not fit the worker it is applied to (other stage, other parameter shapes)."""
+    """A state does not fit the worker it is applied to (other stage, other parameter shapes), or a
+    tree is not a stage state of this format."""
 
 
-def collect(*, params: Sequence[torch.Tensor], optimizer: Any, lr_scheduler: Any, steps: int, samples: int,
-            stage: int, rank: int) -> dict[str, Any]:
-    """The worker's state as live tensors plus plain values (copy it before training goes on)."""
-    # the Python and NumPy states pickled whole: one plain value each, not 625 ints to walk
-    rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": pickle.dumps(random.getstate()),
-                           "numpy": pickle.dumps(np.random.get_state())}
+class StageHost(Protocol):
+    """What a training engine exposes for its stage's state (DeepSpeed's and Megatron's adapters)."""
+
+    parameters: Sequence[torch.nn.Parameter]
+    optimizer: Any
+    lr_scheduler: Any
+
+    def counters(self) -> tuple[int, int]:
+        """``(steps, samples)``: optimizer steps and samples trained so far."""
+
+    def set_counters(self, steps: int, samples: int) -> None:
+        """Set the engine's step and sample counters (after a state was applied)."""
+
+
+def clone_tree(obj: Any) -> Any:
+    """A deep copy of a nest of containers, tensors (cloned) and plain values."""
+    if torch.is_tensor(obj):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return type(obj)((k, clone_tree(v)) for k, v in obj.items())
+    if isinstance(obj, list):
+        return [clone_tree(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(clone_tree(v) for v in obj)
+    return obj
+
+
+def _rng_state() -> dict[str, Any]:
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    rng: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": [version, torch.tensor(internal, dtype=torch.int64), gauss],
+        "numpy": [str(name), torch.from_numpy(np.asarray(keys, dtype=np.int64)), int(pos), int(has_gauss), float(cached)],
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         rng["cuda"] = torch.cuda.get_rng_state_all()
-    return {
-        "format": STATE_FORMAT,
-        "rank": rank,
-        "stage": stage,
-        "steps": steps,
-        "samples": samples,
-        "params": [p.detach() for p in params],
-        "optimizer": optimizer.state_dict() if optimizer is not None else None,
-        "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
-        "rng": rng,
-        "sampler": {"iteration": steps},
-    }
+    return rng
 
 
-def apply(state: dict[str, Any], *, params: Sequence[torch.nn.Parameter], optimizer: Any, lr_scheduler: Any,
-          stage: int) -> tuple[int, int]:
-    """Copy ``state`` into the live objects; returns ``(steps, samples)`` for the engine's counters.
+def _set_rng_state(rng: dict[str, Any]) -> None:
+    torch.set_rng_state(rng["torch"])
+    version, internal, gauss = rng["python"]
+    random.setstate((int(version), tuple(int(x) for x in internal.tolist()), gauss))
+    name, keys, pos, has_gauss, cached = rng["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), int(pos), int(has_gauss), float(cached)))
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+@dataclass
+class StageState:
+    """A stage's training state (see the module docstring)."""
+
+    stage: int
+    rank: int
+    steps: int
+    samples: int
+    params: list[torch.Tensor]
+    optimizer: dict[str, Any] | None
+    lr_scheduler: dict[str, Any] | None
+    rng: dict[str, Any]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensors it holds."""
+        total = 0
+
+        def add(obj: Any) -> None:
+            nonlocal total
+            if torch.is_tensor(obj):
+                total += obj.numel() * obj.element_size()
+            elif isinstance(obj, dict):
+                for v in obj.values():
+                    add(v)
+            elif isinstance(obj, (list, tuple)):
+                for v in obj:
+                    add(v)
+
+        add([self.params, self.optimizer, self.lr_scheduler, self.extra])
+        return total
+
+    def clone(self) -> "StageState":
+        """A deep copy: later in-place optimizer updates never reach it."""
+        return replace(self, params=[p.detach().clone() for p in self.params], optimizer=clone_tree(self.optimizer),
+                       lr_scheduler=clone_tree(self.lr_scheduler), rng=clone_tree(self.rng), extra=clone_tree(self.extra))
+
+    def to_tree(self) -> dict[str, Any]:
+        """The nest the staging pipeline flattens (tensors plus plain values)."""
+        return {
+            "format": STATE_FORMAT,
+            "rank": self.rank,
+            "stage": self.stage,
+            "steps": self.steps,
+            "samples": self.samples,
+            "params": list(self.params),
+            "optimizer": self.optimizer,
+            "lr_scheduler": self.lr_scheduler,
+            "rng": self.rng,
+            "sampler": {"iteration": self.steps},
+            "extra": self.extra,
+        }
+
+    @classmethod
+    def from_tree(cls, tree: Any) -> "StageState":
+        """Read :meth:`to_tree`'s nest back (from a snapshot, a peer, or disk).
+
+        Raises:
+            StateMismatch: another format, or a missing or malformed field.
+        """
+        if not isinstance(tree, dict) or tree.get("format") != STATE_FORMAT:
+            got = tree.get("format") if isinstance(tree, dict) else type(tree).__name__
+            raise StateMismatch(f"snapshot format {got!r}, this version reads {STATE_FORMAT}")
+        missing = [k for k in _KEYS if k not in tree]
+        if missing:
+            raise StateMismatch(f"snapshot lacks {missing}")
+        ints = {k: tree[k] for k in ("rank", "stage", "steps", "samples")}
+        bad = [k for k, v in ints.items() if isinstance(v, bool) or not isinstance(v, int)]
+        if bad or not isinstance(tree["params"], list) or not all(torch.is_tensor(p) for p in tree["params"]):
+            raise StateMismatch(f"snapshot fields {bad or ['params']} are malformed")
+        return cls(stage=tree["stage"], rank=tree["rank"], steps=tree["steps"], samples=tree["samples"],
+                   params=tree["params"], optimizer=tree["optimizer"], lr_scheduler=tree["lr_scheduler"],
+                   rng=tree["rng"], extra=tree["extra"] or {})
+
+
+def capture(host: StageHost, *, stage: int, rank: int) -> StageState:
+    """The stage's state as live tensors plus plain values (copy it before training goes on)."""
+    steps, samples = host.counters()
+    return StageState(
+        stage=stage, rank=rank, steps=steps, samples=samples,
+        params=[p.detach() for p in host.parameters],
+        optimizer=host.optimizer.state_dict() if host.optimizer is not None else None,
+        lr_scheduler=host.lr_scheduler.state_dict() if host.lr_scheduler is not None else None,
+        rng=_rng_state(),
+    )
+
+
+def apply(state: StageState, host: StageHost, *, stage: int) -> None:
+    """Copy ``state`` into the live stage (gradients dropped) and set the engine's counters.
+
+    The optimizer and scheduler load copies, so ``state`` stays reusable.
 
     Raises:
-        StateMismatch: other format, other stage, or parameters of other count or shape.
+        StateMismatch: another stage, or parameters of other count or shape.
     """
-    if state.get("format") != STATE_FORMAT:
-        raise StateMismatch(f"snapshot format {state.get('format')!r}, this version reads {STATE_FORMAT}")
-    if state["stage"] != stage:
-        raise StateMismatch(f"snapshot is of stage {state['stage']}, this worker runs stage {stage}")
-    saved = state["params"]
+    if state.stage != stage:
+        raise StateMismatch(f"snapshot is of stage {state.stage}, this worker runs stage {stage}")
+    params = list(host.parameters)
+    saved = state.params
     if len(saved) != len(params) or any(s.shape != p.shape for s, p in zip(saved, params)):
         raise StateMismatch(
             f"snapshot has {len(saved)} parameters {[tuple(s.shape) for s in saved][:4]}..., the stage has "
             f"{len(params)} {[tuple(p.shape) for p in params][:4]}...")
-    load_into(params, saved, optimizer, state["optimizer"], lr_scheduler, state["lr_scheduler"])
-    rng = state["rng"]
-    torch.set_rng_state(rng["torch"])
-    random.setstate(pickle.loads(rng["python"]))
-    np.random.set_state(pickle.loads(rng["numpy"]))
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    return int(state["steps"]), int(state["samples"])
+    with torch.no_grad():
+        for p, s in zip(params, saved):
+            p.copy_(s)
+            p.grad = None
+    if host.optimizer is not None and state.optimizer is not None:
+        host.optimizer.load_state_dict(clone_tree(state.optimizer))
+    if host.lr_scheduler is not None and state.lr_scheduler is not None:
+        host.lr_scheduler.load_state_dict(clone_tree(state.lr_scheduler))
+    _set_rng_state(state.rng)
+    host.set_counters(state.steps, state.samples)
+
+
+# --- keyword helpers over plain objects (tests, benchmarks) ---------------------------------------------
+@dataclass
+class _Loose:
+    parameters: Sequence[torch.nn.Parameter]
+    optimizer: Any
+    lr_scheduler: Any
+    steps: int = 0
+    samples: int = 0
+
+    def counters(self) -> tuple[int, int]:
+        return self.steps, self.samples
+
+    def set_counters(self, steps: int, samples: int) -> None:
+        self.steps, self.samples = steps, samples
+
+
+def collect(*, params: Sequence[torch.Tensor], optimizer: Any, lr_scheduler: Any, steps: int, samples: int,
+            stage: int, rank: int) -> dict[str, Any]:
+    """:func:`capture` of loose objects, as the tree a snapshot store saves."""
+    host = _Loose(list(params), optimizer, lr_scheduler, steps, samples)
+    return capture(host, stage=stage, rank=rank).to_tree()
+
+
+def apply_tree(tree: Any, *, params: Sequence[torch.nn.Parameter], optimizer: Any, lr_scheduler: Any,
+               stage: int) -> tuple[int, int]:
+    """:func:`apply` of a saved tree to loose objects; returns ``(steps, samples)``."""
+    host = _Loose(list(params), optimizer, lr_scheduler)
+    apply(StageState.from_tree(tree), host, stage=stage)
+    return host.steps, host.samples

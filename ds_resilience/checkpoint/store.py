@@ -3,7 +3,7 @@
 On-disk form, one directory per version::
 
     <root>/<owner>/v<step:012d>/payload.bin    the flattened tensors (see staging.py)
-                               /layout.pkl     the pickled Layout (structure, dtypes, offsets, values)
+                               /layout.json    the Layout as JSON (structure, dtypes, offsets, values)
                                /MANIFEST.json  owner, step, nbytes, checksum, layout sha256; written LAST
 
 A version exists only once its ``MANIFEST.json`` is in place: payload and layout are written to
@@ -23,7 +23,6 @@ import itertools
 import json
 import logging
 import os
-import pickle
 import re
 import shutil
 from dataclasses import dataclass
@@ -34,7 +33,8 @@ import torch
 
 from ..errors import ResilienceError
 from ..kernels.checksum import checksum_reference
-from .staging import Layout, StagingPipeline, TensorMeta, unflatten
+from .layout import Layout, LayoutError, TensorMeta, unflatten
+from .staging import StagingPipeline
 
 __all__ = ["CheckpointCorrupt", "CheckpointError", "CorruptVersion", "PendingSnapshot", "ReplicaBytes", "SnapshotInfo", "SnapshotStore"]
 
@@ -42,7 +42,7 @@ logger = logging.getLogger("ds_resilience.checkpoint")
 
 MANIFEST = "MANIFEST.json"
 PAYLOAD = "payload.bin"
-LAYOUT = "layout.pkl"
+LAYOUT = "layout.json"
 _OWNER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _VERSION = re.compile(r"^v(\d{12})$")
 
@@ -89,13 +89,20 @@ class PendingSnapshot:
 
 @dataclass(frozen=True)
 class ReplicaBytes:
-    """What a peer needs to store a replica: payload, pickled layout and checksum."""
+    """What a peer needs to store a replica: payload, layout (JSON bytes) and checksum."""
 
     owner: str
     step: int
     payload: torch.Tensor
     layout: bytes
     checksum: int
+
+
+def _parse_layout(data: bytes, owner: str, step: int) -> Layout:
+    try:
+        return Layout.from_json(data)
+    except LayoutError as exc:
+        raise CheckpointCorrupt(f"{owner}@{step}: {exc}") from None
 
 
 def _write_atomic(path: Path, data: bytes | memoryview) -> None:
@@ -199,7 +206,7 @@ class SnapshotStore:
                 torch.from_file(str(pending.tmp), shared=False, size=pending.layout.nbytes, dtype=torch.uint8))
         os.replace(pending.tmp, pending.vdir / PAYLOAD)
         self._metas[(pending.owner, pending.step)] = pending.layout.tensors
-        layout_bytes = pickle.dumps(pending.layout, protocol=pickle.HIGHEST_PROTOCOL)
+        layout_bytes = pending.layout.to_json()
         _write_atomic(pending.vdir / LAYOUT, layout_bytes)
         return self._commit(pending.vdir, pending.owner, pending.step, pending.layout.nbytes, checksum, layout_bytes)
 
@@ -209,14 +216,23 @@ class SnapshotStore:
         uncommitted) mapping it is given; the result is verified before it is committed.
 
         Raises:
-            CheckpointCorrupt: the received bytes do not match ``checksum`` (nothing is committed,
+            CheckpointCorrupt: the layout is malformed (JSON checked field by field, never
+                unpickled) or the received bytes do not match ``checksum`` (nothing is committed,
                 and a version ``step`` held before stays as it was).
             Whatever ``fill`` raises (a peer died mid-transfer): nothing is committed either, and
             the previous version stays the newest.
         """
         vdir = self._version_dir(owner, step)
+        try:  # JSON, checked field by field; never unpickled
+            layout = _parse_layout(layout_bytes, owner, step)
+            if layout.nbytes != nbytes:
+                raise CheckpointCorrupt(f"replica {owner}@{step}: {nbytes} bytes sent, its layout says {layout.nbytes}")
+        except CheckpointCorrupt:
+            if nbytes:
+                fill(torch.empty(nbytes, dtype=torch.uint8))  # take the bytes off the wire: the stream stays in step
+            raise
+        metas = layout.tensors
         vdir.mkdir(parents=True, exist_ok=True)
-        metas = pickle.loads(layout_bytes).tensors
         tmp = self._new_payload(owner, vdir, metas)
         try:
             if nbytes:
@@ -261,7 +277,7 @@ class SnapshotStore:
         return tmp
 
     def open_version(self, owner: str, step: int, *, verify: bool = True) -> tuple[SnapshotInfo, bytes, torch.Tensor]:
-        """A verified version's info, pickled layout and a read-only-in-effect payload mapping
+        """A verified version's info, layout (JSON bytes) and a read-only-in-effect payload mapping
         (what a sender streams to a peer without copying it first). The version stays pinned, so
         pruning never recycles its file under the mapping, until :meth:`release`.
 
@@ -319,8 +335,8 @@ class SnapshotStore:
             raw = payload.detach().reshape(-1).view(torch.uint8).cpu().contiguous()
         else:
             raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
-        layout_bytes = layout if isinstance(layout, (bytes, bytearray)) else pickle.dumps(layout, protocol=pickle.HIGHEST_PROTOCOL)
-        layout_obj = pickle.loads(layout_bytes) if isinstance(layout, (bytes, bytearray)) else layout
+        layout_bytes = bytes(layout) if isinstance(layout, (bytes, bytearray)) else layout.to_json()
+        layout_obj = _parse_layout(layout_bytes, owner, step)
         if raw.numel() != layout_obj.nbytes:
             raise CheckpointCorrupt(f"replica {owner}@{step}: {raw.numel()} bytes, layout says {layout_obj.nbytes}")
         return self.receive(owner, step, raw.numel(), bytes(layout_bytes), checksum, lambda buf: buf.copy_(raw))
@@ -433,7 +449,7 @@ class SnapshotStore:
         return None
 
     def _layout(self, info: SnapshotInfo) -> Layout:
-        return pickle.loads((info.path / LAYOUT).read_bytes())
+        return _parse_layout((info.path / LAYOUT).read_bytes(), info.owner, info.step)
 
     def load(self, owner: str, step: int | None = None, *, cached: bool = False) -> Any:
         """The state of version ``step`` (default: :meth:`latest`), verified, as CPU tensors.
@@ -450,7 +466,7 @@ class SnapshotStore:
         return unflatten(self._layout(info), self._map(info))
 
     def read_bytes(self, owner: str, step: int) -> ReplicaBytes:
-        """The verified payload, pickled layout and checksum of a version, to send to a peer."""
+        """The verified payload, layout (JSON bytes) and checksum of a version, to send to a peer."""
         info = self._verify(owner, step, cached=False)
         payload = self._map(info).clone()
         return ReplicaBytes(owner, step, payload, (info.path / LAYOUT).read_bytes(), info.checksum)

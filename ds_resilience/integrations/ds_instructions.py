@@ -1,91 +1,25 @@
-"""DeepSpeed pipeline instructions carrying IR actions, and the schedule that yields them.
+"""The DeepSpeed pipeline instruction that carries an IR action, and the schedule that yields them.
 
-One ``PipeInstruction`` subclass per action kind, so the engine's ``_INSTRUCTION_MAP`` dispatches
-each kind to its own ``_exec_*`` method, and :class:`ActionSchedule`, a ``PipeSchedule`` that yields
-one worker's actions one per step.
+DeepSpeed's ``PipelineEngine._exec_schedule`` dispatches each instruction through
+``_INSTRUCTION_MAP[type(instruction)]``. One instruction type, :class:`IRAction`, carries any IR
+action; the engine maps it to one method that hands the action to the executor's table
+(``ActionKind -> callable``): one dispatch, not one per layer.
 """
 
 from __future__ import annotations
 
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
-from ..ir import Action, ActionKind
+from ..ir import Action
 
-__all__ = [
-    "ActionSchedule",
-    "INSTRUCTIONS",
-    "ForwardMicroBatch",
-    "BackwardInput",
-    "BackwardWeight",
-    "BackwardFused",
-    "SendActivationTo",
-    "RecvActivationFrom",
-    "SendGradTo",
-    "RecvGradFrom",
-    "ReduceStageGrads",
-    "StageOptimizerStep",
-]
+__all__ = ["ActionSchedule", "IRAction"]
 
 
-class _ActionInstruction(ds_schedule.PipeInstruction):
-    """A pipeline instruction carrying one IR action."""
+class IRAction(ds_schedule.PipeInstruction):
+    """A pipeline instruction carrying one IR action (``self.action``)."""
 
     def __init__(self, action: Action) -> None:
         super().__init__(action=action)
-
-
-class ForwardMicroBatch(_ActionInstruction):
-    """F: forward of (pipeline, micro-batch)."""
-
-
-class BackwardInput(_ActionInstruction):
-    """B: input gradient only."""
-
-
-class BackwardWeight(_ActionInstruction):
-    """W: weight gradient of an earlier B."""
-
-
-class BackwardFused(_ActionInstruction):
-    """BW: full backward."""
-
-
-class SendActivationTo(_ActionInstruction):
-    """Send an activation to any global rank."""
-
-
-class RecvActivationFrom(_ActionInstruction):
-    """Receive an activation from any global rank."""
-
-
-class SendGradTo(_ActionInstruction):
-    """Send an input gradient to any global rank."""
-
-
-class RecvGradFrom(_ActionInstruction):
-    """Receive an output gradient from any global rank."""
-
-
-class ReduceStageGrads(_ActionInstruction):
-    """Sum gradients over this stage's surviving replicas."""
-
-
-class StageOptimizerStep(_ActionInstruction):
-    """This stage's optimizer step."""
-
-
-INSTRUCTIONS: dict[ActionKind, type[_ActionInstruction]] = {
-    ActionKind.F: ForwardMicroBatch,
-    ActionKind.B: BackwardInput,
-    ActionKind.W: BackwardWeight,
-    ActionKind.BW: BackwardFused,
-    ActionKind.SEND_ACT: SendActivationTo,
-    ActionKind.RECV_ACT: RecvActivationFrom,
-    ActionKind.SEND_GRAD: SendGradTo,
-    ActionKind.RECV_GRAD: RecvGradFrom,
-    ActionKind.REDUCE_GRAD: ReduceStageGrads,
-    ActionKind.OPT_STEP: StageOptimizerStep,
-}
 
 
 class ActionSchedule(ds_schedule.PipeSchedule):
@@ -98,7 +32,7 @@ class ActionSchedule(ds_schedule.PipeSchedule):
 
     def steps(self):
         for action in self._actions:
-            yield [INSTRUCTIONS[action.kind](action)]
+            yield [IRAction(action)]
 
     def num_pipe_buffers(self) -> int:
         return max(2, self._buffers)

@@ -1,12 +1,25 @@
-"""The schedule IR: actions, schedules, their renderings, the validator and the timed replay.
+"""The schedule IR: actions, schedules, their renderings, the validator, the timed replay and the
+timeline measured from it (iteration time, idle spans, memory peaks).
 
-Pure Python (no torch): see ARCHITECTURE.md, layer L0.
+Pure Python (no torch): see README.md, "Layers", layer L0. :mod:`.windows` (replication windows)
+and :mod:`.gantt` (PNG charts, matplotlib imported lazily) are imported on their own.
 """
 
 from .action import COMM_KINDS, COMPUTE_KINDS, Action, ActionKind, parse_action
 from .render import format_grid, format_steps
 from .replay import Replay, Transfer, message_key, replay
 from .schedule import OPTIMIZER_MODES, Schedule
+from .timeline import (
+    STEADY_ITERATIONS,
+    Timeline,
+    complement,
+    iteration_ends,
+    iteration_time,
+    memory_peaks,
+    merge_spans,
+    simulate,
+    steady_period,
+)
 from .validate import validate
 
 __all__ = [
@@ -16,12 +29,21 @@ __all__ = [
     "COMPUTE_KINDS",
     "OPTIMIZER_MODES",
     "Replay",
+    "STEADY_ITERATIONS",
     "Schedule",
+    "Timeline",
     "Transfer",
+    "complement",
     "format_grid",
     "format_steps",
+    "iteration_ends",
+    "iteration_time",
+    "memory_peaks",
+    "merge_spans",
     "message_key",
     "parse_action",
     "replay",
+    "simulate",
+    "steady_period",
     "validate",
 ]

@@ -38,13 +38,12 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from ..errors import ResilienceError
 from .checksum import checksum_reference, pack
+from .layout import ChunkLayout, CopyKernelError, plan_layout
 
 __all__ = [
     "BACKENDS",
@@ -63,57 +62,6 @@ BACKENDS = ("csrc", "triton", "torch")
 _KERNEL_ELEM_SIZES = (1, 2, 4, 8)
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 CSRC_MAX_DIMS = 8
-
-
-class CopyKernelError(ResilienceError, ValueError):
-    """Bad arguments to :func:`copy_chunk` (destination size, layout, devices) or a bad backend."""
-
-
-@dataclass(frozen=True)
-class ChunkLayout:
-    """A source chunk as the kernels see it.
-
-    Attributes:
-        numel: elements to copy.
-        elem_size: bytes per element (the width of the integer view the kernels use).
-        sizes: collapsed sizes, outermost first (``()`` for a 0- or 1-element chunk).
-        strides: element strides matching ``sizes``.
-    """
-
-    numel: int
-    elem_size: int
-    sizes: tuple[int, ...]
-    strides: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        if len(self.sizes) != len(self.strides):
-            raise CopyKernelError(f"layout: {len(self.sizes)} sizes but {len(self.strides)} strides")
-
-    @property
-    def contiguous(self) -> bool:
-        """Dense row-major: one dim of stride 1 (or nothing to index)."""
-        return len(self.sizes) == 0 or (len(self.sizes) == 1 and self.strides[0] == 1)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.elem_size
-
-
-def plan_layout(src: torch.Tensor) -> ChunkLayout:
-    """Collapse ``src``'s sizes and strides: drop size-1 dims, merge dims that are dense together."""
-    sizes: list[int] = []
-    strides: list[int] = []
-    for size, stride in zip(reversed(src.shape), reversed(src.stride())):
-        if size == 1:
-            continue
-        if sizes and stride == strides[0] * sizes[0]:
-            sizes[0] *= size  # this dim steps over exactly the (merged) inner block: same run
-        else:
-            sizes.insert(0, int(size))
-            strides.insert(0, int(stride))
-    if src.numel() <= 1:
-        sizes, strides = [], []
-    return ChunkLayout(numel=src.numel(), elem_size=src.element_size(), sizes=tuple(sizes), strides=tuple(strides))
 
 
 def _check(src: torch.Tensor, dst: torch.Tensor) -> None:

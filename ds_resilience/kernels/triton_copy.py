@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .copy import ChunkLayout
+from .checksum import combine, pack
+from .layout import ChunkLayout
 
 __all__ = ["DEFAULT_BLOCK", "MAX_DIMS", "interpreting", "triton_copy_planned"]
 
@@ -135,7 +135,7 @@ def _default_max_programs(device: torch.device) -> int:
 def triton_copy_planned(
     src: torch.Tensor,
     dst: torch.Tensor,
-    layout: "ChunkLayout",
+    layout: ChunkLayout,
     *,
     checksum: bool,
     block: int | None = None,
@@ -146,8 +146,6 @@ def triton_copy_planned(
     ``src`` and ``dst`` are already integer views of width ``layout.elem_size``; ``dst`` is 1-D
     contiguous with ``layout.numel`` elements. Returns the checksum (synchronizing) or ``None``.
     """
-    from .checksum import combine, pack
-
     n = layout.numel
     if n > MAX_LAUNCH_ELEMENTS:
         if not layout.contiguous:
@@ -155,7 +153,7 @@ def triton_copy_planned(
         total = None
         for start in range(0, n, MAX_LAUNCH_ELEMENTS):
             stop = min(n, start + MAX_LAUNCH_ELEMENTS)
-            part = type(layout)(numel=stop - start, elem_size=layout.elem_size, sizes=(stop - start,), strides=(1,))
+            part = ChunkLayout(numel=stop - start, elem_size=layout.elem_size, sizes=(stop - start,), strides=(1,))
             value = triton_copy_planned(src[start:stop], dst[start:stop], part, checksum=checksum, block=block,
                                         max_programs=max_programs)
             if checksum:  # segment byte offsets are multiples of 4: MAX_LAUNCH_ELEMENTS is

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 from ..costs import CostModel
 from ..ir import Action, ActionKind, Schedule
-from ..sim import simulate
+from ..ir.timeline import simulate
 from ..topology import Topology
 from .lowering import lower
-from .planner import SolverReport
+from .plan import SolverReport
 
 __all__ = ["Improved", "improve"]
 

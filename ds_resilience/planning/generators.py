@@ -9,6 +9,7 @@ from __future__ import annotations
 from ..costs import CostModel
 from ..errors import PlanningError
 from ..ir import Action, ActionKind, Schedule, validate
+from ..vocab import SCHEDULES
 from .list_scheduler import list_schedule
 from .lowering import lower
 
@@ -85,9 +86,6 @@ def decoupled(dp: int, pp: int, microbatches: int, cost: CostModel | None = None
         w_caps=[min(w // dp + 1, microbatches) for w in range(dp * pp)],
     )
     return validate(lower(result.orders, dp=dp, pp=pp, microbatches=microbatches, name="decoupled"))
-
-
-SCHEDULES = ("1f1b", "decoupled")
 
 
 def generate(name: str, dp: int, pp: int, microbatches: int, cost: CostModel | None = None) -> Schedule:

@@ -15,19 +15,21 @@ timeline simulator's replay of it: the simulator is the judge. Pure Python (plus
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from functools import lru_cache
-from dataclasses import dataclass, field, replace
-from typing import Any, Iterable
+from typing import Iterable
 
 from ..costs import CostModel
 from ..errors import PlanningError
-from ..ir import Schedule, replay, validate
-from ..sim import iteration_ends, memory_peaks, steady_period
-from ..topology import Topology, Worker, format_worker, parse_worker
+from ..ir import Schedule, validate
+from ..ir.timeline import STEADY_ITERATIONS, iteration_time, memory_peaks
+from ..topology import Topology, Worker
+from ..vocab import SOLVERS, VARIANTS
 from .bounds import lower_bound
 from .generators import decoupled, one_f_one_b
 from .list_scheduler import list_schedule
 from .lowering import lower
+from .plan import Plan, SolverReport, default_memory_cap
 from .reroute import reroute_assignment
 
 __all__ = [
@@ -38,154 +40,12 @@ __all__ = [
     "Plan",
     "plan",
     "iteration_time",
+    "one_f_one_b_time",
     "default_memory_cap",
 ]
 
-VARIANTS = ("adaptive", "decoupled", "recycle")
-SOLVERS = ("heuristic", "cpsat")
-STEADY_ITERATIONS = 4
-"""Iterations replayed to measure the staggered optimizer's steady-state period (the period is
-averaged over the second half)."""
-
-
 _LARGE_GRID = 2048
 """Above this many (pipeline, stage, micro-batch) items the heuristic tries one memory split only."""
-
-
-def default_memory_cap(pp: int) -> int:
-    """Micro-batch states (activations between F and B, plus pending W) a worker may hold.
-
-    ``2 * pp``: twice what 1F1B holds on its first stage. The fault-free decoupled schedule holds
-    at most ``pp + 1``; re-routed micro-batches and deferred W need the rest.
-    """
-    return 2 * pp
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SolverReport:
-    """How the plan was found. ``gap`` is the relative optimality gap (0 = proven optimal)."""
-
-    name: str
-    status: str
-    gap: float | None
-    seconds: float
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "status": self.status, "gap": self.gap, "seconds": self.seconds}
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Plan:
-    """A validated schedule for one failure set, with its figures.
-
-    Times are in the cost model's unit. ``schedule`` covers one iteration; for ``recycle`` it is
-    meant to be repeated with the staggered optimizer.
-    """
-
-    dp: int
-    pp: int
-    microbatches: int
-    failed: tuple[Worker, ...]
-    variant: str
-    schedule: Schedule
-    iteration_time: float
-    fault_free_iteration_time: float
-    best_fault_free_iteration_time: float
-    lower_bound: float
-    memory_cap: int
-    peak_activations: tuple[int, ...]
-    peak_pending_w: tuple[int, ...]
-    peak_state: tuple[int, ...]
-    solver: SolverReport
-    cost_name: str = "unit"
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def degradation(self) -> float:
-        """Iteration time over fault-free 1F1B's (what DeepSpeed runs today), minus 1."""
-        return self.iteration_time / self.fault_free_iteration_time - 1.0
-
-    @property
-    def degradation_vs_best(self) -> float:
-        """Iteration time over the best fault-free schedule's (decoupled, same optimizer), minus 1."""
-        return self.iteration_time / self.best_fault_free_iteration_time - 1.0
-
-    @property
-    def gap_to_bound(self) -> float:
-        """Iteration time over the lower bound, minus 1 (0 = provably optimal)."""
-        return self.iteration_time / self.lower_bound - 1.0 if self.lower_bound > 0 else 0.0
-
-
-    def to_dict(self, *, with_schedule: bool = True) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "dp": self.dp,
-            "pp": self.pp,
-            "microbatches": self.microbatches,
-            "failed": [format_worker(w) for w in self.failed],
-            "variant": self.variant,
-            "cost_model": self.cost_name,
-            "fault_free_iteration_time": self.fault_free_iteration_time,
-            "best_fault_free_iteration_time": self.best_fault_free_iteration_time,
-            "iteration_time": self.iteration_time,
-            "degradation": self.degradation,
-            "degradation_vs_best": self.degradation_vs_best,
-            "lower_bound": self.lower_bound,
-            "gap_to_bound": self.gap_to_bound,
-            "memory_cap": self.memory_cap,
-            "peak_activations": list(self.peak_activations),
-            "peak_pending_w": list(self.peak_pending_w),
-            "peak_state": list(self.peak_state),
-            "solver": self.solver.to_dict(),
-        }
-        out.update(self.extra)
-        if with_schedule:
-            out["schedule"] = self.schedule.to_dict()
-        return out
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Plan":
-        known = {
-            "dp", "pp", "microbatches", "failed", "variant", "cost_model", "fault_free_iteration_time",
-            "best_fault_free_iteration_time", "iteration_time", "degradation", "degradation_vs_best",
-            "lower_bound", "gap_to_bound", "memory_cap", "peak_activations", "peak_pending_w", "peak_state", "solver",
-            "schedule",
-        }
-        return cls(
-            dp=data["dp"],
-            pp=data["pp"],
-            microbatches=data["microbatches"],
-            failed=tuple(parse_worker(w) for w in data["failed"]),
-            variant=data["variant"],
-            schedule=Schedule.from_dict(data["schedule"]),
-            iteration_time=data["iteration_time"],
-            fault_free_iteration_time=data["fault_free_iteration_time"],
-            best_fault_free_iteration_time=data["best_fault_free_iteration_time"],
-            lower_bound=data["lower_bound"],
-            memory_cap=data["memory_cap"],
-            peak_activations=tuple(data["peak_activations"]),
-            peak_pending_w=tuple(data["peak_pending_w"]),
-            peak_state=tuple(data["peak_state"]),
-            solver=SolverReport(**data["solver"]),
-            cost_name=data.get("cost_model", "unit"),
-            extra={k: v for k, v in data.items() if k not in known},
-        )
-
-
-def iteration_time(schedule: Schedule, cost: CostModel, variant: str) -> float:
-    """The iteration time the timeline replay gives ``schedule`` under ``variant``'s semantics.
-
-    ``recycle``: the steady-state period of :data:`STEADY_ITERATIONS` back-to-back iterations with
-    the staggered optimizer; otherwise one iteration's makespan.
-    """
-    if variant == "recycle":
-        result = replay(schedule, cost, repeat=STEADY_ITERATIONS)
-        if result.blocked:
-            raise PlanningError(f"{variant} schedule deadlocks when repeated")
-        return steady_period(iteration_ends(schedule, result.ends, STEADY_ITERATIONS))
-    result = replay(schedule, cost)
-    if result.blocked:
-        raise PlanningError(f"{variant} schedule deadlocks")
-    return result.makespan
 
 
 def _check_variant(variant: str, solver: str) -> None:
@@ -195,14 +55,29 @@ def _check_variant(variant: str, solver: str) -> None:
         raise PlanningError(f"unknown solver {solver!r}; allowed: {', '.join(SOLVERS)}")
 
 
+@lru_cache(maxsize=256)
+def one_f_one_b_time(dp: int, pp: int, microbatches: int, cost: CostModel) -> float:
+    """Iteration time of fault-free 1F1B (what DeepSpeed runs today) on the grid; cached.
+
+    The one cache of this figure: every :class:`Plan` carries it (``fault_free_iteration_time``) and
+    the failure-trace simulator's ``PlanCache`` asks for it here.
+    """
+    return iteration_time(one_f_one_b(dp, pp, microbatches), cost, "adaptive")
+
+
 @lru_cache(maxsize=64)
-def _fault_free_times(dp: int, pp: int, microbatches: int, cost: CostModel, variant: str) -> tuple[float, float]:
-    base = iteration_time(one_f_one_b(dp, pp, microbatches), cost, "adaptive")
+def _best_fault_free_time(dp: int, pp: int, microbatches: int, cost: CostModel, variant: str) -> float:
+    """Iteration time of the fault-free decoupled schedule (staggered optimizer for ``recycle``)."""
     best = decoupled(dp, pp, microbatches, cost)
     if variant == "recycle":
         best = replace(best, optimizer="staggered")
-    best_time = iteration_time(best, cost, variant)
-    return base, min(base, best_time)
+    return iteration_time(best, cost, variant)
+
+
+def _fault_free_times(dp: int, pp: int, microbatches: int, cost: CostModel, variant: str) -> tuple[float, float]:
+    """Fault-free 1F1B's iteration time and the best fault-free schedule's (never worse than 1F1B)."""
+    base = one_f_one_b_time(dp, pp, microbatches, cost)
+    return base, min(base, _best_fault_free_time(dp, pp, microbatches, cost, variant))
 
 
 def _heuristic(

@@ -15,9 +15,11 @@ at a failure), :meth:`PlanView.schedule` the whole schedule. Pure Python.
 
 from __future__ import annotations
 
+import fcntl
 import gzip
 import hashlib
 import json
+import multiprocessing
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -31,7 +33,8 @@ from ..errors import PlanningError
 from ..ir import Action, Schedule, parse_action
 from ..topology import Topology, Worker
 from .normalize import FailureKey, normalize, relabel_schedule
-from .planner import Plan, plan
+from .plan import Plan
+from .planner import plan
 
 __all__ = ["TableSpec", "PlanView", "PlanTable", "enumerate_keys", "build_table", "FORMAT_VERSION"]
 
@@ -284,6 +287,7 @@ def build_table(
     cache_dir: str | Path | None = None,
     workers: int = 0,
     progress: bool = False,
+    lock_timeout_s: float = 3600.0,
 ) -> tuple[PlanTable, dict[str, Any]]:
     """Plan every class of failure sets in ``spec`` (or load it from ``cache_dir``).
 
@@ -292,24 +296,54 @@ def build_table(
         cache_dir: where tables are kept (``<cache_dir>/<digest>.json.gz``); ``None``: no cache.
         workers: parallel processes; 0 = the machine's CPU count, 1 = in this process.
         progress: print a line per 10% to stderr.
+        lock_timeout_s: how long to wait for another process building the same table (the
+            processes of one machine share the cache; a builder that dies releases the lock).
 
     Returns:
         The table and a summary: ``plans``, ``uncoverable``, ``seconds``, ``cached``, ``path``.
     """
     started = time.perf_counter()
     path = Path(cache_dir) / f"plans-{spec.digest()}.json.gz" if cache_dir is not None else None
-    if path is not None and path.exists():
-        table = PlanTable.load(path, spec)
-        return table, {
-            "plans": len(table),
-            "uncoverable": len(table._uncoverable),
-            "seconds": time.perf_counter() - started,
-            "cached": True,
-            "path": str(path),
-        }
+    if path is None:
+        return _build(spec, None, workers, progress, started)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # the processes of one machine build a table once: the first holds the lock, the others load it
+    with open(path.with_name(path.name + ".lock"), "a+") as lock:
+        _lock(lock, path, lock_timeout_s)
+        try:
+            if path.exists():
+                table = PlanTable.load(path, spec)
+                return table, {
+                    "plans": len(table),
+                    "uncoverable": len(table._uncoverable),
+                    "seconds": time.perf_counter() - started,
+                    "cached": True,
+                    "path": str(path),
+                }
+            return _build(spec, path, workers, progress, started)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _lock(fh, path: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise PlanningError(f"waited {timeout_s:.0f} s for another process building plan table {path}") from None
+            time.sleep(0.05)
+
+
+def _build(spec: TableSpec, path: Path | None, workers: int, progress: bool,
+           started: float) -> tuple[PlanTable, dict[str, Any]]:
     keys = enumerate_keys(spec.dp, spec.pp, max_failures=spec.max_failures, all_coverable=spec.all_coverable)
     jobs = [(spec, k) for k in keys]
     n = workers or os.cpu_count() or 1
+    if multiprocessing.current_process().daemon:
+        n = 1  # a daemonic process (a worker of a pool or a test harness) may not have children
     plans: dict[FailureKey, dict[str, Any]] = {}
     uncoverable: dict[FailureKey, str] = {}
     done = 0

@@ -37,9 +37,10 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch.distributed as dist
 
-from ..checkpoint.inmemory import host_root
-from ..config import load_resilience_config
+from ..config import DetectorConfig, load_resilience_config
 from ..errors import ResilienceError
+from ..launch import LaunchEnv, snapshot_root
+from ..planning.recovery import lost_stages
 from . import membership as mb
 
 __all__ = ["Agent", "AgentEvent", "AgentError", "main_run", "EXIT_OK", "EXIT_STARTUP", "EXIT_STOPPED"]
@@ -82,7 +83,7 @@ _LIVE = ("running", "joining")
 
 
 @dataclass(kw_only=True)
-class _Worker:
+class _Child:
     rank: int
     proc: subprocess.Popen[bytes]
     incarnation: int
@@ -111,8 +112,9 @@ class Agent:
         script: the training script; ``script_args`` follow it, then ``--local_rank=r``.
         num_workers: number of worker processes (ranks ``0..N-1``).
         master_addr, master_port: where the store listens (port 0: a free port).
-        heartbeat_interval_s, heartbeat_timeout_s: the workers' beat interval (exported to them as
-            ``DSR_HEARTBEAT_INTERVAL_S``) and the silence after which one is killed as hung.
+        heartbeat_interval_s, heartbeat_timeout_s: the workers' beat interval (exported to them in
+            their :class:`~ds_resilience.launch.LaunchEnv`; they beat at it) and the silence after
+            which one is killed as hung (default: ``resilience.detector``'s defaults).
         rejoin_after_s: relaunch a failed rank that many seconds after its failure (None: never).
         stop_grace_s: how long survivors may take to save a checkpoint and exit after a stop.
         exit_grace_s: how long a worker that stopped its heartbeat on purpose (it is exiting) may
@@ -130,14 +132,19 @@ class Agent:
     """
 
     def __init__(self, script: str | os.PathLike[str], script_args: Sequence[str] = (), *, num_workers: int,
-                 master_addr: str = "127.0.0.1", master_port: int = 0, heartbeat_interval_s: float = 0.5,
-                 heartbeat_timeout_s: float = 5.0, rejoin_after_s: float | None = None, stop_grace_s: float = 300.0,
-                 exit_grace_s: float = 30.0, max_join_attempts: int = 3, store_timeout_s: float = 30.0,
+                 master_addr: str = "127.0.0.1", master_port: int = 0, heartbeat_interval_s: float | None = None,
+                 heartbeat_timeout_s: float | None = None, rejoin_after_s: float | None = None,
+                 stop_grace_s: float = 300.0, exit_grace_s: float = 30.0, max_join_attempts: int = 3,
+                 store_timeout_s: float | None = None,
                  max_restarts: int = 0, host_dir: str | os.PathLike[str] | None = None, keep_snapshots: bool = False,
                  env: Mapping[str, str] | None = None, log_dir: str | os.PathLike[str] | None = None,
                  echo: Callable[[str], None] | None = None) -> None:
         if num_workers < 1:
             raise AgentError(f"num_workers must be >= 1, got {num_workers}")
+        defaults = DetectorConfig()  # the one place the detector's defaults live
+        heartbeat_interval_s = defaults.heartbeat_interval_s if heartbeat_interval_s is None else heartbeat_interval_s
+        heartbeat_timeout_s = defaults.heartbeat_timeout_s if heartbeat_timeout_s is None else heartbeat_timeout_s
+        store_timeout_s = defaults.store_timeout_s if store_timeout_s is None else store_timeout_s
         if not heartbeat_interval_s > 0 or not heartbeat_timeout_s > heartbeat_interval_s:
             raise AgentError(f"need 0 < heartbeat_interval_s ({heartbeat_interval_s}) < heartbeat_timeout_s "
                              f"({heartbeat_timeout_s})")
@@ -166,7 +173,7 @@ class Agent:
         self.epochs: list[mb.EpochRecord] = []
         self.exit_code: int | None = None
         self.message = ""
-        self._workers: dict[int, _Worker] = {}
+        self._workers: dict[int, _Child] = {}
         self._failed: set[int] = set()
         self._rejoin_due: dict[int, float] = {}  # rank -> monotonic time of its relaunch
         self._join_attempts: dict[int, int] = {}  # rank -> relaunches that died before re-joining
@@ -196,7 +203,7 @@ class Agent:
                 signal.signal(signum, old)
             self._kill_all()
             if not self.keep_snapshots:
-                shutil.rmtree(host_root(self.host_dir, self.job_id), ignore_errors=True)
+                shutil.rmtree(snapshot_root(self.host_dir, self.job_id), ignore_errors=True)
         self._summary()
         return self.exit_code
 
@@ -232,16 +239,14 @@ class Agent:
     def _on_signal(self, signum: int, frame: Any) -> None:
         raise _Interrupted(signum)
 
-    def _launch(self, rank: int, incarnation: int) -> _Worker:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", **self.env,
-               "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(self.num_workers),
-               "LOCAL_WORLD_SIZE": str(self.num_workers), "GROUP_RANK": "0",
-               "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.port),
-               "TORCHELASTIC_USE_AGENT_STORE": "True", "DSR_AGENT": "1", "DSR_AGENT_PID": str(os.getpid()),
-               "DSR_INCARNATION": str(incarnation), "DSR_REJOIN": "1" if incarnation else "0",
-               "DSR_RESTART": str(self.restarts), "DSR_JOB_ID": self.job_id,
-               "DSR_HEARTBEAT_INTERVAL_S": str(self.heartbeat_interval_s),
-               "DSR_HEARTBEAT_TIMEOUT_S": str(self.heartbeat_timeout_s)}
+    def _launch(self, rank: int, incarnation: int) -> _Child:
+        contract = LaunchEnv(host=self.master_addr, port=self.port, rank=rank, world_size=self.num_workers,
+                             incarnation=incarnation, rejoin=incarnation > 0,
+                             heartbeat_interval_s=self.heartbeat_interval_s, agent_pid=os.getpid(), local_rank=rank,
+                             local_world_size=self.num_workers, restart=self.restarts, job_id=self.job_id,
+                             heartbeat_timeout_s=self.heartbeat_timeout_s)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **self.env, **contract.to_environ(),
+               "GROUP_RANK": "0", "TORCHELASTIC_USE_AGENT_STORE": "True"}
         out: Any = None
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -261,7 +266,7 @@ class Agent:
         now = time.monotonic()
         hb = mb.read_heartbeat(self.store, rank)  # a relaunch must beat past its predecessor's count
         self.store.delete_key(mb.hb_stopped_key(rank))
-        worker = _Worker(rank=rank, proc=proc, incarnation=incarnation, pidfd=pidfd,
+        worker = _Child(rank=rank, proc=proc, incarnation=incarnation, pidfd=pidfd,
                          state="joining" if incarnation else "running", hb_value=hb, hb_changed=now,
                          launched_at=now)
         self._workers[rank] = worker
@@ -357,7 +362,7 @@ class Agent:
             failures.append(_Failure(w.rank, "hang", reason, now - silence))
         return failures
 
-    def _join_failed(self, w: _Worker) -> None:
+    def _join_failed(self, w: _Child) -> None:
         """A relaunched worker died before it re-joined: try again, a few times."""
         self._join_attempts[w.rank] = self._join_attempts.get(w.rank, 0) + 1
         if self._join_attempts[w.rank] < self.max_join_attempts:
@@ -398,18 +403,24 @@ class Agent:
     def _beyond_tolerance(self) -> tuple[int, str]:
         """(exit code, what is lost); "" when every stage keeps a replica.
 
-        A failed rank that never registered is a start-up failure (its stage is unknown)."""
-        stages: dict[int, list[tuple[int, int]]] = {}
+        Decided by ``planning.recovery.lost_stages``, the function the workers' recovery plans use,
+        on the stages the workers registered. A failed rank that never registered is a start-up
+        failure (its stage is unknown)."""
+        stage_of: dict[int, int] = {}
+        pipeline_of: dict[int, int] = {}
         for rank in range(self.num_workers):
             info = mb.read_worker(self.store, rank)
             if info is None:
                 if rank in self._failed:
                     return EXIT_STARTUP, f"rank {rank} failed before it registered (its stage is unknown)"
                 continue
-            stages.setdefault(info.stage, []).append((rank, info.pipeline))
-        lost = [s for s, members in sorted(stages.items()) if all(r in self._failed for r, _ in members)]
+            stage_of[rank], pipeline_of[rank] = info.stage, info.pipeline
+            if info.heartbeat_interval_s is not None and abs(info.heartbeat_interval_s - self.heartbeat_interval_s) > 1e-9:
+                self._echo(f"[ds_resilience agent] rank {rank} beats every {info.heartbeat_interval_s} s, "
+                           f"the agent expects {self.heartbeat_interval_s} s")
+        lost = lost_stages(stage_of, self._failed)
         return EXIT_STOPPED, "; ".join(f"stage {s} lost every replica (" + ", ".join(
-            f"rank {r} of pipeline {p}" for r, p in stages[s]) + ")" for s in lost)
+            f"rank {r} of pipeline {pipeline_of[r]}" for r in sorted(stage_of) if stage_of[r] == s) + ")" for s in lost)
 
     def _rejoins(self) -> None:
         now = time.monotonic()
@@ -448,7 +459,7 @@ class Agent:
         self.events.append(AgentEvent(time=time.time(), kind=kind, rank=rank, **fields))
 
     @staticmethod
-    def _close(w: _Worker) -> None:
+    def _close(w: _Child) -> None:
         if w.pidfd is not None:
             os.close(w.pidfd)
             w.pidfd = None
@@ -515,7 +526,7 @@ def main_run(argv: Sequence[str]) -> int:
             import torch
 
             num = torch.cuda.device_count() if torch.cuda.is_available() else 1
-        interval, timeout, store_timeout = args.heartbeat_interval, args.heartbeat_timeout, 30.0
+        interval, timeout, store_timeout = args.heartbeat_interval, args.heartbeat_timeout, None
         max_restarts, host_dir = 0, None
         cfg_path = _ds_config_path(args.script_args)
         if cfg_path is not None:
@@ -527,8 +538,8 @@ def main_run(argv: Sequence[str]) -> int:
             timeout = detector.heartbeat_timeout_s if timeout is None else timeout
             store_timeout = detector.store_timeout_s
         agent = Agent(args.script, args.script_args, num_workers=num, master_addr=args.master_addr,
-                      master_port=args.master_port, heartbeat_interval_s=0.5 if interval is None else interval,
-                      heartbeat_timeout_s=5.0 if timeout is None else timeout, rejoin_after_s=args.rejoin_after,
+                      master_port=args.master_port, heartbeat_interval_s=interval,
+                      heartbeat_timeout_s=timeout, rejoin_after_s=args.rejoin_after,
                       stop_grace_s=args.stop_grace, store_timeout_s=store_timeout, log_dir=args.log_dir,
                       max_restarts=max_restarts, host_dir=host_dir)
         return agent.run()

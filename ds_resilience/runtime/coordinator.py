@@ -3,15 +3,17 @@
 The agent (``runtime/agent.py``, never inside a worker) owns membership: it detects crashes and
 hangs and publishes numbered epoch records in its store. In each worker:
 
-* a heartbeat thread bumps ``dsr/hb/{rank}`` (a hung process stops bumping it);
+* a heartbeat thread bumps ``dsr/hb/{rank}`` (a hung process stops bumping it), at the agent's
+  interval (``LaunchEnv.heartbeat_interval_s``: the agent judges silence by its own settings);
 * a watcher thread waits for the next epoch record; when one arrives it is *latched* and the
   current generation's process groups are *poisoned* (each pair gets a receive with a 1 ms timeout,
   which makes gloo close it), so a main thread blocked in a receive or a collective is released in
   milliseconds instead of waiting out the process-group timeout;
 * in-band communication errors only prompt a look at the epoch: membership changes only through
   the agent's records;
-* at recovery the survivors agree, through the store, on the iteration to resume from (the oldest
-  one some survivor has not stepped yet), so no stage steps twice and none skips.
+* at recovery every survivor posts its step count and reads everyone's (:meth:`gather_steps`);
+  the recovery plan (``planning/recovery.py``) takes the resume step from them, so no stage steps
+  twice and none skips.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ from __future__ import annotations
 import os
 import threading
 import time
-from datetime import timedelta
 from typing import Callable, Iterable
 
+from ..comm.groups import poison
 from ..errors import ResilienceError
+from ..launch import LaunchEnv
 from . import membership
 
 __all__ = ["Reconfigure", "Coordinator", "poison"]
@@ -40,33 +43,33 @@ class Coordinator:
     """Heartbeats, the epoch watcher and the store protocol of one worker (under the agent).
 
     Args:
-        rank: this worker's global rank.
-        info: what the worker registers (pipeline, stage, ...).
-        heartbeat_interval_s: how often to bump the heartbeat.
+        launch: the agent's contract (store address, incarnation, heartbeat interval, its pid).
+        info: what the worker registers: ``pipeline``, ``stage``, ``dp``, ``pp``.
+        heartbeat_interval_s: the interval when the agent set none (the config's).
         store_timeout_s: how long a store wait may take before it is an error.
         on_epoch: called from the watcher thread right after a new epoch is latched (the engine
             poisons its groups there).
     """
 
-    def __init__(self, *, rank: int, info: dict, heartbeat_interval_s: float, store_timeout_s: float,
+    def __init__(self, *, launch: LaunchEnv, info: dict, heartbeat_interval_s: float, store_timeout_s: float,
                  on_epoch: Callable[[object], None]) -> None:
-        store = membership.agent_store_from_env(store_timeout_s)
+        store = membership.agent_store_from_env(store_timeout_s, launch)
         if store is None:
             raise ResilienceError("live failure handling needs the agent: start with `ds-resilience run`")
         self.store = store
-        self.rank = rank
+        self.rank = rank = launch.rank
         self.store_timeout_s = store_timeout_s
         self.on_epoch = on_epoch
         self.applied = membership.latest_epoch(store)
         self._latched = None
         self._lock = threading.Lock()
+        interval = launch.heartbeat_interval_s or heartbeat_interval_s
+        self.heartbeat_interval_s = interval
         membership.register_worker(store, membership.WorkerInfo(
             rank=rank, pipeline=info["pipeline"], stage=info["stage"], pid=os.getpid(),
-            incarnation=int(os.environ.get("DSR_INCARNATION", "0")),
+            incarnation=launch.incarnation, dp=info.get("dp", 0), pp=info.get("pp", 0), heartbeat_interval_s=interval,
         ))
-        agent_pid = os.environ.get("DSR_AGENT_PID")
-        self._heartbeat = membership.Heartbeat(store, rank, heartbeat_interval_s,
-                                               agent_pid=int(agent_pid) if agent_pid else None)
+        self._heartbeat = membership.Heartbeat(store, rank, interval, agent_pid=launch.agent_pid)
         self._watcher = membership.EpochWatcher(store, self._latch, after=self.applied)
         self._heartbeat.start()
         self._watcher.start()
@@ -122,25 +125,8 @@ class Coordinator:
                 raise ResilienceError(f"timed out after {self.store_timeout_s:.0f}s waiting for store key {key}")
             time.sleep(0.001)
 
-    def agree_min(self, epoch: int, value: int, ranks: Iterable[int]) -> int:
-        """Every survivor posts ``value``; returns the minimum over ``ranks`` (raises
-        :class:`Reconfigure` if another epoch arrives meanwhile)."""
+    def gather_steps(self, epoch: int, value: int, ranks: Iterable[int]) -> dict[int, int]:
+        """Every survivor posts its step count ``value``; returns ``{rank: steps}`` for ``ranks``
+        (raises :class:`Reconfigure` if another epoch arrives meanwhile)."""
         self.store.set(f"dsr/agree/{epoch}/{self.rank}", str(value))
-        return min(int(self.wait_key(f"dsr/agree/{epoch}/{r}")) for r in ranks)
-
-
-def poison(group) -> None:
-    """Close every pair of a gloo group so blocked operations on it fail now (see the module doc)."""
-    import torch
-
-    buf = torch.zeros(1)
-    for peer in range(len(group.ranks)):
-        if group.ranks[peer] == group.me:
-            continue
-        try:
-            group.pg.recv([buf], peer, _POISON_TAG).wait(timedelta(milliseconds=1))
-        except Exception:  # noqa: BLE001 - the timeout is the point
-            pass
-
-
-_POISON_TAG = (1 << 30) + 7
+        return {r: int(self.wait_key(f"dsr/agree/{epoch}/{r}")) for r in ranks}

@@ -19,47 +19,23 @@ same step.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
 from typing import Callable, Mapping, Sequence
 
 from ..config import FAULT_KINDS, FAULT_POINTS, FaultInjection
-from ..errors import ConfigError, ResilienceError
+from ..errors import ResilienceError
+from ..launch import FAULTS_VAR, LaunchEnv, faults_from_env
 
 __all__ = ["FaultInjector", "FaultPointError", "faults_from_env", "EXIT_CODE", "ENV_VAR"]
 
 EXIT_CODE = 17
-ENV_VAR = "DSR_FAULTS"
+ENV_VAR = FAULTS_VAR
 
 
 class FaultPointError(ResilienceError, ValueError):
     """:meth:`FaultInjector.maybe_fire` was called with a point that is not in ``FAULT_POINTS``."""
-
-
-def faults_from_env(env: Mapping[str, str] | None = None) -> tuple[FaultInjection, ...] | None:
-    """The faults listed in ``DSR_FAULTS`` (None when unset).
-
-    Raises:
-        ConfigError: the variable is not a JSON list of valid fault objects (path ``DSR_FAULTS[i]``).
-    """
-    env = os.environ if env is None else env
-    text = env.get(ENV_VAR)
-    if text is None or not text.strip():
-        return None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(ENV_VAR, f"not valid JSON: {exc}") from exc
-    if not isinstance(data, list):
-        raise ConfigError(ENV_VAR, f"expected a JSON list of fault objects, got {type(data).__name__}")
-    faults = []
-    for i, entry in enumerate(data):
-        if not isinstance(entry, dict):
-            raise ConfigError(f"{ENV_VAR}[{i}]", f"expected an object, got {entry!r}")
-        faults.append(FaultInjection.from_dict(entry, f"{ENV_VAR}[{i}]"))
-    return tuple(faults)
 
 
 class FaultInjector:
@@ -68,22 +44,28 @@ class FaultInjector:
     Args:
         faults: all configured faults (every rank's); ``DSR_FAULTS`` replaces them when set.
         rank: this process's global rank.
-        env: the environment to read ``DSR_FAULTS`` and ``DSR_INCARNATION`` from (default ``os.environ``).
+        launch: the agent's contract (its ``faults`` replace ``faults``; it arms the injector only
+            in the first incarnation of the first attempt).
+        env: for a process not launched by the agent (tests): an environment to read
+            ``DSR_FAULTS``, ``DSR_INCARNATION`` and ``DSR_RESTART`` from (default: none).
         on_fire: called with the fault just before it fires (e.g. to flush logs or record the time).
         kill: how a signal is sent to this process (``os.kill``; replaceable in tests).
         lose_memory: wipes this machine's host memory for ``lose_machine`` (default: nothing to wipe).
     """
 
-    def __init__(self, faults: Sequence[FaultInjection], rank: int, *, env: Mapping[str, str] | None = None,
-                 on_fire: Callable[[FaultInjection], None] | None = None,
+    def __init__(self, faults: Sequence[FaultInjection], rank: int, *, launch: LaunchEnv | None = None,
+                 env: Mapping[str, str] | None = None, on_fire: Callable[[FaultInjection], None] | None = None,
                  kill: Callable[[int, int], None] = os.kill,
                  lose_memory: Callable[[], None] | None = None) -> None:
-        env = os.environ if env is None else env
-        override = faults_from_env(env)
+        if launch is not None:
+            override, self.incarnation, self.restart = launch.faults, launch.incarnation, launch.restart
+        else:
+            env = {} if env is None else env
+            override = faults_from_env(env)
+            self.incarnation = int(env.get("DSR_INCARNATION", "0") or 0)
+            self.restart = int(env.get("DSR_RESTART", "0") or 0)
         chosen = tuple(faults) if override is None else override
         self.rank = rank
-        self.incarnation = int(env.get("DSR_INCARNATION", "0") or 0)
-        self.restart = int(env.get("DSR_RESTART", "0") or 0)
         self.armed = self.incarnation == 0 and self.restart == 0
         self.lose_memory = lose_memory
         self._pending = {(f.step, f.point): f for f in chosen if f.rank == rank}

@@ -24,19 +24,18 @@ warnings per timeout). Every call here is bounded. Pure Python plus the torch.di
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import threading
 import time
 import weakref
-from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import Any, Callable, Mapping
+from typing import Callable
 
 import torch.distributed as dist
 
-from ..errors import ResilienceError
+from ..epochs import EPOCH_KINDS, EpochRecord, MembershipError, WorkerInfo
+from ..launch import LaunchEnv, launch_env
 
 __all__ = [
     "MembershipError", "EpochRecord", "WorkerInfo", "EPOCH_KINDS", "EXIT_ORPHANED",
@@ -48,14 +47,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-EPOCH_KINDS = ("start", "crash", "hang", "rejoin", "stop")
 EXIT_ORPHANED = 75  # a worker's exit code when its agent died
 LATEST_KEY = "dsr/epoch/latest"
 _POLL_S = 0.01
-
-
-class MembershipError(ResilienceError):
-    """A membership record is malformed, or the agent's store cannot be reached in time."""
 
 
 def hb_key(rank: int) -> str:
@@ -81,93 +75,6 @@ def epoch_key(epoch: int) -> str:
 def status_key(rank: int) -> str:
     """Status string of global rank ``rank``."""
     return f"dsr/status/{rank}"
-
-
-def _ranks(value: Any, name: str) -> tuple[int, ...]:
-    ranks = tuple(value)
-    if any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in ranks):
-        raise MembershipError(f"{name} must be non-negative integer ranks, got {ranks!r}")
-    if len(set(ranks)) != len(ranks):
-        raise MembershipError(f"{name} has duplicate ranks: {ranks!r}")
-    return tuple(sorted(ranks))
-
-
-@dataclass(frozen=True, kw_only=True)
-class EpochRecord:
-    """One membership epoch, as published by the agent.
-
-    Attributes:
-        epoch: 1 at launch, +1 for every change.
-        failed: global ranks gone at this epoch (cumulative; a re-joined rank leaves it).
-        alive: global ranks that are members (disjoint from ``failed``).
-        joining: ranks (a subset of ``alive``) that re-join in this epoch and need state.
-        stop: the job must stop (a stage lost every replica): save a checkpoint and exit 0.
-        restart: with ``stop``: the agent restarts every worker from the in-memory snapshots, so
-            survivors only make sure their newest snapshot is committed, then exit 0.
-        reason: a human-readable cause, e.g. ``"rank 2 crashed (killed by SIGKILL)"``.
-        detected_at: the agent's ``time.time()`` when it detected the change.
-        kind: ``"start" | "crash" | "hang" | "rejoin" | "stop"``.
-    """
-
-    epoch: int
-    failed: tuple[int, ...]
-    alive: tuple[int, ...]
-    joining: tuple[int, ...] = ()
-    stop: bool = False
-    reason: str = ""
-    detected_at: float = 0.0
-    kind: str = "start"
-    restart: bool = False
-
-    def __post_init__(self) -> None:
-        if isinstance(self.epoch, bool) or not isinstance(self.epoch, int) or self.epoch < 1:
-            raise MembershipError(f"epoch must be an integer >= 1, got {self.epoch!r}")
-        for name in ("failed", "alive", "joining"):
-            object.__setattr__(self, name, _ranks(getattr(self, name), name))
-        if set(self.failed) & set(self.alive):
-            raise MembershipError(f"ranks both failed and alive: {sorted(set(self.failed) & set(self.alive))}")
-        if not set(self.joining) <= set(self.alive):
-            raise MembershipError(f"joining ranks {self.joining} must be alive ({self.alive})")
-        if self.kind not in EPOCH_KINDS:
-            raise MembershipError(f"kind must be one of {EPOCH_KINDS}, got {self.kind!r}")
-        if bool(self.stop) != (self.kind == "stop"):
-            raise MembershipError(f"stop={self.stop!r} contradicts kind={self.kind!r}")
-        if self.restart and not self.stop:
-            raise MembershipError("restart=True needs stop=True")
-
-    def to_json(self) -> str:
-        """The record as a JSON object string."""
-        return json.dumps(asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> "EpochRecord":
-        """Parse :meth:`to_json`'s output; raise :class:`MembershipError` if malformed."""
-        try:
-            data = json.loads(text)
-            return cls(**data)
-        except (ValueError, TypeError) as exc:
-            raise MembershipError(f"malformed epoch record {text!r}: {exc}") from exc
-
-
-@dataclass(frozen=True, kw_only=True)
-class WorkerInfo:
-    """A worker's registration: where it sits in the grid and which process it is."""
-
-    rank: int
-    pipeline: int
-    stage: int
-    pid: int
-    incarnation: int = 0
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> "WorkerInfo":
-        try:
-            return cls(**json.loads(text))
-        except (ValueError, TypeError) as exc:
-            raise MembershipError(f"malformed worker registration {text!r}: {exc}") from exc
 
 
 def _get(store: dist.Store, key: str) -> bytes | None:
@@ -247,48 +154,19 @@ def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
         raise MembershipError(f"cannot reach the agent's store at {host}:{port} within {timeout_s} s: {exc}") from exc
 
 
-@dataclass(frozen=True, kw_only=True)
-class AgentEnv:
-    """What the agent tells a worker through its environment (see :func:`agent_env`)."""
-
-    host: str
-    port: int
-    rank: int
-    world_size: int
-    incarnation: int  # 0 at launch, +1 per relaunch of this rank
-    rejoin: bool  # relaunched after a failure: join at an iteration boundary, fetch state
-    heartbeat_interval_s: float | None  # the agent's interval, None if it set none
-    agent_pid: int | None
+AgentEnv = LaunchEnv
+"""The agent-to-worker contract (:class:`ds_resilience.launch.LaunchEnv`)."""
+agent_env = launch_env
+"""Read the contract from the environment (:func:`ds_resilience.launch.launch_env`)."""
 
 
-def agent_env(env: Mapping[str, str] | None = None) -> AgentEnv | None:
-    """The agent's settings when launched by it (``DSR_AGENT=1``), else None.
+def agent_store_from_env(timeout_s: float = 30.0, launch: LaunchEnv | None = None) -> dist.TCPStore | None:
+    """A client of the agent's store when launched by the agent, else None.
 
-    Raises:
-        MembershipError: ``DSR_AGENT=1`` but a variable is missing or malformed.
+    ``launch`` is the parsed contract (default: read from the environment); raises
+    :class:`MembershipError` if the store cannot be reached within ``timeout_s``.
     """
-    env = os.environ if env is None else env
-    if env.get("DSR_AGENT") != "1":
-        return None
-    try:
-        interval = env.get("DSR_HEARTBEAT_INTERVAL_S")
-        pid = env.get("DSR_AGENT_PID")
-        return AgentEnv(host=env["MASTER_ADDR"], port=int(env["MASTER_PORT"]), rank=int(env["RANK"]),
-                        world_size=int(env["WORLD_SIZE"]), incarnation=int(env.get("DSR_INCARNATION", "0")),
-                        rejoin=env.get("DSR_REJOIN") == "1",
-                        heartbeat_interval_s=float(interval) if interval else None,
-                        agent_pid=int(pid) if pid else None)
-    except (KeyError, ValueError) as exc:
-        raise MembershipError(f"DSR_AGENT=1 but the agent's environment is incomplete: {exc!r}") from exc
-
-
-def agent_store_from_env(timeout_s: float = 30.0) -> dist.TCPStore | None:
-    """A client of the agent's store when launched by the agent (``DSR_AGENT=1``), else None.
-
-    Uses ``MASTER_ADDR``/``MASTER_PORT``; raises :class:`MembershipError` if they are missing
-    or the store cannot be reached within ``timeout_s``.
-    """
-    settings = agent_env()
+    settings = launch if launch is not None else launch_env()
     return None if settings is None else connect_store(settings.host, settings.port, timeout_s)
 
 

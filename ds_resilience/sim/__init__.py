@@ -1,7 +1,7 @@
-"""Simulation (layer L2, pure Python): timeline replay of schedules under a cost model, and the
-failure-trace simulator of whole training jobs (traces, model profiles, per-system policies)."""
+"""The failure-trace simulator of whole training jobs (layer L2, pure Python): traces, model
+profiles, per-system policies. It takes iteration times from the planner (layer L1); the timeline
+replay of one schedule is :func:`ds_resilience.ir.simulate`."""
 
-from .timeline import Timeline, complement, iteration_ends, memory_peaks, merge_spans, simulate, steady_period
 from .traces import (
     SimulationError,
     Trace,
@@ -18,13 +18,6 @@ from .jobsim import Action, Policy, Result
 from .systems import SYSTEMS, make_policy, simulate_system
 
 __all__ = [
-    "Timeline",
-    "simulate",
-    "merge_spans",
-    "complement",
-    "iteration_ends",
-    "steady_period",
-    "memory_peaks",
     "SimulationError",
     "TraceError",
     "TraceEvent",

@@ -356,10 +356,9 @@ class PlanCache:
     def _units_1f1b(self, dp: int, pp: int, m: int) -> float:
         key = (self._shape, "1f1b", dp, pp, m)
         if key not in self._store:
-            from ..planning.generators import one_f_one_b
-            from ..planning.planner import iteration_time
+            from ..planning.planner import one_f_one_b_time
 
-            self._store[key] = iteration_time(one_f_one_b(dp, pp, m), self.profile.cost_model(pp, 1.0), "adaptive")
+            self._store[key] = one_f_one_b_time(dp, pp, m, self.profile.cost_model(pp, 1.0))
         return self._store[key]
 
     def _split(self, dp: int) -> int:

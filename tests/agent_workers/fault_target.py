@@ -6,6 +6,7 @@ end. No torch: the injector is pure Python.
 
 from __future__ import annotations
 
+import os
 import sys
 
 from ds_resilience.config import FAULT_POINTS
@@ -13,7 +14,7 @@ from ds_resilience.runtime.faults import FaultInjector
 
 
 def main() -> int:
-    injector = FaultInjector((), int(sys.argv[1]))
+    injector = FaultInjector((), int(sys.argv[1]), env=os.environ)
     for step in range(5):
         for point in FAULT_POINTS:
             print(f"{step} {point}", flush=True)

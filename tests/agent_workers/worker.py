@@ -81,7 +81,7 @@ def main() -> int:
         while int(store.add("test/ready", 0)) < world and time.monotonic() < deadline and not stop.is_set():
             time.sleep(0.01)
 
-    injector = FaultInjector((), rank, on_fire=lambda f: emit("fault", kind=f.kind, step=f.step, point=f.point))
+    injector = FaultInjector((), rank, launch=settings, on_fire=lambda f: emit("fault", kind=f.kind, step=f.step, point=f.point))
     step = 0
     deadline = time.monotonic() + 60
     while step < args.steps or (args.until_epoch and not any(e >= args.until_epoch for e in seen)

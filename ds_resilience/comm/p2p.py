@@ -13,14 +13,13 @@ for the posted ones, with a timeout, at the end of an iteration.
 from __future__ import annotations
 
 import zlib
-from datetime import timedelta
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
 from ..errors import ResilienceError
-from .groups import Group
+from .groups import CommError, Group
 
 __all__ = ["CommError", "Messenger", "message_tag", "DTYPES"]
 
@@ -33,10 +32,6 @@ _MAX_DIMS = 6
 _CHANNELS = {"act": 0, "grad": 1, "ctl": 2}
 _META_TAG_BASE = 1 << 28
 _META_TAG_SPAN = 1 << 20
-
-
-class CommError(ResilienceError):
-    """A point-to-point operation failed: it timed out or the peer went away."""
 
 
 def message_tag(channel: str, pipeline: int, microbatch: int, part: int, *, dp: int, microbatches: int) -> int:
@@ -153,7 +148,4 @@ class Messenger:
         return len(self._pending)
 
     def _wait(self, work, what: str) -> None:
-        try:
-            work.wait(timeout=timedelta(seconds=self.timeout_s))
-        except RuntimeError as exc:  # gloo: timeout, or the peer closed the connection
-            raise CommError(f"{what}: {exc}") from exc
+        self.group.wait(work, what, self.timeout_s)

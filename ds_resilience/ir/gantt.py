@@ -6,7 +6,7 @@ written inside bars wide enough to hold it. Each worker's sends are thin bars ju
 (a tick where a message occupies the link for no time). Failed workers are a grey band.
 
 matplotlib is imported only inside :func:`render_gantt` and only its Agg canvas is used (no
-pyplot, no global backend switch), so importing :mod:`ds_resilience.sim` stays light.
+pyplot, no global backend switch), so importing :mod:`ds_resilience.ir.gantt` stays light.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ from pathlib import Path
 
 from ..costs import CostModel
 from ..errors import ResilienceError
-from ..ir import ActionKind, Schedule, replay
+from .action import ActionKind
+from .replay import replay
+from .schedule import Schedule
 from .timeline import Timeline
 
 __all__ = ["render_gantt", "KIND_COLORS"]
@@ -76,7 +78,7 @@ def render_gantt(
 
     Args:
         schedule: the schedule that was simulated.
-        timeline: its :func:`~ds_resilience.sim.simulate` result (per-action starts and ends).
+        timeline: its :func:`~ds_resilience.ir.simulate` result (per-action starts and ends).
         path: output file (PNG); parent directories must exist.
         title: chart title (default: the schedule's name and its grid).
         cost: the cost model the timeline was simulated with (unit costs when ``None``); used to

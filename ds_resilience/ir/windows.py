@@ -6,7 +6,7 @@ receives is in flight. :func:`replication_windows` replays a schedule and return
 each of its compute actions during which that holds, with the idle time the action covers (in the
 cost model's units). At run time the engine opens the replication gate for the measured duration of
 those actions (the measured spans correct the model's), so chunks never compete with the pipeline's
-own activation and gradient messages. Pure Python.
+own activation and gradient messages. Pure Python (layer L0).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..costs import CostModel
-from ..ir.action import ActionKind
-from ..ir.schedule import Schedule
+from .action import ActionKind
+from .schedule import Schedule
 from .timeline import Span, merge_spans, simulate
 
 __all__ = ["Window", "replication_windows", "idle_fraction"]

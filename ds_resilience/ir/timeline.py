@@ -2,7 +2,11 @@
 
 Returns the makespan, per-worker busy and idle spans, per-link network busy and idle spans (the
 windows the checkpoint interleaver fills), the bubble ratio, peak in-flight activations and pending
-W per worker, and, for staggered schedules, the steady-state iteration period. Pure Python.
+W per worker, and, for staggered schedules, the steady-state iteration period.
+
+:func:`iteration_time` is the one definition of a schedule's iteration time: the planner rates its
+plans with it and :func:`simulate` fills :attr:`Timeline.iteration_time` with the same rule
+(:func:`replayed_iteration_time`). Pure Python (layer L0, next to the IR it replays).
 """
 
 from __future__ import annotations
@@ -10,12 +14,31 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..costs import CostModel
-from ..errors import ScheduleError
-from ..ir import ActionKind, Schedule, format_steps, replay
+from ..errors import PlanningError, ScheduleError
+from .action import ActionKind
+from .render import format_steps
+from .replay import replay
+from .schedule import Schedule
 
-__all__ = ["Span", "Timeline", "simulate", "merge_spans", "complement", "iteration_ends", "steady_period", "memory_peaks"]
+__all__ = [
+    "STEADY_ITERATIONS",
+    "Span",
+    "Timeline",
+    "simulate",
+    "merge_spans",
+    "complement",
+    "iteration_ends",
+    "steady_period",
+    "memory_peaks",
+    "replayed_iteration_time",
+    "iteration_time",
+]
 
 Span = tuple[float, float]
+
+STEADY_ITERATIONS = 4
+"""Iterations replayed to measure the staggered optimizer's steady-state period (the period is
+averaged over the second half)."""
 
 
 def merge_spans(spans: list[Span]) -> list[Span]:
@@ -125,6 +148,41 @@ def steady_period(ends_per_iteration: list[float]) -> float:
     return (ends_per_iteration[-1] - ends_per_iteration[half - 1]) / (k - half)
 
 
+def replayed_iteration_time(
+    schedule: Schedule, ends: tuple[tuple[float, ...], ...], makespan: float, repeat: int = 1
+) -> float:
+    """Iteration time of a replay of ``schedule`` run ``repeat`` times back to back.
+
+    One iteration in all: its makespan. Several: the steady-state period
+    (:func:`steady_period` of the :func:`iteration_ends`).
+    """
+    if schedule.iterations * repeat == 1:
+        return makespan
+    return steady_period(iteration_ends(schedule, ends, repeat))
+
+
+def iteration_time(schedule: Schedule, cost: CostModel, variant: str) -> float:
+    """The iteration time the timeline replay gives ``schedule`` under ``variant``'s semantics.
+
+    ``recycle``: the steady-state period of :data:`STEADY_ITERATIONS` back-to-back iterations with
+    the staggered optimizer; otherwise one iteration's makespan. The same rule as
+    :attr:`Timeline.iteration_time` of ``simulate(schedule, cost, repeat=...)``, without measuring
+    the spans.
+
+    Raises:
+        PlanningError: the schedule deadlocks in the replay.
+    """
+    if variant == "recycle":
+        result = replay(schedule, cost, repeat=STEADY_ITERATIONS)
+        if result.blocked:
+            raise PlanningError(f"{variant} schedule deadlocks when repeated")
+        return replayed_iteration_time(schedule, result.ends, result.makespan, STEADY_ITERATIONS)
+    result = replay(schedule, cost)
+    if result.blocked:
+        raise PlanningError(f"{variant} schedule deadlocks")
+    return replayed_iteration_time(schedule, result.ends, result.makespan)
+
+
 def simulate(
     schedule: Schedule, cost: CostModel | None = None, *, ckpt_chunk_bytes: float = 0.0, repeat: int = 1
 ) -> Timeline:
@@ -166,12 +224,10 @@ def simulate(
     link_busy = {k: merge_spans(v) for k, v in link_spans.items()}
     link_idle = {k: complement(v, 0.0, makespan) for k, v in link_busy.items()}
     bubble = total_idle / (len(alive) * makespan) if alive and makespan > 0 else 0.0
-    iterations = schedule.iterations * repeat
-    iteration_time = makespan if iterations == 1 else steady_period(iteration_ends(schedule, r.ends, repeat))
     acts, pend, state = memory_peaks(schedule)
     return Timeline(
         makespan=makespan,
-        iteration_time=iteration_time,
+        iteration_time=replayed_iteration_time(schedule, r.ends, makespan, repeat),
         starts=r.starts,
         ends=r.ends,
         busy=busy,

@@ -1,9 +1,11 @@
-"""One worker's execution of its schedule: forward, B, W, fused backward, messages, reduce, step.
+"""The executor: one worker's actions run through one table, ``ActionKind -> callable``.
 
-:class:`StageWorker` holds a stage's module and per-iteration state, and runs actions through a
-handler table (:data:`HANDLERS`, action kind -> method name). It knows nothing about DeepSpeed: the
-DeepSpeed integration dispatches the same methods from its ``_INSTRUCTION_MAP`` and supplies the
-optimizer step.
+:class:`Executor` holds a stage's module, its per-iteration state and one swappable set of the
+current generation's process groups (:meth:`Executor.install`). It knows nothing about DeepSpeed or
+Megatron: an integration hands it actions (DeepSpeed's ``_INSTRUCTION_MAP`` maps its one IR
+instruction to :meth:`Executor.execute`) and supplies the stage's optimizer step. Hooks
+(:class:`ExecutorHooks`) let the checkpoint tier wrap the optimizer step and gate replication
+around the actions the timeline marks link-idle.
 
 What keeps the math of fault-free training, wherever a micro-batch runs:
 
@@ -19,35 +21,23 @@ What keeps the math of fault-free training, wherever a micro-batch runs:
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 
+from ..comm.groups import GenerationGroups
+from ..comm.p2p import Messenger, message_tag
 from ..errors import ResilienceError
 from ..ir import Action, ActionKind
 from .bw_split import WeightGradStore, backward_fused, backward_input
-from .p2p import Messenger, message_tag
 
-__all__ = ["HANDLERS", "StageWorker", "BatchSource", "IterationStats"]
+__all__ = ["BatchSource", "Executor", "ExecutorHooks", "IterationStats", "StageSpec"]
 
 BatchSource = Callable[[int, int, int], tuple[Any, Any]]
 """(pipeline, iteration, microbatch) -> (inputs, labels)."""
-
-HANDLERS: dict[ActionKind, str] = {
-    ActionKind.F: "forward",
-    ActionKind.B: "backward_input",
-    ActionKind.W: "backward_weight",
-    ActionKind.BW: "backward_fused",
-    ActionKind.SEND_ACT: "send_activation",
-    ActionKind.RECV_ACT: "recv_activation",
-    ActionKind.SEND_GRAD: "send_grad",
-    ActionKind.RECV_GRAD: "recv_grad",
-    ActionKind.REDUCE_GRAD: "reduce_grads",
-    ActionKind.OPT_STEP: "optimizer_step",
-}
-"""The executor's dispatch table: every compute and communication kind a training schedule uses."""
 
 
 def _as_tuple(x: Any) -> tuple:
@@ -81,55 +71,108 @@ class IterationStats:
         return sum(sum(self.durations.get(code, ())) for code in ("F", "B", "W", "BW"))
 
 
-@dataclass
-class StageWorker:
-    """Executes one worker's actions for a stage module.
+@dataclass(frozen=True, kw_only=True)
+class StageSpec:
+    """Where a worker sits in the grid and the rules every iteration follows.
 
-    Args:
-        module: the stage's callable (its layers); called as ``module(inputs)``.
-        parameters: the stage's trainable parameters.
+    Attributes:
         stage, pipeline: this worker's position; ``num_stages`` the pipeline depth.
         dp, microbatches: the grid (micro-batches per pipeline).
-        rank_of: worker index (``stage * dp + pipeline``) -> global rank.
-        batch_source: loads any pipeline's micro-batch (first and last stages).
-        loss_fn: ``loss_fn(outputs, labels)`` on the last stage.
-        messenger: point-to-point messages.
-        stage_group: this stage's surviving replicas (:class:`~.groups.Group`).
-        world_group: all surviving workers (for the global gradient norm).
-        stage_replicas: number of surviving replicas of this stage.
-        step_fn: the optimizer step, called with the clip coefficient already applied.
-        gradient_clipping: max global norm (0 = off).
-        seed: base of the per-micro-batch RNG streams.
-        forward_fn: optional wrapper ``forward_fn(inputs) -> outputs`` (e.g. DeepSpeed's forward).
-        fault_hook: ``fault_hook(point, iteration)`` at the fault-injection points (tests, demos).
+        seed: base of the per-micro-batch RNG streams (``resilience.seed``).
+        gradient_clipping: max global gradient norm (0 = off).
+        timeout_s: how long a message or collective may wait.
     """
 
-    module: Callable[[Any], Any]
-    parameters: Sequence[torch.nn.Parameter]
     stage: int
     pipeline: int
     num_stages: int
     dp: int
     microbatches: int
-    rank_of: Callable[[int], int]
-    batch_source: BatchSource | None
-    loss_fn: Callable[[Any, Any], torch.Tensor] | None
-    messenger: Messenger
-    stage_group: Any
-    world_group: Any
-    stage_replicas: int
-    step_fn: Callable[[], None]
-    gradient_clipping: float = 0.0
     seed: int = 1234
-    forward_fn: Callable[[Any], Any] | None = None
-    fault_hook: Callable[[str, int], None] | None = None
-    iteration: int = 0
-    stats: IterationStats = field(default_factory=IterationStats)
-    wstore: WeightGradStore = field(default_factory=WeightGradStore)
-    _inputs: dict = field(default_factory=dict)
-    _outputs: dict = field(default_factory=dict)
-    _grads_out: dict = field(default_factory=dict)
-    _received: dict = field(default_factory=dict)
+    gradient_clipping: float = 0.0
+    timeout_s: float = 300.0
+
+
+class ExecutorHooks:
+    """What another component may add around the executor's actions (no-ops by default)."""
+
+    def action_window(self, index: int) -> ContextManager[None]:
+        """Context around the ``index``-th action of the iteration (the replication gate)."""
+        return contextlib.nullcontext()
+
+    def before_step(self) -> None:
+        """Right before the stage's optimizer step changes the parameters."""
+
+    def after_step(self) -> None:
+        """Right after the stage's optimizer step (and the engine's counters moved)."""
+
+
+class Executor:
+    """Executes one worker's actions for a stage module.
+
+    Args:
+        spec: the worker's position and the iteration's rules.
+        module: the stage's callable (its layers); called as ``module(inputs)``.
+        parameters: the stage's trainable parameters.
+        loss_fn: ``loss_fn(outputs, labels)`` on the last stage.
+        batch_source: loads any pipeline's micro-batch (first and last stages).
+        rank_of: worker index (``stage * dp + pipeline``) -> global rank.
+        step: the stage's optimizer step (the clip coefficient already applied to the gradients).
+        forward_fn: optional wrapper ``forward_fn(inputs) -> outputs`` (e.g. DeepSpeed's forward).
+        fault_hook: ``fault_hook(point, iteration)`` at the fault-injection points (tests, demos).
+        hooks: see :class:`ExecutorHooks`.
+    """
+
+    def __init__(self, spec: StageSpec, *, module: Callable[[Any], Any], parameters: Sequence[torch.nn.Parameter],
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None, batch_source: BatchSource | None,
+                 rank_of: Callable[[int], int], step: Callable[[], None],
+                 forward_fn: Callable[[Any], Any] | None = None,
+                 fault_hook: Callable[[str, int], None] | None = None, hooks: ExecutorHooks | None = None) -> None:
+        self.spec = spec
+        self.stage, self.pipeline = spec.stage, spec.pipeline
+        self.num_stages, self.dp, self.microbatches = spec.num_stages, spec.dp, spec.microbatches
+        self.module = module
+        self.parameters = list(parameters)
+        self.loss_fn = loss_fn
+        self.batch_source = batch_source
+        self.rank_of = rank_of
+        self.step_fn = step
+        self.forward_fn = forward_fn
+        self.fault_hook = fault_hook
+        self.hooks = hooks or ExecutorHooks()
+        self.groups: GenerationGroups | None = None
+        self.messenger: Messenger | None = None
+        self.iteration = 0
+        self.cursor = 0  # index of the next action within the iteration
+        self.stats = IterationStats()
+        self.wstore = WeightGradStore()
+        self._inputs: dict = {}
+        self._outputs: dict = {}
+        self._grads_out: dict = {}
+        self._received: dict = {}
+        self.handlers: dict[ActionKind, Callable[[Action], None]] = {
+            ActionKind.F: self.forward,
+            ActionKind.B: self.backward_input,
+            ActionKind.W: self.backward_weight,
+            ActionKind.BW: self.backward_fused,
+            ActionKind.SEND_ACT: self.send_activation,
+            ActionKind.RECV_ACT: self.recv_activation,
+            ActionKind.SEND_GRAD: self.send_grad,
+            ActionKind.RECV_GRAD: self.recv_grad,
+            ActionKind.REDUCE_GRAD: self.reduce_grads,
+            ActionKind.OPT_STEP: self.optimizer_step,
+        }
+        """The one dispatch table: every compute and communication kind a training schedule uses."""
+
+    # --- the generation's groups ---------------------------------------------------------------
+    def install(self, groups: GenerationGroups) -> None:
+        """Use ``groups`` (a new membership generation's) for every message and collective."""
+        self.groups = groups
+        self.messenger = Messenger(group=groups.world, timeout_s=self.spec.timeout_s)
+
+    @property
+    def stage_replicas(self) -> int:
+        return len(self.groups.stage) if self.groups is not None else 1
 
     # --- driving ---------------------------------------------------------------------------
     @property
@@ -142,6 +185,7 @@ class StageWorker:
 
     def begin_iteration(self, iteration: int) -> None:
         self.iteration = iteration
+        self.cursor = 0
         self.stats = IterationStats()
         self.wstore = WeightGradStore()  # fresh peaks per iteration
 
@@ -155,22 +199,30 @@ class StageWorker:
         return self.stats
 
     def execute(self, action: Action) -> None:
-        try:
-            name = HANDLERS[action.kind]
-        except KeyError:
-            raise ResilienceError(f"the executor has no handler for {action.kind.name} ({action})") from None
+        """Run one action through the table (timed; inside the hooks' window for its index)."""
+        handler = self.handlers.get(action.kind)
+        if handler is None:
+            raise ResilienceError(f"the executor has no handler for {action.kind.name} ({action})")
+        index = self.cursor
+        self.cursor += 1
         t0 = time.perf_counter()
-        getattr(self, name)(action)
+        with self.hooks.action_window(index):
+            handler(action)
         self.stats.durations.setdefault(action.kind.value, []).append(time.perf_counter() - t0)
 
     def reset(self) -> None:
-        """Drop everything an interrupted iteration left behind (activations, pending W, sends)."""
+        """Drop everything an interrupted iteration left behind (activations, pending W, sends,
+        partial gradients)."""
+        for p in self.parameters:
+            p.grad = None
         self._inputs.clear()
         self._outputs.clear()
         self._grads_out.clear()
         self._received.clear()
         self.wstore = WeightGradStore()
-        self.messenger.drop_pending()
+        self.cursor = 0
+        if self.messenger is not None:
+            self.messenger.drop_pending()
 
     def _fault(self, point: str) -> None:
         if self.fault_hook is not None:
@@ -205,7 +257,7 @@ class StageWorker:
             _, labels = self._load(a.pipeline, a.microbatch)
         arg = inputs[0] if len(inputs) == 1 else inputs
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(_rng_seed(self.seed, self.iteration, a.pipeline, a.microbatch, self.stage))
+            torch.manual_seed(_rng_seed(self.spec.seed, self.iteration, a.pipeline, a.microbatch, self.stage))
             outputs = (self.forward_fn or self.module)(arg)
         if self.is_last:
             if self.loss_fn is None:
@@ -290,7 +342,7 @@ class StageWorker:
         if self.stage_replicas <= 1 or not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
-        self.stage_group.all_reduce(flat)
+        self.groups.stage.all_reduce(flat)
         offset = 0
         for g in grads:
             n = g.numel()
@@ -301,15 +353,18 @@ class StageWorker:
         """sqrt(sum over stages of the stage's squared gradient norm), from all survivors."""
         local = sum(float(g.double().pow(2).sum()) for g in self._grads())
         share = torch.tensor([local / self.stage_replicas], dtype=torch.float64)
-        self.world_group.all_reduce(share)
+        self.groups.world.all_reduce(share)
         return float(share.item()) ** 0.5
 
     def optimizer_step(self, a: Action) -> None:
         self._fault("in_optimizer")
-        if self.gradient_clipping > 0:
+        clip = self.spec.gradient_clipping
+        if clip > 0:
             norm = self.global_grad_norm()
-            coef = self.gradient_clipping / (norm + 1e-6)
+            coef = clip / (norm + 1e-6)
             if coef < 1.0:
                 for g in self._grads():
                     g.mul_(coef)
+        self.hooks.before_step()
         self.step_fn()
+        self.hooks.after_step()

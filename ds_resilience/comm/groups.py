@@ -1,0 +1,187 @@
+"""Process groups addressed by global ranks: one generation's groups, pair groups, and the world.
+
+Each group is a standalone gloo process group over a ``PrefixStore`` named by a session id, the
+generation and its members, so a later generation never meets an earlier one's keys or pairs
+(``dist.new_group`` names groups by their ranks alone, which collides when a member set recurs,
+e.g. the same worker failing twice). Groups keep the original global ranks at their interface:
+:class:`Group` translates to group-local ranks. Only the members construct a group; a dead rank is
+never waited for. Every wait on a :class:`Group` is bounded by its timeout.
+
+Collectives of plain values (:meth:`Group.all_gather_json`, :meth:`Group.broadcast_json`) carry
+JSON, never pickles: nothing received from another process can run code here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..errors import ResilienceError
+from ..topology import Topology, Worker
+
+__all__ = ["CommError", "Group", "GenerationGroups", "build_groups", "new_group", "poison", "world_group"]
+
+_POISON_TAG = (1 << 30) + 7
+_MAX_JSON_BYTES = 64 << 20
+
+
+class CommError(ResilienceError):
+    """A communication failed: it timed out, the peer went away, or what arrived is malformed."""
+
+
+class Group:
+    """A gloo process group addressed by global ranks.
+
+    Args:
+        pg: the backend process group.
+        ranks: its members' global ranks, in group-rank order.
+        timeout_s: how long each operation waits.
+        me: this process's global rank.
+        name: what the group is for (in error messages).
+    """
+
+    def __init__(self, pg: dist.ProcessGroup, ranks: Sequence[int], timeout_s: float, me: int, name: str = "") -> None:
+        self.pg = pg
+        self.me = me
+        self.ranks = tuple(ranks)
+        self.index = {r: i for i, r in enumerate(self.ranks)}
+        self.timeout = timedelta(seconds=timeout_s)
+        self.timeout_s = timeout_s
+        self.name = name or f"group{list(self.ranks)}"
+
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+    def __repr__(self) -> str:
+        return f"Group({self.name}, ranks={list(self.ranks)})"
+
+    def wait(self, work, what: str, timeout_s: float | None = None) -> None:
+        """Wait for ``work`` with the group's timeout (or ``timeout_s``); :class:`CommError` names ``what``."""
+        timeout = self.timeout if timeout_s is None else timedelta(seconds=timeout_s)
+        try:
+            work.wait(timeout)
+        except RuntimeError as exc:  # gloo: timeout, or the peer closed the connection
+            raise CommError(f"{self.name}: {what}: {exc}") from exc
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """In-place sum over the members."""
+        self.wait(self.pg.allreduce([tensor]), "all-reduce")
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int):
+        return self.pg.send([tensor], self.index[dst], tag)
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int):
+        return self.pg.recv([tensor], self.index[src], tag)
+
+    def barrier(self) -> None:
+        self.all_reduce(torch.zeros(1))
+
+    def poison(self) -> None:
+        """Close every pair of this gloo group so blocked operations on it fail now.
+
+        A receive with a 1 ms timeout makes gloo close the pair; a main thread blocked in a receive
+        or a collective on the group is released in milliseconds instead of waiting out the
+        process-group timeout. The group is unusable afterwards.
+        """
+        buf = torch.zeros(1)
+        for peer in range(len(self.ranks)):
+            if self.ranks[peer] == self.me:
+                continue
+            try:
+                self.pg.recv([buf], peer, _POISON_TAG).wait(timedelta(milliseconds=1))
+            except Exception:  # noqa: BLE001 - the timeout is the point
+                pass
+
+    # --- plain values as JSON ---------------------------------------------------------------------
+    def all_gather_json(self, value: Any) -> list[Any]:
+        """Every member's ``value`` (JSON-able), in group-rank order."""
+        data = json.dumps(value, sort_keys=True).encode()
+        sizes = torch.zeros(len(self.ranks), dtype=torch.int64)
+        sizes[self.index[self.me]] = len(data)
+        self.all_reduce(sizes)
+        if int(sizes.max()) > _MAX_JSON_BYTES:
+            raise CommError(f"{self.name}: a member gathers {int(sizes.max())} bytes of JSON (limit {_MAX_JSON_BYTES})")
+        width = int(sizes.max())
+        rows = torch.zeros(len(self.ranks), width, dtype=torch.uint8)
+        if data:
+            rows[self.index[self.me], : len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        self.all_reduce(rows)  # every other row is zero: the sum is the gather
+        out = []
+        for i, n in enumerate(sizes.tolist()):
+            out.append(_loads(bytes(rows[i, :n].numpy()), f"{self.name}: value from rank {self.ranks[i]}"))
+        return out
+
+    def broadcast_json(self, value: Any, src: int) -> Any:
+        """``src``'s ``value`` (JSON-able) on every member."""
+        return self.all_gather_json(value if self.me == src else None)[self.index[src]]
+
+
+def _loads(data: bytes, what: str) -> Any:
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CommError(f"{what} is not JSON: {exc}") from None
+
+
+def poison(group: Group) -> None:
+    """Close every pair of ``group`` (see :meth:`Group.poison`)."""
+    group.poison()
+
+
+def new_group(ranks: Sequence[int], *, name: str, timeout_s: float, store: dist.Store | None = None,
+              me: int | None = None) -> Group:
+    """Create the group ``ranks`` (call on every member); ``name`` must be unique per creation.
+
+    ``store`` defaults to the default process group's store; under the agent it is the agent's.
+    """
+    me = dist.get_rank() if me is None else me
+    ranks = sorted(ranks)
+    if me not in ranks:
+        raise ValueError(f"rank {me} is not a member of group {name} {ranks}")
+    base = store if store is not None else dist.distributed_c10d._get_default_store()
+    prefix = f"dsr/{name}/{'-'.join(map(str, ranks))}"
+    pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, base), ranks.index(me), len(ranks), timedelta(seconds=timeout_s))
+    return Group(pg, ranks, timeout_s, me, name)
+
+
+def world_group(timeout_s: float) -> Group:
+    """The default process group (every rank of the job) as a :class:`Group` with a timeout."""
+    pg = dist.distributed_c10d._get_default_group()
+    return Group(pg, range(dist.get_world_size()), timeout_s, dist.get_rank(), "world")
+
+
+@dataclass(frozen=True)
+class GenerationGroups:
+    """The groups one surviving worker uses in one generation.
+
+    Attributes:
+        generation: membership epoch these groups belong to.
+        world: all surviving workers (messages, global norm, loss aggregation, agreement).
+        stage: this worker's stage's surviving replicas (gradient reduce).
+    """
+
+    generation: int
+    world: Group
+    stage: Group
+
+    def poison(self) -> None:
+        """Release whatever is blocked on this generation's groups (see :meth:`Group.poison`)."""
+        self.world.poison()
+        self.stage.poison()
+
+
+def build_groups(topology: Topology, me: Worker, *, session: str, generation: int = 0, timeout_s: float = 60.0,
+                 store: dist.Store | None = None) -> GenerationGroups:
+    """Create the surviving world group and ``me``'s stage group for ``generation``."""
+    world_ranks = [topology.rank(w) for w in topology.alive_workers()]
+    stage_ranks = [topology.rank(w) for w in topology.stage_peers(me.stage)]
+    name = f"{session}/g{generation}"
+    rank = topology.rank(me)
+    world = new_group(world_ranks, name=f"{name}/world", timeout_s=timeout_s, store=store, me=rank)
+    stage = new_group(stage_ranks, name=f"{name}/stage{me.stage}", timeout_s=timeout_s, store=store, me=rank)
+    return GenerationGroups(generation=generation, world=world, stage=stage)

@@ -1,0 +1,113 @@
+"""Membership records: the agent's epochs and the workers' registrations, as JSON values.
+
+The agent (``runtime/agent.py``) publishes one :class:`EpochRecord` per membership change; each
+worker publishes one :class:`WorkerInfo` when it starts. Both are frozen values that check
+themselves on construction and travel through the store as JSON (never pickled). Pure Python:
+the recovery planner (``planning/recovery.py``) reads them without torch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .errors import ResilienceError
+
+__all__ = ["EPOCH_KINDS", "EpochRecord", "MembershipError", "WorkerInfo"]
+
+EPOCH_KINDS = ("start", "crash", "hang", "rejoin", "stop")
+
+
+class MembershipError(ResilienceError):
+    """A membership record is malformed, or the agent's store cannot be reached in time."""
+
+
+def _ranks(value: Any, name: str) -> tuple[int, ...]:
+    ranks = tuple(value)
+    if any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in ranks):
+        raise MembershipError(f"{name} must be non-negative integer ranks, got {ranks!r}")
+    if len(set(ranks)) != len(ranks):
+        raise MembershipError(f"{name} has duplicate ranks: {ranks!r}")
+    return tuple(sorted(ranks))
+
+
+@dataclass(frozen=True, kw_only=True)
+class EpochRecord:
+    """One membership epoch, as published by the agent.
+
+    Attributes:
+        epoch: 1 at launch, +1 for every change.
+        failed: global ranks gone at this epoch (cumulative; a re-joined rank leaves it).
+        alive: global ranks that are members (disjoint from ``failed``).
+        joining: ranks (a subset of ``alive``) that re-join in this epoch and need state.
+        stop: the job must stop (a stage lost every replica): save a checkpoint and exit 0.
+        restart: with ``stop``: the agent restarts every worker from the in-memory snapshots, so
+            survivors only make sure their newest snapshot is committed, then exit 0.
+        reason: a human-readable cause, e.g. ``"rank 2 crashed (killed by SIGKILL)"``.
+        detected_at: the agent's ``time.time()`` when it detected the change.
+        kind: ``"start" | "crash" | "hang" | "rejoin" | "stop"``.
+    """
+
+    epoch: int
+    failed: tuple[int, ...]
+    alive: tuple[int, ...]
+    joining: tuple[int, ...] = ()
+    stop: bool = False
+    reason: str = ""
+    detected_at: float = 0.0
+    kind: str = "start"
+    restart: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.epoch, bool) or not isinstance(self.epoch, int) or self.epoch < 1:
+            raise MembershipError(f"epoch must be an integer >= 1, got {self.epoch!r}")
+        for name in ("failed", "alive", "joining"):
+            object.__setattr__(self, name, _ranks(getattr(self, name), name))
+        if set(self.failed) & set(self.alive):
+            raise MembershipError(f"ranks both failed and alive: {sorted(set(self.failed) & set(self.alive))}")
+        if not set(self.joining) <= set(self.alive):
+            raise MembershipError(f"joining ranks {self.joining} must be alive ({self.alive})")
+        if self.kind not in EPOCH_KINDS:
+            raise MembershipError(f"kind must be one of {EPOCH_KINDS}, got {self.kind!r}")
+        if bool(self.stop) != (self.kind == "stop"):
+            raise MembershipError(f"stop={self.stop!r} contradicts kind={self.kind!r}")
+        if self.restart and not self.stop:
+            raise MembershipError("restart=True needs stop=True")
+
+    def to_json(self) -> str:
+        """The record as a JSON object string."""
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "EpochRecord":
+        """Parse :meth:`to_json`'s output; raise :class:`MembershipError` if malformed."""
+        try:
+            data = json.loads(text)
+            return cls(**data)
+        except (ValueError, TypeError) as exc:
+            raise MembershipError(f"malformed epoch record {text!r}: {exc}") from exc
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerInfo:
+    """A worker's registration: where it sits in the grid and which process it is."""
+
+    rank: int
+    pipeline: int
+    stage: int
+    pid: int
+    incarnation: int = 0
+    dp: int = 0  # the grid, when the worker knows it (0: unknown)
+    pp: int = 0
+    heartbeat_interval_s: float | None = None  # the rate it actually beats at
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "WorkerInfo":
+        try:
+            return cls(**json.loads(text))
+        except (ValueError, TypeError) as exc:
+            raise MembershipError(f"malformed worker registration {text!r}: {exc}") from exc

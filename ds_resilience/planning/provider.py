@@ -1,0 +1,117 @@
+"""Where a running job gets the schedule for a failure set: the plan table first, the planner second.
+
+At start the engine builds (or loads from ``planner.cache_dir``) the plan table for every failure
+set up to ``max_failures`` (and, with ``planner.all_coverable``, every set re-routing can cover),
+in ``planner.workers`` processes. At a failure, :meth:`ScheduleProvider.schedule_for` answers from
+the table when the set is in it (a lookup, milliseconds) and from the planner's heuristic otherwise
+(deterministic, so every survivor computes the same schedule without talking); it reports which,
+and how long it took. Pure Python.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+from ..costs import CostModel
+from ..errors import PlanningError
+from ..ir import Schedule
+from ..topology import Topology, Worker
+from .generators import generate
+from .planner import plan
+from .table import PlanTable, TableSpec, build_table
+
+__all__ = ["ScheduleChoice", "ScheduleProvider"]
+
+
+@dataclass(frozen=True)
+class ScheduleChoice:
+    """A schedule for a failure set, where it came from, and how long getting it took."""
+
+    schedule: Schedule
+    source: str  # "fault-free" | "table" | "planner"
+    seconds: float
+    figures: dict[str, Any] | None = None  # the plan's predicted times, bound and memory
+
+
+class ScheduleProvider:
+    """Schedules for one job's grid (see the module docstring).
+
+    Args:
+        topology: the full grid.
+        microbatches: micro-batches per pipeline.
+        cost: the cost model.
+        schedule: the fault-free schedule's name (``1f1b`` or ``decoupled``).
+        variant, solver, time_limit_s, memory_cap: planner options (``resilience.planner``).
+        table: a built plan table, or ``None`` (every failure set is planned on demand).
+        on_demand_solver: the solver for sets the table lacks (the heuristic by default: every
+            survivor must compute the same schedule without talking).
+    """
+
+    def __init__(self, topology: Topology, microbatches: int, cost: CostModel, *, schedule: str, variant: str,
+                 solver: str, time_limit_s: float, memory_cap: int | None, table: PlanTable | None = None,
+                 on_demand_solver: str = "heuristic") -> None:
+        self.topology = topology
+        self.microbatches = microbatches
+        self.cost = cost
+        self.schedule_name = schedule
+        self.variant, self.solver, self.time_limit_s, self.memory_cap = variant, solver, time_limit_s, memory_cap
+        self.table = table
+        self.on_demand_solver = on_demand_solver
+        self.table_summary: dict[str, Any] | None = None
+
+    @classmethod
+    def build(cls, topology: Topology, microbatches: int, cost: CostModel, *, schedule: str, variant: str,
+              solver: str, time_limit_s: float, memory_cap: int | None, max_failures: int, all_coverable: bool,
+              cache_dir: str | Path | None, workers: int, on_demand_solver: str = "heuristic",
+              progress: bool = False) -> "ScheduleProvider":
+        """Build or load the plan table (``max_failures`` 0 and no ``all_coverable``: no table)."""
+        provider = cls(topology, microbatches, cost, schedule=schedule, variant=variant, solver=solver,
+                       time_limit_s=time_limit_s, memory_cap=memory_cap, on_demand_solver=on_demand_solver)
+        if max_failures > 0 or all_coverable:
+            spec = TableSpec(dp=topology.dp, pp=topology.pp, microbatches=microbatches, cost=cost, variant=variant,
+                             solver=solver, time_limit_s=time_limit_s, memory_cap=memory_cap,
+                             max_failures=max_failures, all_coverable=all_coverable)
+            provider.table, provider.table_summary = build_table(spec, cache_dir=cache_dir, workers=workers,
+                                                                 progress=progress)
+        return provider
+
+    def covers(self, failed: Iterable[Worker]) -> bool:
+        """Whether the plan table holds a schedule for ``failed``."""
+        if self.table is None:
+            return False
+        try:
+            self.table.lookup(failed)
+            return True
+        except PlanningError:
+            return False
+
+    def schedule_for(self, failed: Iterable[Worker], *, solver: str | None = None) -> ScheduleChoice:
+        """The schedule for ``failed`` (workers of the full grid).
+
+        ``solver`` overrides the on-demand solver (e.g. CP-SAT when one rank plans for everyone).
+
+        Raises:
+            PlanningError: a stage lost every replica.
+        """
+        failed = frozenset(failed)
+        started = time.perf_counter()
+        dp, pp = self.topology.dp, self.topology.pp
+        if not failed:
+            schedule = generate(self.schedule_name, dp, pp, self.microbatches, self.cost)
+            return ScheduleChoice(schedule, "fault-free", time.perf_counter() - started)
+        if self.table is not None:
+            try:
+                view = self.table.lookup(failed)
+            except PlanningError:
+                view = None
+            if view is not None:
+                schedule = view.schedule()
+                return ScheduleChoice(schedule, "table", time.perf_counter() - started, view.figures)
+        result = plan(dp, pp, self.microbatches, failed, cost=self.cost, variant=self.variant,
+                      solver=solver or self.on_demand_solver, time_limit_s=self.time_limit_s,
+                      memory_cap=self.memory_cap)
+        return ScheduleChoice(result.schedule, "planner", time.perf_counter() - started,
+                              result.to_dict(with_schedule=False))

@@ -1,0 +1,278 @@
+"""Live recovery of one worker: plan, then execute.
+
+After the agent publishes a new epoch (``runtime/coordinator.py``):
+
+1. the watcher latches the epoch and poisons the current generation's groups: a blocked receive or
+   collective fails within milliseconds and the iteration is abandoned (its partial gradients and
+   pending messages dropped);
+2. every survivor posts its optimizer-step count and reads everyone's; the pure planner
+   (``planning/recovery.py: plan_recovery``) turns (epoch record, topology, step counts) into a
+   :class:`~ds_resilience.planning.recovery.RecoveryPlan`, the same value on every survivor, which
+   is logged as one JSON line;
+3. this module applies it and decides nothing else: stages ahead of the resume step roll back
+   (``CheckpointTier.rollback``); beyond tolerance the worker gets its snapshot ready for a restart
+   (or exports what it holds) and raises :class:`BeyondTolerance`; otherwise the schedule comes from
+   the plan table or the planner (the log says which, and how long it took), the new generation's
+   groups are built and installed, and donors hand their stage's state to re-joining workers over
+   the state transport. The interrupted iteration is then replayed from its micro-batches.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from ..checkpoint.handover import recv_state, send_state
+from ..checkpoint.state import apply
+from ..checkpoint.tier import CheckpointTier
+from ..comm.groups import CommError, GenerationGroups, build_groups
+from ..epochs import EpochRecord
+from ..errors import ResilienceError
+from ..ir import Schedule
+from ..planning.provider import ScheduleProvider
+from ..planning.recovery import RecoveryPlan, plan_recovery, voters
+from ..topology import Topology, Worker
+from .coordinator import Coordinator, Reconfigure
+from .executor import Executor
+
+__all__ = ["BeyondTolerance", "Generation", "LiveRecovery", "is_failure"]
+
+logger = logging.getLogger("ds_resilience.recovery")
+
+
+class BeyondTolerance(ResilienceError):
+    """A stage lost every replica: training stopped cleanly after saving what survived.
+
+    Attributes:
+        checkpoint_dir: where the surviving stages were saved (``None`` with ``restart``).
+        step: the optimizer step the checkpoint holds.
+        lost_stages: the stages that could not be saved.
+        restart: the agent restarts every worker from the in-memory snapshots; the script should
+            just exit (status 0).
+    """
+
+    def __init__(self, message: str, *, checkpoint_dir: str | None, step: int, lost_stages: list[int],
+                 restart: bool = False) -> None:
+        super().__init__(message)
+        self.checkpoint_dir = checkpoint_dir
+        self.step = step
+        self.lost_stages = lost_stages
+        self.restart = restart
+
+
+def is_failure(exc: BaseException) -> bool:
+    """Errors that may mean a peer failed (they prompt an epoch check, nothing more)."""
+    return isinstance(exc, (Reconfigure, CommError, RuntimeError))
+
+
+@dataclass(frozen=True)
+class Generation:
+    """The membership a worker trains in: who is alive, its schedule and its process groups.
+
+    Attributes:
+        epoch: the membership epoch (0 before any change).
+        topology: the grid with its failed workers.
+        schedule: the schedule every member runs.
+        source: where the schedule came from (``fault-free``, ``table``, ``planner``).
+        lookup_s: how long getting the schedule took.
+        figures: the plan's predicted figures (``None`` when fault-free).
+        groups: this worker's groups (``None`` for a worker left idle).
+    """
+
+    epoch: int
+    topology: Topology
+    schedule: Schedule
+    source: str
+    lookup_s: float
+    figures: dict[str, Any] | None
+    groups: GenerationGroups | None
+
+
+class LiveRecovery:
+    """Applies recovery plans for one worker under the agent (see the module docstring).
+
+    Args:
+        topology, me: the full grid and this worker's position in it.
+        coordinator: heartbeats, the latched epochs and the store.
+        executor: runs the schedule; reset and given new groups here.
+        tier: the stage's saved states (rollback, restart readiness).
+        provider: the plan table and the planner.
+        session: names the process groups; ``timeout_s`` bounds their operations.
+        grace_s: how long an in-band error may wait for the agent's epoch before it is a real error.
+        adopt: installs a new :class:`Generation` in the engine.
+        export: ``export(directory, step)`` writes this stage in the engine's own checkpoint layout
+            (when the job stops beyond tolerance without a restart).
+        persistent_dir: where that export goes (default ``./checkpoints``).
+        grid: ``{"dp": ..., "pp": ...}`` for the export's manifest.
+    """
+
+    def __init__(self, *, topology: Topology, me: Worker, coordinator: Coordinator, executor: Executor,
+                 tier: CheckpointTier, provider: ScheduleProvider, session: str, timeout_s: float, grace_s: float,
+                 adopt: Callable[[Generation], None], export: Callable[[str, int], None],
+                 persistent_dir: str | None) -> None:
+        self.topology, self.me = topology, me
+        self.rank = topology.rank(me)
+        self.coordinator = coordinator
+        self.executor = executor
+        self.tier = tier
+        self.provider = provider
+        self.session = session
+        self.timeout_s = timeout_s
+        self.grace_s = grace_s
+        self.adopt = adopt
+        self.export = export
+        self.persistent_dir = persistent_dir
+        self.log: list[dict[str, Any]] = []
+
+    # --- the generation for a set of failed workers -------------------------------------------------
+    def generation(self, epoch: int, failed: frozenset[Worker], *, build: bool = True) -> Generation:
+        """The schedule and (with ``build``) this worker's groups for ``failed``."""
+        choice = self.provider.schedule_for(failed)
+        target = self.topology.without(failed)
+        groups = None
+        if build:
+            groups = build_groups(target, self.me, session=self.session, generation=epoch, timeout_s=self.timeout_s,
+                                  store=self.coordinator.store)
+        return Generation(epoch=epoch, topology=target, schedule=choice.schedule, source=choice.source,
+                          lookup_s=choice.seconds, figures=choice.figures, groups=groups)
+
+    # --- recovery ----------------------------------------------------------------------------------
+    def recover(self, exc: BaseException) -> None:
+        """Handle a failure signal: wait for the agent's epoch, then apply it (and any newer one)."""
+        record = exc.record if isinstance(exc, Reconfigure) else None
+        if record is None:
+            record = self.coordinator.wait_pending(self.grace_s)
+            if record is None:
+                raise exc  # an error without a membership change is a real error
+        while True:
+            try:
+                self.apply(record)
+                return
+            except Reconfigure as newer:
+                record = newer.record
+
+    def plan(self, record: EpochRecord) -> RecoveryPlan:
+        """Post this worker's step count, read the survivors', and plan (pure)."""
+        steps = self.coordinator.gather_steps(record.epoch, self.tier.host.counters()[0], voters(record))
+        return plan_recovery(record, self.topology, steps, covered=self.provider.covers)
+
+    def apply(self, record: EpochRecord) -> None:
+        started = time.perf_counter()
+        self.executor.reset()
+        plan = self.plan(record)
+        _log_plan(plan, self.rank)
+        if self.rank in plan.rollbacks:
+            self.tier.rollback(plan.resume_step)
+        if plan.action != "continue":
+            self._beyond_tolerance(record, plan)
+        failed = frozenset(self.topology.coord(r)[0] for r in plan.failed)
+        generation = self.generation(record.epoch, failed)
+        self.executor.install(generation.groups)
+        self.adopt(generation)
+        for donor, joiner in plan.handovers:
+            if donor == self.rank:
+                send_state(generation.groups.world, joiner, self.tier.state(), timeout_s=self.timeout_s)
+        self.coordinator.mark_applied(record)
+        self.log.append({
+            "epoch": record.epoch,
+            "kind": record.kind,
+            "failed": list(record.failed),
+            "resume_step": plan.resume_step,
+            "plan": plan.to_dict(),
+            "schedule_source": generation.source,
+            "lookup_s": generation.lookup_s,
+            "apply_s": time.perf_counter() - started,
+            # new epoch published by the agent -> ready for the first new step (same host clock)
+            "recovery_s": time.time() - record.detected_at if record.detected_at else None,
+        })
+
+    # --- re-join -----------------------------------------------------------------------------------
+    def join(self) -> None:
+        """A re-joining worker: wait for the agent's re-join epoch, join its groups, take a peer's state."""
+        deadline = time.monotonic() + max(self.timeout_s, 60.0)
+        while True:
+            record = self.coordinator.pending()
+            if record is not None and self.rank in record.joining:
+                break
+            if record is not None:
+                self.coordinator.mark_applied(record)  # an epoch before ours: nothing to do yet
+            if time.monotonic() > deadline:
+                raise ResilienceError(f"rank {self.rank}: no re-join epoch from the agent within {self.timeout_s:.0f} s")
+            time.sleep(0.01)
+        plan = plan_recovery(record, self.topology, {r: 0 for r in voters(record)}, covered=self.provider.covers)
+        donor = next(d for d, j in plan.handovers if j == self.rank)
+        failed = frozenset(self.topology.coord(r)[0] for r in plan.failed)
+        generation = self.generation(record.epoch, failed)
+        self.executor.install(generation.groups)
+        self.adopt(generation)
+        state = recv_state(generation.groups.world, donor, timeout_s=self.timeout_s)
+        apply(state, self.tier.host, stage=self.me.stage)
+        self.coordinator.mark_applied(record)
+        self.log.append({"epoch": record.epoch, "kind": "joined", "resume_step": state.steps, "donor": donor,
+                         "schedule_source": generation.source, "lookup_s": generation.lookup_s,
+                         "recovery_s": time.time() - record.detected_at if record.detected_at else None})
+
+    # --- beyond tolerance --------------------------------------------------------------------------
+    def _beyond_tolerance(self, record: EpochRecord, plan: RecoveryPlan) -> None:
+        lost = list(plan.lost_stages)
+        step = plan.resume_step
+        if plan.action == "restart" and self.tier.memory is not None:
+            ready = self.tier.ready_for_restart(step)
+            self.coordinator.mark_applied(record)
+            self.log.append({"epoch": record.epoch, "kind": "restart", "resume_step": step, "plan": plan.to_dict(),
+                             **ready})
+            raise BeyondTolerance(
+                f"stage(s) {lost} lost every replica (failed ranks {list(record.failed)}); the agent restarts all "
+                f"workers from the in-memory snapshots (this worker's step {step} is committed: "
+                f"{ready['committed']}, replicated: {ready['replicated']})",
+                checkpoint_dir=None, step=step, lost_stages=lost, restart=True,
+            )
+        base = self.persistent_dir or os.path.join(os.getcwd(), "checkpoints")
+        ckpt_dir = os.path.join(base, f"global_step{step}")
+        target = self.topology.without(frozenset(self.topology.coord(r)[0] for r in record.failed))
+        writers = {s: min(target.stage_peers(s)) for s in range(target.pp) if s not in lost}
+        store = self.coordinator.store
+        if writers.get(self.me.stage) == self.me:
+            self.export(ckpt_dir, step)
+            store.set(f"dsr/saved/{record.epoch}/{self.me.stage}", "1")
+        if self.me == min(target.alive_workers()):
+            for s in writers:
+                self.coordinator.wait_key(f"dsr/saved/{record.epoch}/{s}")
+            manifest = {
+                "step": step,
+                "stages_saved": sorted(writers),
+                "stages_lost": lost,
+                "reason": record.reason or f"stage {lost} lost every replica",
+                "dp": self.topology.dp,
+                "pp": self.topology.pp,
+                "format": "deepspeed layer files (layer_XX-model_states.pt) + stageN-optim_states.pt",
+            }
+            Path(ckpt_dir).mkdir(parents=True, exist_ok=True)
+            tmp = Path(ckpt_dir) / "manifest.json.tmp"
+            tmp.write_text(json.dumps(manifest, indent=1))
+            os.replace(tmp, Path(ckpt_dir) / "manifest.json")
+            store.set(f"dsr/saved/{record.epoch}/manifest", "1")
+        else:
+            self.coordinator.wait_key(f"dsr/saved/{record.epoch}/manifest")
+        self.coordinator.mark_applied(record)
+        self.log.append({"epoch": record.epoch, "kind": "stop", "resume_step": step, "plan": plan.to_dict(),
+                         "checkpoint_dir": ckpt_dir})
+        raise BeyondTolerance(
+            f"stage(s) {lost} lost every replica (failed ranks {list(record.failed)}): re-routing cannot cover this; "
+            f"stopped cleanly after step {step}, surviving stages saved to {ckpt_dir} "
+            f"(the lost stages must come from an earlier checkpoint)",
+            checkpoint_dir=ckpt_dir, step=step, lost_stages=lost,
+        )
+
+
+def _log_plan(plan: RecoveryPlan, rank: int) -> None:
+    """One JSON line per plan, on the worker's stderr and the ``ds_resilience.recovery`` logger."""
+    line = plan.to_json()
+    logger.info("rank %d recovery plan %s", rank, line)
+    print(f"[ds_resilience] rank {rank} recovery plan {line}", file=sys.stderr, flush=True)

@@ -1,0 +1,104 @@
+"""Plan-then-execute recovery: the pure decision every survivor (and the agent) takes per epoch."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+
+import pytest
+
+from ds_resilience.epochs import EpochRecord
+from ds_resilience.errors import PlanningError
+from ds_resilience.planning.recovery import lost_stages, plan_recovery, voters
+from ds_resilience.topology import Topology, Worker
+
+GRID = Topology(dp=3, pp=2)  # ranks: stage * dp + pipeline -> stage 0 = {0, 1, 2}, stage 1 = {3, 4, 5}
+
+
+def record(epoch=2, failed=(), joining=(), kind="crash", restart=False):
+    alive = tuple(r for r in range(GRID.world_size) if r not in failed)
+    return EpochRecord(epoch=epoch, failed=failed, alive=alive, joining=joining, kind=kind, stop=kind == "stop",
+                       restart=restart, reason="test")
+
+
+def test_a_crash_resumes_at_the_fewest_steps_and_rolls_back_the_stages_ahead():
+    steps = {0: 7, 1: 7, 2: 7, 3: 8, 5: 8}  # stage 1 stepped already (staggered optimizer)
+    plan = plan_recovery(record(failed=(4,)), GRID, steps, covered=lambda failed: True)
+    assert plan.action == "continue" and plan.resume_step == 7
+    assert plan.rollbacks == (3, 5)
+    assert plan.failed == (4,) and plan.failed_workers == ("1:1",)
+    assert plan.schedule_source == "table" and plan.lost_stages == ()
+    assert plan.groups == {"world": (0, 1, 2, 3, 5), "stage0": (0, 1, 2), "stage1": (3, 5)}
+    assert plan.handovers == ()
+
+
+def test_the_source_is_the_planner_when_the_table_lacks_the_set():
+    plan = plan_recovery(record(failed=(0, 4)), GRID, {r: 3 for r in (1, 2, 3, 5)},
+                         covered=lambda failed: len(failed) <= 1)
+    assert plan.schedule_source == "planner"
+    assert plan_recovery(record(failed=(0,)), GRID, {r: 3 for r in range(1, 6)}).schedule_source == "planner"
+
+
+def test_a_survivor_two_steps_ahead_is_an_error_not_a_silent_skip():
+    with pytest.raises(PlanningError, match="more than one step"):
+        plan_recovery(record(failed=(4,)), GRID, {0: 5, 1: 5, 2: 5, 3: 7, 5: 5})
+    with pytest.raises(PlanningError, match="no step count"):
+        plan_recovery(record(failed=(4,)), GRID, {0: 5})
+
+
+@pytest.mark.parametrize("restart, action", [(True, "restart"), (False, "stop")])
+def test_a_stage_without_replicas_is_beyond_tolerance(restart, action):
+    plan = plan_recovery(record(failed=(3, 4, 5), kind="stop", restart=restart), GRID, {0: 4, 1: 4, 2: 4})
+    assert plan.action == action and plan.lost_stages == (1,)
+    assert plan.schedule_source is None and plan.groups == {}
+    # the same set published as a plain crash is still beyond tolerance: one decision, not two
+    assert plan_recovery(record(failed=(3, 4, 5)), GRID, {0: 4, 1: 4, 2: 4}).action == "stop"
+
+
+def test_a_rejoin_names_the_donor_and_excludes_the_joiner_from_the_vote():
+    rec = record(epoch=5, failed=(1,), joining=(4,), kind="rejoin")
+    assert voters(rec) == (0, 2, 3, 5)
+    plan = plan_recovery(rec, GRID, {0: 9, 2: 9, 3: 9, 5: 9})
+    assert plan.handovers == ((3, 4),)
+    assert plan.groups["stage1"] == (3, 4, 5)
+    assert plan.resume_step == 9
+
+
+def test_the_plan_is_one_json_line_and_the_same_on_every_survivor():
+    rec = record(failed=(2,))
+    steps = {0: 1, 1: 1, 3: 2, 4: 2, 5: 2}
+    plans = {plan_recovery(rec, GRID, dict(steps)).to_json() for _ in range(3)}
+    assert len(plans) == 1
+    (line,) = plans
+    assert "\n" not in line and json.loads(line)["rollbacks"] == [3, 4, 5]
+
+
+def test_lost_stages_is_the_topology_rule_on_every_failure_set():
+    """The agent decides "beyond tolerance" on registrations with :func:`lost_stages`; the workers'
+    plans do on the topology: both agree on every failure set of a small grid."""
+    grid = Topology(dp=2, pp=3)
+    stage_of = {grid.rank(w): w.stage for w in grid.workers()}
+    for k in range(grid.world_size + 1):
+        for failed in itertools.combinations(range(grid.world_size), k):
+            workers = [grid.coord(r)[0] for r in failed]
+            assert lost_stages(stage_of, failed) == grid.without(workers).uncovered_stages(), failed
+
+
+def test_random_epochs_never_step_a_stage_twice():
+    rng = random.Random(3)
+    for _ in range(200):
+        failed = tuple(sorted(rng.sample(range(GRID.world_size), rng.randint(0, 2))))
+        base = rng.randint(0, 50)
+        steps = {r: base + rng.randint(0, 1) for r in range(GRID.world_size) if r not in failed}
+        plan = plan_recovery(record(failed=failed), GRID, steps)
+        assert plan.resume_step == min(steps.values())
+        assert all(steps[r] == plan.resume_step + 1 for r in plan.rollbacks)
+        assert all(steps[r] == plan.resume_step for r in steps if r not in plan.rollbacks)
+        assert (plan.action == "continue") == (not plan.lost_stages)
+
+
+def test_workers_of_the_record_must_be_in_the_grid():
+    with pytest.raises(Exception):
+        plan_recovery(record(failed=(4,)), Topology(dp=1, pp=2), {0: 1})
+    assert Worker(pipeline=1, stage=1) == GRID.coord(4)[0]
