@@ -87,7 +87,7 @@ def _program(rank: int, world: int, opts: dict) -> dict:
             elapsed = time.perf_counter() - t0
             rec = out.setdefault(sc["name"], {"times": [], "stage": engine.stage_id})
             rec["times"].append(elapsed / steps)
-            if sc["engine"] != "vanilla" and getattr(engine, "worker", None) is not None and rnd == opts["rounds"] - 1:
+            if sc["engine"] != "vanilla" and getattr(engine, "alive", False) and rnd == opts["rounds"] - 1:
                 rec["durations"] = engine.executor.stats.durations
                 rec["schedule"] = engine.schedule.to_text()
             del engine

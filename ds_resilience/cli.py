@@ -27,6 +27,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _tied_group(text: str) -> tuple[int, ...]:
+    """``--tied 0,3``: one tied group, the stages holding copies of one tied module (sorted here)."""
+    try:
+        stages = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected stages like 0,3, got {text!r}") from None
+    if len(set(stages)) < 2 or min(stages) < 0:
+        raise argparse.ArgumentTypeError(f"a tied group needs at least 2 distinct stages >= 0, got {text!r}")
+    return tuple(sorted(set(stages)))
+
+
 def _add_grid(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dp", type=_positive_int, required=True, help="pipelines (data-parallel degree)")
     p.add_argument("--pp", type=_positive_int, required=True, help="pipeline stages")
@@ -56,6 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--solver", choices=SOLVERS, default="cpsat", help="with --fail (default cpsat)")
     plan.add_argument("--time-limit", type=float, default=10.0, help="solver time limit in seconds (default 10)")
     plan.add_argument("--memory-cap", type=_positive_int, help="micro-batch states per worker (default 2*pp)")
+    plan.add_argument(
+        "--tied",
+        metavar="S,S[,S]",
+        type=_tied_group,
+        action="append",
+        default=[],
+        help="stages sharing a tied module (e.g. 0,3 for tied embeddings); repeat for several groups",
+    )
     plan.set_defaults(handler=_cmd_plan)
 
     table = sub.add_parser("plan-table", help="precompute plans for every normalized failure set")
@@ -69,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     table.add_argument("--workers", type=int, default=0, help="parallel processes (default: CPU count)")
     table.add_argument("--out", metavar="DIR", default=".plan_cache", help="cache directory (default .plan_cache)")
     table.add_argument("--json", action="store_true")
+    table.add_argument("--tied", metavar="S,S[,S]", type=_tied_group, action="append", default=[],
+                       help="stages sharing a tied module (e.g. 0,3); repeat for several groups")
     table.set_defaults(handler=_cmd_plan_table)
 
     from .planning import placement_cli
@@ -102,6 +123,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     cost = _load_cost(args.cost)
     cost.check_stages(args.pp)
     failed = _parse_failed(args.fail)
+    tied = tuple(args.tied)
     plan_report: dict = {}
     if failed:
         from .planning.planner import plan
@@ -116,11 +138,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             solver=args.solver,
             time_limit_s=args.time_limit,
             memory_cap=args.memory_cap,
+            tied=tied,
         )
         schedule = result.schedule
         plan_report = result.to_dict(with_schedule=False)
     else:
-        schedule = generate(args.schedule, args.dp, args.pp, args.microbatches, cost)
+        schedule = generate(args.schedule, args.dp, args.pp, args.microbatches, cost, tied=tied)
     timeline = simulate(schedule, cost)
     report = {
         "dp": args.dp,
@@ -128,6 +151,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         "microbatches": args.microbatches,
         "schedule_name": schedule.name,
         "cost_model": cost.name,
+        "tied": [list(group) for group in schedule.tied],
         "makespan": timeline.makespan,
         "iteration_time": timeline.iteration_time,
         "bubble_ratio": timeline.bubble_ratio,
@@ -146,11 +170,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report))
         return 0
-    from .ir import format_grid
+    from .ir import format_grid, format_tied
 
     print(format_grid(schedule, timeline.starts, timeline.ends))
+    tied_text = f" tied={format_tied(schedule.tied)}" if schedule.tied else ""
     print(
-        f"schedule={schedule.name} dp={args.dp} pp={args.pp} microbatches={args.microbatches} cost={cost.name}\n"
+        f"schedule={schedule.name} dp={args.dp} pp={args.pp} microbatches={args.microbatches} cost={cost.name}"
+        f"{tied_text}\n"
         f"makespan={timeline.makespan:g} bubble_ratio={timeline.bubble_ratio:.3f} "
         f"peak_activations={report['peak_activations']} peak_pending_w={report['peak_pending_w']}"
     )
@@ -188,6 +214,7 @@ def _cmd_plan_table(args: argparse.Namespace) -> int:
         memory_cap=args.memory_cap,
         max_failures=args.max_failures,
         all_coverable=args.all_coverable,
+        tied=tuple(args.tied),
     )
     table, summary = build_table(spec, cache_dir=args.out, workers=args.workers, progress=not args.json)
     if args.json:

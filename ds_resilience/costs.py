@@ -10,6 +10,10 @@ JSON fields (all optional, defaults in brackets)::
     t_f, t_b, t_w      forward, input-gradient, weight-gradient time  [1, 1, 1]
     t_opt              optimizer step time per stage                  [0]
     t_reduce           data-parallel gradient reduce time per stage   [0]
+    t_tied_reduce      tied-gradient reduce time per stage (TIED_REDUCE; a tied group's reduce lasts
+                       the max over its stages)                         [0]
+    t_recompute        the forward B recomputes under activation checkpointing (the runtime
+                       recomputes the whole stage before its B or fused BW)  [0]
     activation_bytes   bytes of one micro-batch's activation (or gradient) crossing a stage boundary [0]
     p2p_latency        per-message latency                            [0]
     p2p_bandwidth      bytes per time unit, null = infinite           [null]
@@ -27,19 +31,22 @@ from .errors import CostModelError
 
 __all__ = ["CostModel", "StageCosts"]
 
-_PER_STAGE = ("t_f", "t_b", "t_w", "t_opt", "t_reduce", "activation_bytes")
+_PER_STAGE = ("t_f", "t_b", "t_w", "t_opt", "t_reduce", "t_tied_reduce", "t_recompute", "activation_bytes")
 _SCALAR = ("p2p_latency", "p2p_bandwidth")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StageCosts:
-    """Resolved costs of one stage."""
+    """Resolved costs of one stage. ``t_b`` is B's whole time, its ``t_recompute`` included: what
+    every planner, bound and replay uses."""
 
     t_f: float
     t_b: float
     t_w: float
     t_opt: float
     t_reduce: float
+    t_tied_reduce: float
+    t_recompute: float
     activation_bytes: float
 
 
@@ -56,6 +63,8 @@ class CostModel:
     t_w: tuple[float, ...] = (1.0,)
     t_opt: tuple[float, ...] = (0.0,)
     t_reduce: tuple[float, ...] = (0.0,)
+    t_tied_reduce: tuple[float, ...] = (0.0,)
+    t_recompute: tuple[float, ...] = (0.0,)
     activation_bytes: tuple[float, ...] = (0.0,)
     p2p_latency: float = 0.0
     p2p_bandwidth: float | None = None
@@ -149,7 +158,14 @@ class CostModel:
                 )
             return values[stage]
 
-        return StageCosts(**{name: pick(getattr(self, name)) for name in _PER_STAGE})
+        picked = {name: pick(getattr(self, name)) for name in _PER_STAGE}
+        picked["t_b"] += picked["t_recompute"]  # B recomputes the stage's forward first
+        return StageCosts(**picked)
+
+    def tied_reduce_time(self, group: Sequence[int]) -> float:
+        """Duration of one TIED_REDUCE of the tied group holding ``group``'s stages: the slowest
+        stage's ``t_tied_reduce`` (the collective ends for all its members at once)."""
+        return max((self.stage(s).t_tied_reduce for s in group), default=0.0)
 
     def transfer_time(self, nbytes: float) -> float:
         """Time a message of ``nbytes`` occupies a link (serialization), excluding latency."""

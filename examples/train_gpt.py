@@ -42,6 +42,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--progress", action="store_true", help="rank 0 draws a progress bar instead of a line per step")
     parser.add_argument("--min-step-seconds", type=float, default=0.0,
                         help="pad each step to at least this long (paces demos and re-join tests)")
+    parser.add_argument("--eval-every", type=int, default=0, help="engine.eval_batch every N steps (0: never)")
+    parser.add_argument("--save-every", type=int, default=0, help="engine.save_checkpoint every N steps (0: never)")
+    parser.add_argument("--save-dir", default="checkpoints", help="where save_checkpoint writes")
+    parser.add_argument("--load-dir", default=None, help="engine.load_checkpoint from here before training")
+    parser.add_argument("--load-tag", default=None, help="the tag to load (default: the 'latest' file's)")
+    parser.add_argument("--log-allreduce", action="store_true",
+                        help="all-reduce each step's loss over engine.survivor_group(), as a logging loop would")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     return parser.parse_args(argv)
 
@@ -66,12 +73,21 @@ def main(argv=None) -> int:
         return gpt_model.micro_batch(corpus, pipeline=pipeline, iteration=iteration, microbatch=microbatch, dp=dp,
                                      microbatches=microbatches, micro_batch_size=micro_batch_size)
 
+    eval_corpus = gpt_model.SyntheticCorpus(cfg, seed=args.seed + 1)
+
+    def eval_source(pipeline: int, step: int, microbatch: int):
+        return gpt_model.micro_batch(eval_corpus, pipeline=pipeline, iteration=step, microbatch=microbatch, dp=dp,
+                                     microbatches=microbatches, micro_batch_size=micro_batch_size)
+
     engine, *_ = ds_resilience.initialize(
         model=module,
         config=args.deepspeed_config,
         model_parameters=[p for p in module.parameters() if p.requires_grad],
         batch_source=batch_source,
+        eval_source=eval_source,
     )
+    if args.load_dir:
+        engine.load_checkpoint(args.load_dir, tag=args.load_tag)
     rank = dist.get_rank()
     samples = micro_batch_size * microbatches * dp
     if rank == 0:
@@ -88,7 +104,7 @@ def main(argv=None) -> int:
                 f"{f['fault_free_iteration_time']:g} (degradation {f['degradation']:.1%}, unit costs)",
                 flush=True,
             )
-    losses, times = [], []
+    losses, times, evals, reduced = [], [], {}, {}
     started = time.perf_counter()
     stopped = None
     # Driven by the engine's step count, not a local counter: after a failure the engine replays the
@@ -101,6 +117,18 @@ def main(argv=None) -> int:
         except ds_resilience.BeyondTolerance as exc:
             stopped = str(exc)
             break
+        if args.log_allreduce and loss is not None:  # a user's own collective, on the survivors
+            t = loss.detach().reshape(1).to(torch.float64).clone()
+            torch.distributed.all_reduce(t, group=engine.survivor_group())
+            reduced[engine.global_steps] = (float(t), len(engine.survivors()))
+        if args.eval_every and engine.global_steps % args.eval_every == 0:
+            own = gpt_model.data_iterator(eval_corpus, pipeline=engine.me.pipeline, dp=dp, microbatches=microbatches,
+                                          micro_batch_size=micro_batch_size, start_iteration=engine.global_steps)
+            value = engine.eval_batch(own)
+            if value is not None:
+                evals[engine.global_steps] = float(value)
+        if args.save_every and engine.global_steps % args.save_every == 0:
+            engine.save_checkpoint(args.save_dir)
         if args.min_step_seconds > 0:
             time.sleep(max(0.0, args.min_step_seconds - (time.perf_counter() - t0)))
         dt = time.perf_counter() - t0
@@ -145,6 +173,8 @@ def main(argv=None) -> int:
             "recovery": engine.recovery_log,
             "stopped": stopped,
             "heartbeat_interval_s": engine.coordinator.heartbeat_interval_s if engine.coordinator else None,
+            "evals": evals,
+            "allreduce": reduced,
         }, f"{args.dump}.rank{rank}.pt")
     if stopped:
         return 0

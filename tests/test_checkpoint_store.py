@@ -307,3 +307,15 @@ def test_a_corrupt_replica_of_a_held_step_leaves_the_held_version_intact(tmp_pat
         dst.put_bytes("w3", 7, bad, rep.layout, rep.checksum)  # the same step again, corrupted in transit
     assert dst.latest("w3", cached=False).step == 7
     assert torch.equal(dst.load("w3", 7)["x"], torch.arange(100, dtype=torch.float32))
+
+
+def test_an_older_version_committed_after_newer_ones_is_not_pruned_at_once(tmp_path):
+    """A restart may restore a step older than the two its rank holds (its peers lagged): the
+    replica received for it must survive its own commit, or the restore finds nothing to load."""
+    src, dst = SnapshotStore(tmp_path / "a"), SnapshotStore(tmp_path / "b", keep=2)
+    for step in (3, 4):
+        dst.save("w0", step, {"x": torch.full((5,), float(step))})
+    src.save("w0", 1, {"x": torch.ones(5)})
+    rep = src.read_bytes("w0", 1)
+    dst.put_bytes("w0", 1, rep.payload, rep.layout, rep.checksum)
+    assert torch.equal(dst.load("w0", 1)["x"], torch.ones(5))

@@ -53,3 +53,18 @@ def test_shipped_profiles_load():
     assert files, "configs/ ships cost profiles"
     for f in files:
         CostModel.load(f)
+
+
+def test_recomputation_under_activation_checkpointing_lengthens_every_backward():
+    """With activation checkpointing the runtime recomputes a stage's forward before its B (or fused
+    BW): the cost model's t_recompute is part of B for every planner, bound and replay."""
+    from ds_resilience.ir import replay
+    from ds_resilience.planning import one_f_one_b
+
+    base = CostModel(t_f=1.0, t_b=1.0, t_w=1.0)
+    ckpt = CostModel(t_f=1.0, t_b=1.0, t_w=1.0, t_recompute=(0.5, 1.0))
+    assert ckpt.stage(0).t_b == 1.5 and ckpt.stage(1).t_b == 2.0 and ckpt.stage(1).t_recompute == 1.0
+    schedule = one_f_one_b(1, 2, 4)
+    plain, slow = replay(schedule, base), replay(schedule, ckpt)
+    assert slow.makespan > plain.makespan
+    assert CostModel.from_dict(ckpt.to_dict()) == ckpt

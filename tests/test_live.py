@@ -24,8 +24,9 @@ STEPS = 8
 POINTS = ("before_forward", "mid_backward", "in_reduce", "in_optimizer")
 
 
-def _config(tmp: Path, *, dp: int, faults=(), name="cfg", checkpoint=None) -> Path:
+def _config(tmp: Path, *, dp: int, faults=(), name="cfg", checkpoint=None, deepspeed=None) -> Path:
     base = json.loads((REPO / "configs" / "gpt_cpu_pp2_dp2.json").read_text())
+    base.update(deepspeed or {})
     base["optimizer"] = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}
     base["resilience"] = {
         "schedule": "1f1b",
@@ -40,13 +41,14 @@ def _config(tmp: Path, *, dp: int, faults=(), name="cfg", checkpoint=None) -> Pa
 
 
 def run_job(tmp: Path, *, world: int = 4, faults=(), name="job", rejoin_after=None, steps=STEPS, pace=0.0,
-            checkpoint=None, max_restarts=0):
+            checkpoint=None, max_restarts=0, extra=(), deepspeed=None):
     """Run the GPT under the agent; returns (exit code, agent events, per-rank dumps)."""
-    cfg = _config(tmp, dp=world // 2, faults=faults, name=name, checkpoint=checkpoint)
+    cfg = _config(tmp, dp=world // 2, faults=faults, name=name, checkpoint=checkpoint, deepspeed=deepspeed)
     dump = tmp / name
     agent = Agent(
         SCRIPT,
-        ["--deepspeed_config", str(cfg), "--steps", str(steps), "--dump", str(dump), "--min-step-seconds", str(pace)],
+        ["--deepspeed_config", str(cfg), "--steps", str(steps), "--dump", str(dump), "--min-step-seconds", str(pace),
+         *extra],
         num_workers=world,
         heartbeat_interval_s=0.2,
         heartbeat_timeout_s=2.0,
@@ -208,6 +210,47 @@ def test_rejoin_returns_to_fault_free_and_stays_exact(tmp_path):
     assert joined and 2 < joined[0]["resume_step"] < steps, dumps[1]["recovery"]
     # back to fault-free: after the re-join every worker runs its own pipeline's work only
     assert_equal_to_reference(dumps, reference, steps=steps)
+
+
+@pytest.mark.timeout(600)
+def test_a_loop_that_evaluates_and_saves_survives_a_failure_and_its_checkpoint_restarts_a_full_job(tmp_path):
+    """The drop-in promise after a failure: eval_batch every step, save_checkpoint every other step,
+    a loss-logging all-reduce on the survivors' group, DeepSpeed's csv monitor; rank 0 (which
+    prints, monitors and writes `latest`) is SIGKILLed mid-backward in step 2. Every step
+    finishes; the evaluations equal a fault-free run's; the monitor goes on from the next survivor
+    with the resilience events; the checkpoint the survivors saved after the failure loads into a
+    fresh full-size job that then ends where the fault-free run ends."""
+    loop = ["--eval-every", "1", "--save-every", "2", "--log-allreduce"]
+    keep = {"keep_last": 10}
+    code, _, ref = run_job(tmp_path, name="ref", checkpoint=keep, extra=[*loop, "--save-dir", str(tmp_path / "ref-ck")])
+    assert code == 0, logs(tmp_path, "ref")
+    fault = {"rank": 0, "step": 2, "point": "mid_backward", "kind": "sigkill"}
+    save_dir = tmp_path / "job-ck"
+    monitor = {"csv_monitor": {"enabled": True, "output_path": str(tmp_path / "monitor"), "job_name": "job"}}
+    code, events, dumps = run_job(tmp_path, faults=[fault], checkpoint=keep, deepspeed=monitor,
+                                  extra=[*loop, "--save-dir", str(save_dir)])
+    assert code == 0, logs(tmp_path, "job")
+    assert [e.rank for e in events if e.kind == "crash"] == [0]
+    assert_equal_to_reference(dumps, ref, dead=[0])
+    csv_dir = tmp_path / "monitor" / "job"
+    rows = (csv_dir / "Train_Samples_train_loss.csv").read_text().splitlines()
+    assert rows[0] == "step,train_loss" and len(rows) == 1 + STEPS, rows  # one header, a row per step
+    assert (csv_dir / "Resilience_recovery_s.csv").read_text().splitlines()[0] == "step,recovery_s"
+    assert len((csv_dir / "Train_Samples_eval_loss.csv").read_text().splitlines()) == 1 + STEPS
+    ref_evals = ref[1]["evals"]
+    for d in dumps.values():
+        assert sorted(d["evals"]) == list(range(1, STEPS + 1))
+        for step, value in d["evals"].items():
+            assert value == pytest.approx(ref_evals[step], rel=1e-5), (step, value, ref_evals[step])
+        for step, (total, members) in d["allreduce"].items():
+            loss = d["losses"][step - 1]
+            assert members == (4 if step <= fault["step"] else 3), (step, members)  # step 3 ran on the survivors
+            assert total == pytest.approx(loss * members, rel=1e-6)
+    assert (save_dir / "global_step4").is_dir() and (save_dir / "latest").read_text() == f"global_step{STEPS}"
+    # a fresh full-size job (the repaired machine is back) continues from step 4
+    code, _, resumed = run_job(tmp_path, name="resumed", extra=["--load-dir", str(save_dir), "--load-tag", "global_step4"])
+    assert code == 0, logs(tmp_path, "resumed")
+    assert_equal_to_reference(resumed, ref)
 
 
 @pytest.mark.timeout(300)

@@ -10,9 +10,11 @@ deepspeed. :class:`AsyncCheckpointWriter` writes the files like this:
   ``path + ".tmp-<pid>"`` and ``os.replace`` s it to ``path``: a reader never sees a torn file, and
   a crash leaves only a ``.tmp-*`` file that DeepSpeed's loaders never glob.
 * ``commit(info)`` waits (bounded) for this rank's writes of that tag, then writes the marker
-  ``<save_dir>/<tag>/.complete-rank<R>``.
-* Global rank 0 writes ``<save_dir>/latest`` (atomically) only once every rank's marker of a tag
-  exists, and then deletes complete tags older than the newest ``keep_last`` complete ones.
+  ``<save_dir>/<tag>/.complete-rank<R>``, naming the ranks expected to mark the tag (every rank,
+  or after a failure the survivors: :attr:`AsyncCheckpointWriter.participants`).
+* The finalizer (global rank 0, or the first survivor once it died) writes ``<save_dir>/latest``
+  (atomically) only once every expected rank's marker of a tag exists, and then deletes complete
+  tags older than the newest ``keep_last`` complete ones.
 * :meth:`~AsyncCheckpointWriter.poll` commits what has finished without blocking;
   :meth:`~AsyncCheckpointWriter.flush` (collective) and ``wait()`` force the commits.
 
@@ -33,7 +35,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -136,8 +138,9 @@ def _read_markers(tag_dir: str) -> dict[int, dict]:
 
 
 def complete_tags(save_dir: str, world_size: int) -> list[str]:
-    """Tags of ``save_dir`` with a completion marker of every rank ``0..world_size-1``, oldest first
-    (ordered by the time their save began)."""
+    """Tags of ``save_dir`` with a completion marker of every expected rank, oldest first (ordered
+    by the time their save began). The expected ranks are those the markers name (the survivors that
+    saved the tag); markers that name none expect every rank ``0..world_size-1``."""
     found = []
     try:
         names = os.listdir(save_dir)
@@ -148,7 +151,9 @@ def complete_tags(save_dir: str, world_size: int) -> list[str]:
         if not os.path.isdir(tag_dir):
             continue
         markers = _read_markers(tag_dir)
-        if markers and all(r in markers for r in range(world_size)):
+        named = {int(r) for m in markers.values() for r in (m.get("expected") or ())}
+        expected = named or set(range(world_size))
+        if markers and all(r in markers for r in expected):
             created = max(int(m.get("created_ns", 0)) for m in markers.values())
             found.append((created, _step_of(tag), tag))
     found.sort()
@@ -200,6 +205,19 @@ class AsyncCheckpointWriter:
         self._latest_written: dict[str, int] = {}
         self._save_dirs: set[str] = set()
         self.write_seconds: list[float] = []  # background time of each write (for benchmarks)
+        # who takes part: the default is the whole world with rank 0 as finalizer; an engine that
+        # survives failures points these at its survivors (and their barrier)
+        self.participants: Callable[[], Sequence[int]] | None = None
+        self.finalizer: Callable[[], bool] | None = None
+        self.barrier: Callable[[], None] | None = None
+
+    def _is_finalizer(self) -> bool:
+        return self.finalizer() if self.finalizer is not None else _rank_world()[0] == 0
+
+    def _expected(self) -> list[int]:
+        if self.participants is not None:
+            return sorted(int(r) for r in self.participants())
+        return list(range(_rank_world()[1]))
 
     # --- the CheckpointEngine API (DeepSpeed's names) -------------------------------------------
     def create(self, info):
@@ -208,7 +226,7 @@ class AsyncCheckpointWriter:
             self._pending[(info.save_dir, info.tag)] = entry
             self._current = entry
             self._save_dirs.add(info.save_dir)
-        if info.save_latest and _rank_world()[0] == 0:
+        if info.save_latest and self._is_finalizer():
             self._latest_wanted[info.save_dir] = (entry.created_ns, info.tag)
 
     def makedirs(self, path, exist_ok=False):
@@ -269,13 +287,13 @@ class AsyncCheckpointWriter:
         tag_dir = os.path.join(entry.info.save_dir, entry.info.tag)
         os.makedirs(tag_dir, exist_ok=True)
         marker = {"rank": rank, "world_size": world, "tag": entry.info.tag, "created_ns": entry.created_ns,
-                  "files": [os.path.basename(p) for p, _ in entry.writes]}
+                  "files": [os.path.basename(p) for p, _ in entry.writes], "expected": self._expected()}
         _atomic_write_text(os.path.join(tag_dir, f"{MARKER_PREFIX}{rank}"), json.dumps(marker))
         with self._lock:
             self._pending.pop((entry.info.save_dir, entry.info.tag), None)
             if self._current is entry:
                 self._current = None
-        if rank == 0:
+        if self._is_finalizer():
             self._finalize(just_committed=(entry.info.save_dir, entry.info.tag))
         return True
 
@@ -294,7 +312,7 @@ class AsyncCheckpointWriter:
             ready = [e for e in self._pending.values() if e.done()]
         for entry in ready:
             self.commit(entry.info)
-        if _rank_world()[0] == 0 and self._save_dirs:
+        if self._is_finalizer() and self._save_dirs:
             self._finalize()
 
     def wait(self, timeout_s: float | None = None) -> None:
@@ -309,19 +327,37 @@ class AsyncCheckpointWriter:
             self.timeout_s = saved
 
     def flush(self, timeout_s: float | None = None) -> None:
-        """Collective: every rank waits for its writes, then rank 0 writes ``latest`` and prunes."""
+        """Collective (over the participants): every rank waits for its writes, then the finalizer
+        writes ``latest`` and prunes."""
         self.wait(timeout_s)
-        rank, world = _rank_world()
-        if world > 1:
-            torch.distributed.barrier()
-        if rank == 0:
+        world = _rank_world()[1]
+        barrier = self.barrier or (torch.distributed.barrier if world > 1 else (lambda: None))
+        barrier()
+        if self._is_finalizer():
             self._finalize()
-        if world > 1:
-            torch.distributed.barrier()
+        barrier()
 
     def close(self) -> None:
         self.wait()
         self._executor.shutdown(wait=True)
+
+    def finish(self, timeout_s: float = 60.0) -> None:
+        """At the end of the process (no collective): commit this rank's writes; the finalizer then
+        waits (bounded) for the other participants' markers and writes ``latest``, so a checkpoint
+        saved just before a script exits is complete for the next job."""
+        try:
+            self.wait()
+        except CheckpointWriteError:
+            return
+        if not (self._is_finalizer() and self._latest_wanted):
+            return
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._finalize()
+            done = all(self._latest_written.get(d, -1) >= wanted[0] for d, wanted in self._latest_wanted.items())
+            if done or time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
 
     # --- internals -----------------------------------------------------------------------------
     def _find(self, info) -> _PendingTag | None:
@@ -356,7 +392,7 @@ class AsyncCheckpointWriter:
             raise CheckpointWriteError(f"checkpoint write of {path} failed: {exc!r}") from exc
 
     def _finalize(self, just_committed: tuple[str, str] | None = None) -> None:
-        """Rank 0: point ``latest`` at the newest tag complete for all ranks; prune old complete tags."""
+        """The finalizer: point ``latest`` at the newest complete tag; prune old complete tags."""
         _, world = _rank_world()
         for save_dir in list(self._save_dirs):
             complete = complete_tags(save_dir, world)

@@ -344,7 +344,8 @@ class SnapshotStore:
     def _prune(self, owner: str, new_step: int) -> None:
         committed = self._committed_steps(owner)
         for step in committed[self.keep:]:
-            self._delete(owner, step)
+            if step != new_step:  # an older version just committed (a restore's) is wanted: keep it
+                self._delete(owner, step)
         for step in self._all_steps(owner):  # leftovers of writers killed before their manifest
             if step < new_step and step not in committed:
                 self._delete(owner, step)

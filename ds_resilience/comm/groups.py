@@ -14,7 +14,7 @@ JSON, never pickles: nothing received from another process can run code here.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Sequence
 
@@ -163,25 +163,36 @@ class GenerationGroups:
         generation: membership epoch these groups belong to.
         world: all surviving workers (messages, global norm, loss aggregation, agreement).
         stage: this worker's stage's surviving replicas (gradient reduce).
+        tied: tied group index -> the surviving workers of every stage of that tied group (the
+            tied-weight gradient reduce), for the groups that hold this worker's stage.
     """
 
     generation: int
     world: Group
     stage: Group
+    tied: dict[int, Group] = field(default_factory=dict)
 
     def poison(self) -> None:
         """Release whatever is blocked on this generation's groups (see :meth:`Group.poison`)."""
         self.world.poison()
         self.stage.poison()
+        for group in self.tied.values():
+            group.poison()
 
 
 def build_groups(topology: Topology, me: Worker, *, session: str, generation: int = 0, timeout_s: float = 60.0,
-                 store: dist.Store | None = None) -> GenerationGroups:
-    """Create the surviving world group and ``me``'s stage group for ``generation``."""
+                 store: dist.Store | None = None, tied: Sequence[Sequence[int]] = ()) -> GenerationGroups:
+    """Create the surviving world group, ``me``'s stage group and the tied groups of ``me``'s stage
+    (``tied``: the schedule's tied groups, tuples of stages) for ``generation``."""
     world_ranks = [topology.rank(w) for w in topology.alive_workers()]
     stage_ranks = [topology.rank(w) for w in topology.stage_peers(me.stage)]
     name = f"{session}/g{generation}"
     rank = topology.rank(me)
     world = new_group(world_ranks, name=f"{name}/world", timeout_s=timeout_s, store=store, me=rank)
     stage = new_group(stage_ranks, name=f"{name}/stage{me.stage}", timeout_s=timeout_s, store=store, me=rank)
-    return GenerationGroups(generation=generation, world=world, stage=stage)
+    tied_groups = {}
+    for g, stages in enumerate(tied):  # in group order on every member: no crossed rendezvous
+        if me.stage in stages:
+            ranks = [topology.rank(w) for s in stages for w in topology.stage_peers(s)]
+            tied_groups[g] = new_group(ranks, name=f"{name}/tied{g}", timeout_s=timeout_s, store=store, me=rank)
+    return GenerationGroups(generation=generation, world=world, stage=stage, tied=tied_groups)

@@ -29,7 +29,8 @@ DTYPES = (
 _HEADER = 64  # int64 slots: [count, (dtype, requires_grad, ndim, dims... up to 6) per tensor]
 _MAX_TENSORS = 6
 _MAX_DIMS = 6
-_CHANNELS = {"act": 0, "grad": 1, "ctl": 2}
+_CHANNELS = {"act": 0, "grad": 1, "ctl": 2, "eval": 3}
+_EVAL_TAG_BASE = 1 << 25  # evaluation messages: far from any training tag
 _META_TAG_BASE = 1 << 28
 _META_TAG_SPAN = 1 << 20
 
@@ -37,7 +38,8 @@ _META_TAG_SPAN = 1 << 20
 def message_tag(channel: str, pipeline: int, microbatch: int, part: int, *, dp: int, microbatches: int) -> int:
     """A tag unique per (channel, pipeline, micro-batch, part) within an iteration."""
     base = (_CHANNELS[channel] * dp + pipeline) * microbatches + microbatch
-    return base * (2 * _MAX_TENSORS + 2) + part
+    offset = _EVAL_TAG_BASE if channel == "eval" else 0
+    return offset + base * (2 * _MAX_TENSORS + 2) + part
 
 
 def _encode(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -77,18 +79,23 @@ def _decode(header: torch.Tensor) -> list[tuple[torch.dtype, bool, tuple[int, ..
 class Messenger:
     """Sends and receives tensors between global ranks on one :class:`~.groups.Group`.
 
-    Shapes are static per channel (a kind of message between one pair of ranks, e.g. activations
-    from rank 3 to rank 6): the header (count, dtypes, shapes) goes once per channel, on a tag of
-    its own, and every message after that is payload only. A shape that changes on a channel
-    raises a :class:`~ds_resilience.errors.ResilienceError` rather than corrupting the receiver.
+    With static shapes (the default) the header (count, dtypes, shapes) goes once per channel (a
+    kind of message between one pair of ranks, e.g. activations from rank 3 to rank 6), on a tag of
+    its own, and every message after that is payload only; a shape that changes on a channel raises
+    a :class:`~ds_resilience.errors.ResilienceError` rather than corrupting the receiver. With
+    ``dynamic=True`` (DeepSpeed's ``PipelineModule(dynamic_shape=True)``) the header travels with
+    every message, on the message's own tag (part 0, the payload uses parts 1..), so the shape
+    travels with the tensor whatever order the messages of a pair are posted in.
 
     Args:
         group: the group (global ranks at its interface).
         timeout_s: how long :meth:`recv` and :meth:`wait_sends` wait before :class:`CommError`.
+        dynamic: shapes may change from one message to the next.
     """
 
     group: Group
     timeout_s: float = 300.0
+    dynamic: bool = False
     _pending: list = field(default_factory=list)
     _sent_meta: dict = field(default_factory=dict)
     _recv_meta: dict = field(default_factory=dict)
@@ -103,7 +110,9 @@ class Messenger:
         key = (channel, dst)
         works = []
         known = self._sent_meta.get(key)
-        if known is None:
+        if self.dynamic:
+            works.append(self.group.isend(header, dst, tag))
+        elif known is None:
             self._sent_meta[key] = header
             works.append(self.group.isend(header, dst, self._meta_tag(channel)))
         elif not torch.equal(known, header):
@@ -120,7 +129,11 @@ class Messenger:
         """Receive the tensors ``src`` sent under ``tag`` on ``channel`` (blocking, with the timeout)."""
         key = (channel, src)
         meta = self._recv_meta.get(key)
-        if meta is None:
+        if self.dynamic:
+            header = torch.zeros(_HEADER, dtype=torch.int64)
+            self._wait(self.group.irecv(header, src, tag), f"{channel} header from rank {src} tag {tag}")
+            meta = _decode(header)
+        elif meta is None:
             header = torch.zeros(_HEADER, dtype=torch.int64)
             self._wait(self.group.irecv(header, src, self._meta_tag(channel)), f"{channel} header from rank {src}")
             meta = self._recv_meta[key] = _decode(header)

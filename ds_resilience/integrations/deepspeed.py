@@ -71,6 +71,9 @@ def _split_config(config: Any) -> tuple[dict[str, Any], ResilienceConfig, Path |
     return data, resilience, base_dir
 
 
+_DEFAULT_PORT = 29500  # deepspeed.constants.TORCH_DISTRIBUTED_DEFAULT_PORT (checked by a test)
+
+
 def initialize(
     args: Any = None,
     model: Any = None,
@@ -78,20 +81,33 @@ def initialize(
     model_parameters: Any = None,
     training_data: Any = None,
     lr_scheduler: Any = None,
+    distributed_port: int = _DEFAULT_PORT,
     mpu: Any = None,
     dist_init_required: bool | None = None,
     collate_fn: Any = None,
     config: Any = None,
+    mesh_param: Any = None,
     config_params: Any = None,
     *,
     batch_source: BatchSource | None = None,
+    eval_source: BatchSource | None = None,
 ):
     """``deepspeed.initialize`` for a ``PipelineModule``, returning a :class:`ResilientPipelineEngine`.
 
-    Same arguments and return value ``(engine, optimizer, training_dataloader, lr_scheduler)``;
-    the config's ``"resilience"`` section is validated here (a :class:`ConfigError` names the key)
-    and removed before DeepSpeed sees the rest. With ``"resilience": {"enabled": false}`` this is
-    plain ``deepspeed.initialize`` (DeepSpeed's own engine, no resilience).
+    DeepSpeed's parameters in DeepSpeed's order (a test holds them against the installed
+    ``deepspeed.initialize``), then ds_resilience's own, keyword-only. Same return value,
+    ``(engine, optimizer, training_dataloader, lr_scheduler)``. The config's ``"resilience"``
+    section is validated here (a :class:`ConfigError` names the key) and removed before DeepSpeed
+    sees the rest. With ``"resilience": {"enabled": false}`` this is plain ``deepspeed.initialize``
+    (DeepSpeed's own engine, no resilience).
+
+    Args:
+        batch_source: ``(pipeline, iteration, microbatch) -> (inputs, labels)``: loads any
+            pipeline's micro-batch, which a worker needs when it runs a failed peer's micro-batches
+            (first and last stages).
+        eval_source: ``(pipeline, step, microbatch) -> (inputs, labels)``: the same for
+            ``eval_batch`` (a worker still reads its own pipeline's micro-batches from the
+            ``data_iter`` it is given, as in DeepSpeed).
     """
     import deepspeed
     from deepspeed import comm as ds_dist
@@ -101,7 +117,9 @@ def initialize(
 
     if config is None:
         config = config_params
-    if config is None and args is not None and getattr(args, "deepspeed_config", None):
+    if args is not None and getattr(args, "deepspeed_config", None):
+        if config is not None:
+            raise ConfigError("deepspeed_config", "given both as --deepspeed_config and as config=; pass one")
         config = args.deepspeed_config
         args.deepspeed_config = None
     if config is None:
@@ -109,18 +127,23 @@ def initialize(
     ds_config, resilience, base_dir = _split_config(config)
     if not resilience.enabled:
         return deepspeed.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
-                                    training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
-                                    dist_init_required=dist_init_required, collate_fn=collate_fn, config=ds_config)
+                                    training_data=training_data, lr_scheduler=lr_scheduler,
+                                    distributed_port=distributed_port, mpu=mpu, dist_init_required=dist_init_required,
+                                    collate_fn=collate_fn, config=ds_config, mesh_param=mesh_param)
     if resilience.cost_model is not None and isinstance(resilience.cost_model, str) and base_dir is not None:
         resilience.cost(base_dir)  # fail early on a bad path
     if not isinstance(model, PipelineModule):
         raise ConfigError("model", f"ds_resilience needs a deepspeed.pipe.PipelineModule, got {type(model).__name__}")
     if mpu is not None:
-        raise ConfigError("mpu", "must be None with pipeline parallelism")
+        raise ConfigError("mpu", "must be None with pipeline parallelism (the PipelineModule carries its topology)")
+    if mesh_param is not None:
+        raise ConfigError("mesh_param", "a sequence-parallel device mesh is not supported with pipeline parallelism")
     launch = launch_env()  # the agent's contract, read once
-    ds_dist.init_distributed(dist_backend=get_accelerator().communication_backend_name(), dist_init_required=dist_init_required)
+    ds_dist.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
+                             distributed_port=distributed_port, dist_init_required=dist_init_required)
     mpu = model.mpu()
     config_class = DeepSpeedConfig(ds_config, mpu)
+    deepspeed.set_optimizer_flags(config_class, model)  # as deepspeed.initialize does (Muon flags)
     engine = ResilientPipelineEngine(
         args=args,
         model=model,
@@ -135,7 +158,9 @@ def initialize(
         config_class=config_class,
         resilience=resilience,
         batch_source=batch_source,
+        eval_source=eval_source,
         launch=launch,
         config_dir=base_dir,
     )
+    engine._configure_python_gc()
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

@@ -26,6 +26,9 @@ How it hooks into DeepSpeed 0.19.8 (``runtime/engine.py``):
 
 from __future__ import annotations
 
+import atexit
+import weakref
+
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 
 from ..checkpoint.persistent import DEFAULT_TIMEOUT_S, AsyncCheckpointWriter
@@ -72,6 +75,7 @@ def install(engine, *, keep_last: int = 2, timeout_s: float = DEFAULT_TIMEOUT_S)
         old.cleanup()
     ce = AsyncPersistentCheckpointEngine(getattr(engine, "_config", None), keep_last=keep_last, timeout_s=timeout_s)
     engine.checkpoint_engine = ce
+    atexit.register(_finish_at_exit, weakref.ref(ce))
     take_step = getattr(engine, "_take_model_step", None)
     if take_step is not None:
         orig = getattr(take_step, "__ds_resilience_orig__", take_step)
@@ -84,3 +88,14 @@ def install(engine, *, keep_last: int = 2, timeout_s: float = DEFAULT_TIMEOUT_S)
         _take_model_step.__ds_resilience_orig__ = orig
         engine._take_model_step = _take_model_step
     return ce
+
+
+def _finish_at_exit(ref: "weakref.ref[AsyncPersistentCheckpointEngine]") -> None:
+    """A script that saves and exits leaves a complete checkpoint: markers and ``latest`` written."""
+    ce = ref()
+    if ce is not None:
+        try:
+            ce.finish()
+        except Exception:  # noqa: BLE001 - never fail the interpreter's exit
+            pass
+

@@ -18,7 +18,6 @@ The work is done by composed parts, each with one owner:
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 from datetime import timedelta
@@ -33,7 +32,7 @@ from ..checkpoint.inmemory import InMemoryCheckpointer
 from ..checkpoint.tier import CheckpointTier
 from ..comm.groups import build_groups, world_group
 from ..config import ResilienceConfig
-from ..errors import ConfigError
+from ..errors import ConfigError, ResilienceError
 from ..ir import Action, ActionKind, Schedule
 from ..launch import LaunchEnv
 from ..planning.provider import ScheduleChoice, ScheduleProvider
@@ -44,7 +43,10 @@ from ..runtime.recovery import Generation, LiveRecovery, is_failure
 from ..topology import Topology, Worker
 from .ds_checkpoint_engine import install as install_checkpoint_engine
 from .ds_instructions import ActionSchedule, IRAction
-from .ds_stage import DeepSpeedStage, IteratorSource
+from .ds_checkpoints import export_stage, save_on_survivors
+from .ds_evaluation import evaluate
+from .ds_reporting import is_reporter, report
+from .ds_stage import DeepSpeedStage, IteratorSource, activation_checkpointing, tied_layout
 
 __all__ = ["ResilientPipelineEngine"]
 
@@ -59,14 +61,23 @@ class ResilientPipelineEngine(PipelineEngine):
         launch: the agent's contract (:func:`ds_resilience.launch.launch_env`), ``None`` when not
             launched by the agent (no live recovery).
         config_dir: the directory a relative ``resilience.cost_model`` path is resolved against.
+        eval_source: ``(pipeline, step, microbatch) -> (inputs, labels)``: any pipeline's evaluation
+            micro-batch for an ``eval_batch`` at optimizer step ``step``; needed when a worker
+            evaluates a failed peer's micro-batches (first and last stages).
     """
 
     def __init__(self, *args: Any, resilience: ResilienceConfig, batch_source: BatchSource | None = None,
-                 launch: LaunchEnv | None = None, config_dir: Path | None = None, **kwargs: Any):
+                 launch: LaunchEnv | None = None, config_dir: Path | None = None,
+                 eval_source: BatchSource | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.resilience, self.launch = resilience, launch
         if self.grid.model_parallel_size != 1:
             raise ConfigError("resilience", "tensor parallelism is not supported yet (model_parallel_size must be 1)")
+        if getattr(self.module, "seed_layers", False):
+            raise ConfigError("PipelineModule(seed_layers=True)", "its per-layer seeds count the forwards a worker has "
+                              "run, which re-routing and activation recomputation change; ds_resilience seeds every "
+                              "micro-batch's forward from (resilience.seed, iteration, pipeline, micro-batch, stage) "
+                              "instead: build the module with seed_layers=False")
         if resilience.microbatches is not None and resilience.microbatches != self.micro_batches:
             raise ConfigError("resilience.microbatches",
                               f"{resilience.microbatches} differs from gradient_accumulation_steps={self.micro_batches}")
@@ -85,28 +96,39 @@ class ResilientPipelineEngine(PipelineEngine):
         self.iteration_log: list[dict[str, Any]] = []
         self.recovery_log: list[dict[str, Any]] = []
         self._idle_iteration = 0
+        self._since_print = 0.0
+        self._reported_recoveries = 0
+        self._monitor_warned = False
+        self.eval_source = eval_source
         self.stage_host = DeepSpeedStage(self)
+        self.tied_groups, tied_params = tied_layout(self.module)
         self.provider = self._schedule_provider(config_dir)
         self.coordinator = self._coordinator() if live else None
         self.faults = FaultInjector(resilience.fault_injection, self.rank, launch=launch)
         self.tier = CheckpointTier(self.stage_host, stage=self.stage_id, rank=self.rank, keep_pre_step=live,
                                    memory=self._memory_tier(rejoin) if live and self.alive else None)
         self.faults.lose_memory = self.tier.lose_memory
+        recompute, reentrant = activation_checkpointing(self.module)
         self.executor = Executor(
             StageSpec(stage=self.stage_id, pipeline=self.me.pipeline, num_stages=self.num_stages, dp=self.topology.dp,
                       microbatches=self.micro_batches, seed=resilience.seed,
                       gradient_clipping=float(self.gradient_clipping() or 0.0),
-                      timeout_s=resilience.detector.pg_timeout_s),
+                      timeout_s=resilience.detector.pg_timeout_s, mark_inputs=reentrant,
+                      dynamic_shapes=bool(getattr(self.module, "dynamic_shape", False))),
             module=self.module, parameters=self.stage_host.parameters, loss_fn=self.module.loss_fn,
-            batch_source=batch_source or IteratorSource(self), rank_of=lambda i: self.topology.rank(self.topology.worker(i)),
-            step=self.stage_host.step, fault_hook=self.faults.maybe_fire, hooks=self.tier,
+            batch_source=batch_source or IteratorSource(self, self.micro_batches), rank_of=lambda i: self.topology.rank(self.topology.worker(i)),
+            step=self.stage_host.step, recompute=recompute, fault_hook=self.faults.maybe_fire, hooks=self.tier,
+            tied=tied_params, counted_tied=[g for g, stages in enumerate(self.tied_groups) if stages[0] == self.stage_id],
         )
+        # get_global_grad_norm(): the true global norm where this engine computes one (clipping on);
+        # like vanilla's fp32 engine, None otherwise
+        self.stage_host.grad_norm = lambda: self.executor.last_grad_norm
         self.recovery = None
         if live:
             self.recovery = LiveRecovery(
                 topology=self.topology, me=self.me, coordinator=self.coordinator, executor=self.executor,
                 tier=self.tier, provider=self.provider, session=self.session, timeout_s=resilience.detector.pg_timeout_s,
-                grace_s=resilience.detector.heartbeat_timeout_s + 5.0, adopt=self._adopt, export=self._export_stage,
+                grace_s=resilience.detector.heartbeat_timeout_s + 5.0, adopt=self._adopt, export=lambda directory, step: export_stage(self, directory, step),
                 persistent_dir=resilience.checkpoint.persistent_dir,
             )
             self.recovery.log = self.recovery_log
@@ -114,6 +136,9 @@ class ResilientPipelineEngine(PipelineEngine):
         self.persistent_engine = None
         if resilience.checkpoint.enabled:  # save_checkpoint / load_checkpoint: asynchronous, atomic, keep_last
             self.persistent_engine = install_checkpoint_engine(self, keep_last=resilience.checkpoint.keep_last)
+            self.persistent_engine.participants = self.survivors
+            self.persistent_engine.finalizer = lambda: is_reporter(self)
+            self.persistent_engine.barrier = self._survivor_barrier
         if self.tier.memory is not None and not rejoin:
             if launch.restart:
                 self._restore_after_restart()
@@ -130,7 +155,7 @@ class ResilientPipelineEngine(PipelineEngine):
             self.topology, self.micro_batches, cfg.cost(base_dir), schedule=cfg.schedule, variant=cfg.variant,
             solver=planner.solver, time_limit_s=planner.time_limit_s, memory_cap=planner.memory_cap,
             max_failures=cfg.max_failures, all_coverable=planner.all_coverable, cache_dir=planner.cache_dir,
-            workers=planner.workers,
+            workers=planner.workers, tied=self.tied_groups,
         )
 
     def _coordinator(self) -> Coordinator:
@@ -170,7 +195,7 @@ class ResilientPipelineEngine(PipelineEngine):
             groups = None
             if not rejoin:
                 groups = build_groups(self.topology, self.me, session=self.session, timeout_s=timeout,
-                                      store=self.coordinator.store)
+                                      store=self.coordinator.store, tied=self.tied_groups)
         else:
             payload = None
             if dist.get_rank() == 0:
@@ -181,8 +206,8 @@ class ResilientPipelineEngine(PipelineEngine):
             self.session = payload["session"]
             choice = ScheduleChoice(Schedule.from_text(payload["schedule"]), payload["source"], payload["seconds"],
                                     payload["figures"])
-            groups = (build_groups(self.topology.without(failed), self.me, session=self.session, timeout_s=timeout)
-                      if self.alive else None)
+            groups = (build_groups(self.topology.without(failed), self.me, session=self.session, timeout_s=timeout,
+                                   tied=self.tied_groups) if self.alive else None)
         generation = Generation(epoch=0, topology=self.topology.without(failed), schedule=choice.schedule,
                                 source=choice.source, lookup_s=choice.seconds, figures=choice.figures, groups=groups)
         if groups is not None:
@@ -241,22 +266,6 @@ class ResilientPipelineEngine(PipelineEngine):
         if getattr(self, "tier", None) is not None:
             self.tier.drop(record.failed)
 
-    def _export_stage(self, ckpt_dir: str, step: int) -> None:
-        """This stage's layers (DeepSpeed's file names) and optimizer state, written atomically."""
-        Path(ckpt_dir).mkdir(parents=True, exist_ok=True)
-        for idx, layer in enumerate(self.module.forward_funcs):
-            if not hasattr(layer, "state_dict"):
-                continue
-            path = self.module.ckpt_layer_path(ckpt_dir, idx)
-            tmp = f"{path}.tmp{os.getpid()}"
-            torch.save({k: v.detach().clone() for k, v in layer.state_dict().items()}, tmp)
-            os.replace(tmp, path)
-        optim_path = os.path.join(ckpt_dir, f"stage{self.stage_id}-optim_states.pt")
-        tmp = f"{optim_path}.tmp{os.getpid()}"
-        torch.save({"step": step, "optimizer": self.optimizer.state_dict(),
-                    "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None}, tmp)
-        os.replace(tmp, optim_path)
-
     # --- training --------------------------------------------------------------------------------
     def train_batch(self, data_iter=None):
         """Run one iteration of this worker's schedule; returns the global mean loss (survivors).
@@ -271,11 +280,15 @@ class ResilientPipelineEngine(PipelineEngine):
             self._park()
             return None
         self.module.train()
+        return self._resilient(self._train_iteration)
+
+    def _resilient(self, run):
+        """Run ``run()``; on a failure signal under the agent, recover and run it again."""
         while True:
             try:
                 if self.coordinator is not None:
                     self.coordinator.check()
-                return self._train_iteration()
+                return run()
             except Exception as exc:  # noqa: BLE001 - filtered by is_failure
                 if self.recovery is None or not is_failure(exc):
                     raise
@@ -296,8 +309,113 @@ class ResilientPipelineEngine(PipelineEngine):
         self.iteration_log.append(
             {"step": self.global_steps, "loss": float(loss), "seconds": elapsed, "rerouted": stats.rerouted, "forwards": stats.forwards}
         )
-        self.agg_train_loss = loss.float()
+        # what vanilla returns: a 0-dim tensor, the loss's dtype on the last stage, float32 elsewhere
+        dtype = stats.loss_dtype if self.stage_id == self.num_stages - 1 and stats.loss_dtype else torch.float32
+        self.agg_train_loss = loss.reshape(()).to(device=self.device, dtype=dtype)
+        report(self, elapsed)
         return self.agg_train_loss
+
+    # --- evaluation ----------------------------------------------------------------------------
+    def eval_batch(self, data_iter=None, return_logits=False, compute_loss=True, reduce_output="avg", bcast_loss=True,
+                   num_micro_batches=None):
+        """DeepSpeed's ``eval_batch`` on the survivors: the same arguments and return values.
+
+        Every pipeline's ``num_micro_batches`` (default: the training count) evaluation
+        micro-batches run forward on the worker the re-routing assignment gives them, so a failed
+        worker's share runs on its data-parallel peers and the result equals a fault-free
+        evaluation. A worker reads its own pipeline's micro-batches from ``data_iter`` (as in
+        DeepSpeed) and other pipelines' from ``eval_source`` (``initialize(eval_source=...)``).
+        Collectives go over the survivors only.
+        """
+        if reduce_output not in ("avg", None):
+            raise NotImplementedError(f"reduction type {reduce_output} not supported.")
+        micro_batches = self.micro_batches if num_micro_batches is None else int(num_micro_batches)
+        self.module.eval()
+        try:
+            return self._resilient(lambda: evaluate(self, data_iter, micro_batches, return_logits, compute_loss,
+                                                    reduce_output, bcast_loss))
+        finally:
+            self.module.train()
+
+    # --- checkpoints -----------------------------------------------------------------------------
+    def _world_unsafe(self) -> bool:
+        """Whether DeepSpeed's default (world) group must not be waited on: under the agent (a member
+        may die during the wait, and a re-joined worker's default group is a stand-in), or once any
+        worker failed or was left idle. The survivors' groups are used instead."""
+        return self.coordinator is not None or bool(self.current.failed) or self.generation.epoch > 0
+
+    def _survivor_barrier(self) -> None:
+        if self._world_unsafe():
+            if self.generation.groups is not None:
+                self.generation.groups.world.barrier()
+        elif dist.get_world_size() > 1:
+            dist.barrier()
+
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
+        """DeepSpeed's ``save_checkpoint``, also after a failure.
+
+        Without the agent and fault-free it is DeepSpeed's own. Under the agent, or once a worker
+        has failed, the survivors write the same files DeepSpeed writes, the whole model once: for each stage its first surviving replica
+        plays data-parallel rank 0 (the layer files ``layer_XX-model_states.pt`` and the stage's
+        ``mp_rank_XX_model_states.pt`` with optimizer, scheduler and counters), every wait is on
+        the survivors' group, and the survivor that reports writes ``latest``. The result loads
+        into a full-size job (DeepSpeed's or ours) after the repair.
+        """
+        if not save_dir:
+            raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
+        if not self._world_unsafe():
+            return super().save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
+                                           exclude_frozen_parameters=exclude_frozen_parameters)
+        if not self.alive:
+            return True  # a worker left idle holds no state worth saving
+        return self._resilient(lambda: save_on_survivors(self, save_dir, tag, client_state, save_latest,
+                                                         exclude_frozen_parameters))
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
+        """DeepSpeed's ``load_checkpoint``, also after a failure (each survivor reads its stage's
+        files; the broadcast that re-synchronizes tied weights over the world is skipped, as every
+        copy is read from the same checkpoint). The in-memory tier keeps its snapshots: the next
+        one is the loaded state."""
+        if self.persistent_engine is not None and self.checkpoint_engine is self.persistent_engine:
+            self.persistent_engine.flush()  # this job's own saves are complete and `latest` is current
+        if not self._world_unsafe():
+            return super().load_checkpoint(load_dir, tag=tag, load_module_strict=load_module_strict,
+                                           load_optimizer_states=load_optimizer_states,
+                                           load_lr_scheduler_states=load_lr_scheduler_states,
+                                           load_module_only=load_module_only, custom_load_fn=custom_load_fn)
+        if not self.alive:
+            return None, None
+        sync = self.module._synchronize_tied_weights
+        self.module._synchronize_tied_weights = lambda: None
+        try:
+            result = super().load_checkpoint(load_dir, tag=tag, load_module_strict=load_module_strict,
+                                             load_optimizer_states=load_optimizer_states,
+                                             load_lr_scheduler_states=load_lr_scheduler_states,
+                                             load_module_only=load_module_only, custom_load_fn=custom_load_fn)
+        finally:
+            self.module._synchronize_tied_weights = sync
+        self._survivor_barrier()
+        return result
+
+    def survivor_group(self):
+        """The surviving workers' process group, for your own collectives after a failure.
+
+        DeepSpeed's and torch's collectives on the default group would wait for a dead worker
+        forever; pass this group instead: ``torch.distributed.all_reduce(t, group=engine.survivor_group())``
+        (also ``deepspeed.comm.all_reduce`` and ``barrier``). It is a new group after every
+        membership change, so ask for it at each use. Collectives that name a source or
+        destination rank (``broadcast``, ``reduce``) need :meth:`survivors` to pick a rank, and
+        :attr:`ds_resilience.comm.Group` methods (``engine.generation.groups.world``) take global
+        ranks directly.
+        """
+        if self.generation.groups is None:
+            raise ResilienceError("this worker is not a member of the current generation (left idle)")
+        return self.generation.groups.world.pg
+
+    def survivors(self) -> tuple[int, ...]:
+        """Global ranks of the surviving workers (the members of :meth:`survivor_group`)."""
+        return tuple(self.topology.rank(w) for w in self.current.alive_workers())
 
     def close_snapshots(self) -> None:
         """Stop the checkpoint tier's threads (the snapshots stay in host memory for the agent)."""
@@ -338,13 +456,20 @@ class ResilientPipelineEngine(PipelineEngine):
                 if self.current.failed and self.coordinator is None:
                     store.set(self._idle_key(step), "1")  # wakes the simulated-failed workers
             return loss
-        store = self._store()
         if self.coordinator is not None:
             value = self.coordinator.wait_key(key)
         else:
-            store.wait([key], timedelta(seconds=self.resilience.detector.store_timeout_s))
-            value = store.get(key)
+            value = self._wait_store(key, self.resilience.detector.store_timeout_s, "this iteration's loss")
         return torch.tensor([float(value)], dtype=torch.float64)
+
+    def _wait_store(self, key: str, timeout_s: float, what: str) -> bytes:
+        """A store key, waited for at most ``timeout_s``; a timeout names what was awaited."""
+        store = self._store()
+        try:
+            store.wait([key], timedelta(seconds=timeout_s))
+        except RuntimeError as exc:  # c10d's timeout (DistStoreError) names neither the key nor why
+            raise ResilienceError(f"rank {self.rank}: waited {timeout_s:.0f} s for {what} (store key {key}): {exc}") from None
+        return store.get(key)
 
     # --- idle (simulated failed) workers ---------------------------------------------------------
     def _park(self) -> None:
@@ -353,7 +478,8 @@ class ResilientPipelineEngine(PipelineEngine):
         A simulated-failed worker must not race ahead into collectives of later code, where
         DeepSpeed's CPU communication backend busy-waits and steals a core from the survivors.
         """
-        self._store().wait([self._idle_key(self._idle_iteration)], timedelta(seconds=self.resilience.detector.pg_timeout_s * 10))
+        self._wait_store(self._idle_key(self._idle_iteration), self.resilience.detector.pg_timeout_s * 10,
+                         f"the survivors to finish iteration {self._idle_iteration} (this worker is left idle)")
         self._idle_iteration += 1
 
     def _idle_key(self, step: int) -> str:

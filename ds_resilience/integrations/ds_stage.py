@@ -3,6 +3,8 @@
 :class:`DeepSpeedStage` is the stage (``checkpoint.state.StageHost``): parameters, optimizer,
 scheduler, step counters, and DeepSpeed's optimizer step for this stage alone.
 :class:`IteratorSource` turns a DeepSpeed-style data iterator into a batch source.
+:func:`activation_checkpointing` reads a ``PipelineModule``'s checkpointing settings and
+:func:`tied_layout` its tied modules.
 """
 
 from __future__ import annotations
@@ -13,16 +15,25 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ..errors import ResilienceError
 
-__all__ = ["DeepSpeedStage", "IteratorSource"]
+__all__ = ["DeepSpeedStage", "IteratorSource", "activation_checkpointing", "tied_layout"]
 
 
 class IteratorSource:
-    """A batch source over a DeepSpeed-style data iterator: own pipeline's micro-batches only."""
+    """A batch source over the engine's DeepSpeed-style data iterator: its own pipeline's micro-batches.
 
-    def __init__(self, engine: PipelineEngine) -> None:
+    Micro-batch ``m`` of an iteration is the ``m``-th item the iterator yields in that iteration,
+    as in DeepSpeed. The items of the current iteration are kept until the next one begins, so a
+    replay of the iteration after a failure reads the same micro-batches again, and a stage that
+    reads a micro-batch twice (first and last stage on one rank) gets the same item. It never reads
+    more than ``microbatches`` items per iteration: a request it cannot serve is an error naming
+    the micro-batch, never a loop.
+    """
+
+    def __init__(self, engine: PipelineEngine, microbatches: int) -> None:
         self.engine = engine
-        self.cache: dict[tuple[int, int], Any] = {}
-        self.next_mb: dict[int, int] = {}
+        self.microbatches = microbatches
+        self.iteration: int | None = None
+        self.items: dict[int, Any] = {}
 
     def __call__(self, pipeline: int, iteration: int, microbatch: int) -> tuple[Any, Any]:
         if pipeline != self.engine.me.pipeline:
@@ -30,12 +41,16 @@ class IteratorSource:
                 f"re-routed micro-batch {microbatch} of pipeline {pipeline} needs that pipeline's data: pass "
                 "batch_source=(pipeline, iteration, microbatch) -> (inputs, labels) to ds_resilience.initialize"
             )
-        key = (iteration, microbatch)
-        while key not in self.cache:
-            m = self.next_mb.get(iteration, 0)
-            self.cache[(iteration, m)] = next(self.engine.data_iterator)
-            self.next_mb[iteration] = m + 1
-        return self.cache.pop(key)
+        if not 0 <= microbatch < self.microbatches:
+            raise ResilienceError(f"micro-batch {microbatch} requested; an iteration has {self.microbatches}")
+        if iteration != self.iteration:
+            self.iteration, self.items = iteration, {}
+        while microbatch not in self.items:
+            if self.engine.data_iterator is None:
+                raise ResilienceError("train_batch() needs data: pass data_iter=..., training_data= to initialize, "
+                                      "or batch_source= to ds_resilience.initialize")
+            self.items[len(self.items)] = next(self.engine.data_iterator)
+        return self.items[microbatch]
 
 
 class DeepSpeedStage:
@@ -44,6 +59,7 @@ class DeepSpeedStage:
     def __init__(self, engine: PipelineEngine) -> None:
         self.engine = engine
         self.parameters = [p for p in engine.module.parameters() if p.requires_grad]
+        self.grad_norm = lambda: None  # the executor's global norm of this step (set by the engine)
 
     @property
     def optimizer(self) -> Any:
@@ -68,5 +84,63 @@ class DeepSpeedStage:
         if e.lr_scheduler is not None:
             e.lr_scheduler.step()
         e._force_grad_boundary = False
+        e._global_grad_norm = self.grad_norm()
         e.global_steps += 1
         e.global_samples += e.train_batch_size()
+
+
+def activation_checkpointing(module: Any) -> tuple[Any, bool]:
+    """``(recompute, reentrant)`` for a ``PipelineModule``: the stage's forward without
+    checkpointing (``None`` when checkpointing is off) and whether DeepSpeed would use its reentrant
+    checkpoint function (it then marks the first stage's floating inputs as requiring grad).
+
+    The executor checkpoints at stage granularity (see ``runtime.executor.Executor``): the forward
+    it recomputes in B is the module's own forward with ``activation_checkpoint_interval`` set to 0
+    for the call, so neither B nor W ever enters DeepSpeed's checkpoint function.
+    """
+    from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
+
+    interval = getattr(module, "activation_checkpoint_interval", 0) or 0
+    if interval <= 0:
+        return None, False
+    reentrant = module.activation_checkpoint_func is not ds_checkpointing.non_reentrant_checkpoint
+
+    def forward_without_checkpointing(inputs: Any) -> Any:
+        saved = module.activation_checkpoint_interval
+        module.activation_checkpoint_interval = 0
+        try:
+            return module(inputs)
+        finally:
+            module.activation_checkpoint_interval = saved
+
+    return forward_without_checkpointing, reentrant
+
+
+def tied_layout(module: Any) -> tuple[tuple[tuple[int, ...], ...], dict[int, list[Any]]]:
+    """A ``PipelineModule``'s tied weights as the schedule IR sees them.
+
+    Returns ``(groups, params)``: ``groups`` are the tied groups, each the sorted stages that hold
+    one ``TiedLayerSpec`` key (keys on the same stages form one group), in a deterministic order;
+    ``params`` maps the index of each group that holds this stage to this stage's copies of the
+    group's tied weights (the ``tied_weight_attr`` attributes, as DeepSpeed's ``ReduceTiedGrads``
+    reduces them). A key held by one stage only (e.g. ``PP=1``) is no group: nothing to reduce.
+    """
+    from deepspeed.pipe import TiedLayerSpec
+
+    specs = list(getattr(module, "_layer_specs", ()))
+    keys = sorted({s.key for s in specs if isinstance(s, TiedLayerSpec)})
+    by_stages: dict[tuple[int, ...], list[str]] = {}
+    for key in keys:
+        stages = tuple(sorted({module.stage_owner(i) for i, s in enumerate(specs)
+                               if isinstance(s, TiedLayerSpec) and s.key == key}))
+        if len(stages) >= 2:
+            by_stages.setdefault(stages, []).append(key)
+    groups = tuple(sorted(by_stages))
+    params: dict[int, list[Any]] = {}
+    for g, stages in enumerate(groups):
+        if module.stage_id not in stages:
+            continue
+        params[g] = [module._recursive_getattr(module.tied_modules[key], attr)
+                     for key in by_stages[stages] for attr in module.tied_weight_attrs[key]]
+        params[g] = [p for p in params[g] if p.requires_grad]
+    return groups, params

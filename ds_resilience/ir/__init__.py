@@ -5,10 +5,10 @@ Pure Python (no torch): see README.md, "Layers", layer L0. :mod:`.windows` (repl
 and :mod:`.gantt` (PNG charts, matplotlib imported lazily) are imported on their own.
 """
 
-from .action import COMM_KINDS, COMPUTE_KINDS, Action, ActionKind, parse_action
+from .action import COLLECTIVE_KINDS, COMM_KINDS, COMPUTE_KINDS, Action, ActionKind, parse_action
 from .render import format_grid, format_steps
 from .replay import Replay, Transfer, message_key, replay
-from .schedule import OPTIMIZER_MODES, Schedule
+from .schedule import OPTIMIZER_MODES, Schedule, TiedGroups, check_tied, format_tied, parse_tied
 from .timeline import (
     STEADY_ITERATIONS,
     Timeline,
@@ -25,23 +25,28 @@ from .validate import validate
 __all__ = [
     "Action",
     "ActionKind",
+    "COLLECTIVE_KINDS",
     "COMM_KINDS",
     "COMPUTE_KINDS",
     "OPTIMIZER_MODES",
     "Replay",
     "STEADY_ITERATIONS",
     "Schedule",
+    "TiedGroups",
     "Timeline",
     "Transfer",
+    "check_tied",
     "complement",
     "format_grid",
     "format_steps",
+    "format_tied",
     "iteration_ends",
     "iteration_time",
     "memory_peaks",
     "merge_spans",
     "message_key",
     "parse_action",
+    "parse_tied",
     "replay",
     "simulate",
     "steady_period",

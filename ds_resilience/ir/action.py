@@ -11,10 +11,15 @@ Text form (round-trips through :func:`parse_action`)::
     p1s1RG5<6    receive the output gradient of p1/mb5 at stage 1 from worker 6
     s2RD         reduce stage 2's gradients over its surviving data-parallel group
     s2OPT        optimizer step of stage 2
+    s3TR0        sum the gradients of tied group 0's parameters (e.g. an embedding shared by stages 0
+                 and 3) over the surviving workers of every stage of the group; the group index is
+                 kept in ``microbatch``
     s2CS3>4      send checkpoint chunk 3 of stage 2 to worker 4    s2CR3<5  receive it
 
 ``pipeline`` is whose micro-batch it is: after a failure a worker runs other pipelines' work.
-``stage`` is always the stage of the worker that performs the action. Pure Python.
+``stage`` is always the stage of the worker that performs the action. REDUCE_GRAD and
+TIED_REDUCE are collectives (:data:`COLLECTIVE_KINDS`); OPT_STEP is one too under the ``global``
+optimizer (a schedule-level choice, see :class:`~ds_resilience.ir.schedule.Schedule`). Pure Python.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from enum import Enum
 
 from ..errors import ScheduleError
 
-__all__ = ["ActionKind", "Action", "parse_action", "COMPUTE_KINDS", "COMM_KINDS"]
+__all__ = ["ActionKind", "Action", "parse_action", "COMPUTE_KINDS", "COMM_KINDS", "COLLECTIVE_KINDS"]
 
 
 class ActionKind(str, Enum):
@@ -41,12 +46,18 @@ class ActionKind(str, Enum):
     RECV_GRAD = "RG"
     REDUCE_GRAD = "RD"
     OPT_STEP = "OPT"
+    TIED_REDUCE = "TR"
     CKPT_SEND = "CS"
     CKPT_RECV = "CR"
 
     @property
     def is_compute(self) -> bool:
         return self in COMPUTE_KINDS
+
+    @property
+    def is_collective(self) -> bool:
+        """REDUCE_GRAD and TIED_REDUCE (OPT_STEP is a collective only under the global optimizer)."""
+        return self in COLLECTIVE_KINDS
 
     @property
     def is_send(self) -> bool:
@@ -68,8 +79,10 @@ COMM_KINDS = frozenset(
         ActionKind.CKPT_RECV,
     }
 )
+COLLECTIVE_KINDS = frozenset({ActionKind.REDUCE_GRAD, ActionKind.TIED_REDUCE})
 _STAGE_ONLY = frozenset({ActionKind.REDUCE_GRAD, ActionKind.OPT_STEP})
 _CKPT = frozenset({ActionKind.CKPT_SEND, ActionKind.CKPT_RECV})
+_NO_PIPELINE = _STAGE_ONLY | _CKPT | {ActionKind.TIED_REDUCE}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,9 +92,10 @@ class Action:
     Args:
         kind: what the step does.
         stage: stage of the worker performing it.
-        microbatch: micro-batch index within its pipeline (checkpoint chunk index for CKPT_*);
-            ``None`` for REDUCE_GRAD and OPT_STEP.
-        pipeline: the pipeline whose micro-batch this is; ``None`` for REDUCE_GRAD, OPT_STEP, CKPT_*.
+        microbatch: micro-batch index within its pipeline (checkpoint chunk index for CKPT_*, tied
+            group index for TIED_REDUCE); ``None`` for REDUCE_GRAD and OPT_STEP.
+        pipeline: the pipeline whose micro-batch this is; ``None`` for REDUCE_GRAD, OPT_STEP,
+            TIED_REDUCE, CKPT_*.
         peer: the other worker's index for sends and receives, else ``None``.
     """
 
@@ -97,7 +111,7 @@ class Action:
         if self.stage < 0:
             raise ScheduleError(f"action {kind.value}: stage must be >= 0, got {self.stage}")
         needs_mb = kind not in _STAGE_ONLY
-        needs_pipeline = kind not in _STAGE_ONLY and kind not in _CKPT
+        needs_pipeline = kind not in _NO_PIPELINE
         needs_peer = kind in COMM_KINDS
         for name, needed, value in (
             ("microbatch", needs_mb, self.microbatch),
@@ -105,6 +119,8 @@ class Action:
             ("peer", needs_peer, self.peer),
         ):
             if needed and (value is None or value < 0):
+                if kind is ActionKind.TIED_REDUCE and name == "microbatch":
+                    name = "the tied group index (microbatch)"
                 raise ScheduleError(f"action {kind.name}: {name} must be an integer >= 0, got {value!r}")
             if not needed and value is not None:
                 raise ScheduleError(f"action {kind.name}: takes no {name}, got {value!r}")
@@ -113,6 +129,11 @@ class Action:
     def key(self) -> tuple[int | None, int, int | None]:
         """(pipeline, stage, microbatch): the identity of the work item."""
         return (self.pipeline, self.stage, self.microbatch)
+
+    @property
+    def tied_group(self) -> int | None:
+        """The tied group's index of a TIED_REDUCE (its ``microbatch`` field), else ``None``."""
+        return self.microbatch if self.kind is ActionKind.TIED_REDUCE else None
 
     def __str__(self) -> str:
         head = f"p{self.pipeline}" if self.pipeline is not None else ""
@@ -135,7 +156,7 @@ def parse_action(text: str) -> Action:
     """
     match = _PATTERN.match(text.strip())
     if not match:
-        raise ScheduleError(f"cannot parse action {text!r}; expected e.g. 'p1s2F5', 'p0s1SA3>4', 's2OPT'")
+        raise ScheduleError(f"cannot parse action {text!r}; expected e.g. 'p1s2F5', 'p0s1SA3>4', 's2OPT', 's3TR0'")
     pipeline, stage, code, mb, arrow, peer = match.groups()
     kind = ActionKind(code)
     if arrow is not None and ((arrow == ">") != kind.is_send):

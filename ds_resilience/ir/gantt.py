@@ -1,6 +1,7 @@
 """PNG Gantt chart of a replayed schedule: one row per worker, compute bars, sends underneath.
 
-Compute actions are bars coloured by kind; work re-routed from another pipeline (an action whose
+Compute actions are bars coloured by kind (the reduces, REDUCE_GRAD and TIED_REDUCE ``TRg``, and
+the optimizer step too); work re-routed from another pipeline (an action whose
 ``pipeline`` differs from the worker's own, ``w % dp``) is hatched; the micro-batch number is
 written inside bars wide enough to hold it. Each worker's sends are thin bars just under its row
 (a tick where a message occupies the link for no time). Failed workers are a grey band.
@@ -28,6 +29,7 @@ KIND_COLORS: dict[ActionKind, str] = {
     ActionKind.W: "#55A868",
     ActionKind.BW: "#C44E52",
     ActionKind.REDUCE_GRAD: "#8172B3",
+    ActionKind.TIED_REDUCE: "#DA8BC3",
     ActionKind.OPT_STEP: "#222222",
 }
 """Bar colour of each compute-like kind."""
@@ -43,6 +45,7 @@ _KIND_LABELS = {
     ActionKind.W: "W (weight grad)",
     ActionKind.BW: "BW (fused backward)",
     ActionKind.REDUCE_GRAD: "REDUCE_GRAD",
+    ActionKind.TIED_REDUCE: "TIED_REDUCE (tied grads)",
     ActionKind.OPT_STEP: "OPT_STEP",
     ActionKind.SEND_ACT: "send activation",
     ActionKind.SEND_GRAD: "send gradient",
@@ -126,7 +129,8 @@ def render_gantt(
                 linewidth=0.6, hatch="///" if rerouted else None,
             )
             if a.microbatch is not None and (e - s) / span * plot_in >= _MIN_LABEL_IN:
-                ax.text((s + e) / 2, y, str(a.microbatch), ha="center", va="center", fontsize=7,
+                text = f"TR{a.microbatch}" if a.kind is ActionKind.TIED_REDUCE else str(a.microbatch)
+                ax.text((s + e) / 2, y, text, ha="center", va="center", fontsize=7,
                         color="white", fontweight="bold")
     comm_seen: set[ActionKind] = set()
     for t in transfers:

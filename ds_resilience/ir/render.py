@@ -15,6 +15,7 @@ from .schedule import Schedule
 __all__ = ["format_steps", "format_grid", "cell_label"]
 
 _MARK = "<-- ERROR HERE"
+_SHOWN = frozenset({ActionKind.OPT_STEP, ActionKind.TIED_REDUCE})  # drawn besides compute, when they take time
 
 
 def _worker_label(schedule: Schedule, index: int) -> str:
@@ -52,8 +53,11 @@ def format_steps(schedule: Schedule, *, mark: tuple[int, int] | None = None, con
 
 
 def cell_label(schedule: Schedule, index: int, kind: ActionKind, pipeline: int | None, mb: int | None) -> str:
-    """Grid label of a compute action: ``F3``; re-routed work (another pipeline's) gets ``'``."""
-    code = {"BW": "B"}.get(kind.value, kind.value) if kind is not ActionKind.OPT_STEP else "O"
+    """Grid label of a compute action: ``F3``; re-routed work (another pipeline's) gets ``'``.
+
+    An optimizer step is ``O``, a tied-gradient reduce of group g ``Tg`` (``T0``).
+    """
+    code = {"BW": "B", "OPT": "O", "TR": "T"}.get(kind.value, kind.value)
     label = f"{code}{'' if mb is None else mb}"
     if pipeline is not None and pipeline != schedule.worker_of(index).pipeline:
         label += "'"
@@ -67,7 +71,8 @@ def format_grid(
     *,
     max_columns: int = 160,
 ) -> str:
-    """Compute actions on a time axis, one row per worker (``.`` = idle).
+    """Compute actions on a time axis, one row per worker (``.`` = idle); optimizer steps (``O``)
+    and tied-gradient reduces (``T0``) too when they take time.
 
     A cell is the shortest compute duration; an action spanning k cells repeats its label's first
     cell and fills the rest with ``=`` (fused backward BW shows as ``B`` over two cells).
@@ -91,7 +96,7 @@ def format_grid(
         if w in schedule.failed:
             row = ["x"] * columns
         for a, s, e in zip(acts, starts[w], ends[w]):
-            if not (a.kind.is_compute or a.kind is ActionKind.OPT_STEP) or e <= s:
+            if not (a.kind.is_compute or a.kind in _SHOWN) or e <= s:
                 continue
             c0, c1 = int(round(s / unit)), max(int(round(e / unit)), int(round(s / unit)) + 1)
             label = cell_label(schedule, w, a.kind, a.pipeline, a.microbatch)

@@ -6,8 +6,11 @@ The execution model, which the runtime follows:
 * a send is posted without blocking the worker (``isend``); the message occupies the directed link
   (src, dst) for ``bytes / bandwidth`` after the link is free, and arrives ``latency`` later;
 * a receive blocks until its message has arrived; the k-th receive of a key matches the k-th send;
-* REDUCE_GRAD is a collective of the stage's surviving workers; OPT_STEP is local (``staggered``) or
-  a collective of every surviving worker (``global``, DeepSpeed's barrier at the optimizer step).
+* REDUCE_GRAD is a collective of the stage's surviving workers; TIED_REDUCE(g) a collective of the
+  surviving workers of every stage of tied group g, lasting the slowest of those stages'
+  ``t_tied_reduce``; OPT_STEP is local (``staggered``) or a collective of every surviving worker
+  (``global``, DeepSpeed's barrier at the optimizer step). A collective starts when its last member
+  arrives and ends for all members at once.
 
 The replay needs no real clock, so it doubles as the deadlock check: if no worker can advance and
 some have actions left, the schedule deadlocks. Pure Python.
@@ -19,6 +22,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass
 
 from ..costs import CostModel
+from ..errors import ScheduleError
 from .action import Action, ActionKind
 from .schedule import Schedule
 
@@ -100,17 +104,26 @@ def _duration_table(cost: CostModel, pp: int) -> dict[tuple[ActionKind, int], fl
 
 
 _COMPUTE, _SEND, _RECV, _COLLECTIVE = range(4)
+_GLOBAL = -1
+"""Collective group id of the global optimizer barrier; stage s's reduce is group ``s``."""
+
+
+def _tied_gid(group: int) -> int:
+    """Collective group id of tied group ``group`` (distinct from the stages' and the global one)."""
+    return -2 - group
 
 
 def _compile(schedule: Schedule, cost: CostModel, ckpt_chunk_bytes: float) -> list[list[tuple]]:
     """Each worker's actions as flat tuples the replay loop can run without attribute lookups.
 
     ``(_COMPUTE, duration)``, ``(_SEND, peer, key_id, busy)``, ``(_RECV, key_id)``,
-    ``(_COLLECTIVE, group_id, duration)``. Message keys become small integers.
+    ``(_COLLECTIVE, group_id, duration)`` (group ids: stage s, :data:`_GLOBAL`, :func:`_tied_gid`).
+    Message keys become small integers.
     """
     duration = _duration_table(cost, schedule.pp)
     act_busy = [cost.transfer_time(c.activation_bytes) for c in cost.stages(schedule.pp)]
     ckpt_busy = cost.transfer_time(ckpt_chunk_bytes)
+    tied_time = [cost.tied_reduce_time(group) for group in schedule.tied]
     key_ids: dict[tuple, int] = {}
     program: list[list[tuple]] = []
     for w, actions in enumerate(schedule.workers):
@@ -125,8 +138,13 @@ def _compile(schedule: Schedule, cost: CostModel, ckpt_chunk_bytes: float) -> li
                 ops.append((_RECV, key_ids.setdefault(message_key(w, a), len(key_ids))))
             elif kind is ActionKind.REDUCE_GRAD:
                 ops.append((_COLLECTIVE, a.stage, duration[kind, a.stage]))
+            elif kind is ActionKind.TIED_REDUCE:
+                g = a.microbatch
+                if not 0 <= g < len(schedule.tied):  # type: ignore[operator]
+                    raise ScheduleError(f"{a} on worker {w}: the schedule has {len(schedule.tied)} tied groups")
+                ops.append((_COLLECTIVE, _tied_gid(g), tied_time[g]))  # type: ignore[arg-type]
             elif kind is ActionKind.OPT_STEP and schedule.optimizer == "global":
-                ops.append((_COLLECTIVE, -1, duration[kind, a.stage]))
+                ops.append((_COLLECTIVE, _GLOBAL, duration[kind, a.stage]))
             else:
                 ops.append((_COMPUTE, duration[kind, a.stage]))
         program.append(ops)
@@ -162,7 +180,9 @@ def replay(
     transfers: list[tuple] = []
     alive = [i for i in range(n) if i not in schedule.failed]
     groups = {s: [i for i in alive if i // schedule.dp == s] for s in range(schedule.pp)}
-    groups[-1] = alive
+    groups[_GLOBAL] = alive
+    for g, tied_stages in enumerate(schedule.tied):
+        groups[_tied_gid(g)] = [i for i in alive if i // schedule.dp in tied_stages]
     # (group id, occurrence) -> {worker: arrival clock}
     arrived: dict[tuple[int, int], dict[int, float]] = defaultdict(dict)
     occurrence: dict[tuple[int, int], int] = defaultdict(int)

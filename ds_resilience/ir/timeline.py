@@ -36,6 +36,9 @@ __all__ = [
 
 Span = tuple[float, float]
 
+_BUSY_KINDS = frozenset({ActionKind.OPT_STEP, ActionKind.REDUCE_GRAD, ActionKind.TIED_REDUCE})
+"""Non-compute actions that count as busy time (the optimizer tail's reduces and step)."""
+
 STEADY_ITERATIONS = 4
 """Iterations replayed to measure the staggered optimizer's steady-state period (the period is
 averaged over the second half)."""
@@ -73,7 +76,8 @@ class Timeline:
         iteration_time: ``makespan / iterations`` for one iteration; for several, the steady-state
             period (time between the last two iterations' ends, averaged over the tail).
         starts, ends: per worker, per action.
-        busy, idle: per surviving worker, merged compute spans and their gaps within [0, makespan].
+        busy, idle: per surviving worker, merged compute, reduce (REDUCE_GRAD, TIED_REDUCE) and
+            optimizer spans, and their gaps within [0, makespan].
         link_busy, link_idle: per directed link (src, dst) that carried messages.
         bubble_ratio: idle compute time over (surviving workers x makespan).
         peak_activations: per worker, the most micro-batches between F and B at any time.
@@ -213,7 +217,7 @@ def simulate(
         spans = [
             (s, e)
             for a, s, e in zip(schedule.workers[w] * repeat, r.starts[w], r.ends[w])
-            if a.kind.is_compute or a.kind in (ActionKind.OPT_STEP, ActionKind.REDUCE_GRAD)
+            if a.kind.is_compute or a.kind in _BUSY_KINDS
         ]
         busy[w] = merge_spans(spans)
         idle[w] = complement(busy[w], 0.0, makespan)

@@ -14,6 +14,9 @@ What a valid schedule satisfies (checked in this order; the first violation rais
 4. Messages: every send is matched by exactly one receive (same key, same pair of workers).
 5. Optimizer: every surviving worker ends each iteration with one REDUCE_GRAD and then one
    OPT_STEP, after all its W (no pending backward at REDUCE_GRAD; no compute in between).
+   Tied groups (``Schedule.tied``): every surviving worker of a stage of tied group g runs exactly
+   one TIED_REDUCE(g) per iteration, after all its compute (F/B/W/BW) and its REDUCE_GRAD and
+   before its OPT_STEP; workers of stages outside g run none, and g names an existing group (rule 1).
 6. No deadlock: the timed replay (:mod:`.replay`) under unit costs completes.
 """
 
@@ -47,6 +50,19 @@ def _check_shape(schedule: Schedule) -> None:
                 raise _fail(schedule, w, i, f"{a} names stage {a.stage}, but worker {w} holds stage {stage}")
             if a.pipeline is not None and not 0 <= a.pipeline < dp:
                 raise _fail(schedule, w, i, f"{a}: pipeline {a.pipeline} out of range 0..{dp - 1}")
+            if a.kind is ActionKind.TIED_REDUCE:
+                g = a.microbatch
+                if not 0 <= g < len(schedule.tied):  # type: ignore[operator]
+                    k = len(schedule.tied)
+                    have = f"groups 0..{k - 1} {list(schedule.tied)}" if k else "no tied groups"
+                    raise _fail(schedule, w, i, f"{a}: tied group index {g} out of range; the schedule has {have}")
+                if stage not in schedule.tied[g]:  # type: ignore[index]
+                    raise _fail(
+                        schedule, w, i,
+                        f"{a}: TIED_REDUCE on a worker outside tied group {g} {schedule.tied[g]}"  # type: ignore[index]
+                        f" (worker {w} holds stage {stage}); only the group's stages reduce its gradients",
+                    )
+                continue
             if a.microbatch is not None and a.kind not in (ActionKind.CKPT_SEND, ActionKind.CKPT_RECV):
                 if not 0 <= a.microbatch < mbs:
                     raise _fail(schedule, w, i, f"{a}: micro-batch {a.microbatch} out of range 0..{mbs - 1}")
@@ -82,8 +98,20 @@ def _check_order(schedule: Schedule) -> Counter:
         in_iteration: set[tuple] = set()
         reduced = False
         reduces = steps = 0
+        tied_due = schedule.tied_groups_of(w // schedule.dp)
+        tied_done: set[int] = set()  # tied groups reduced in this iteration
         for i, a in enumerate(actions):
             k, key = a.kind, a.key
+            if k is ActionKind.TIED_REDUCE:
+                g = a.microbatch
+                if not reduced:
+                    raise _fail(schedule, w, i, _early_tied_reduce(actions, i, steps))
+                if g in tied_done:
+                    raise _fail(
+                        schedule, w, i, f"{a}: TIED_REDUCE({g}) twice in one iteration; exactly one per iteration"
+                    )
+                tied_done.add(g)  # type: ignore[arg-type]
+                continue
             if reduced and (k.is_compute or k is ActionKind.REDUCE_GRAD):
                 raise _fail(schedule, w, i, f"{a} between REDUCE_GRAD and OPT_STEP; the optimizer step must come next")
             if k is ActionKind.F:
@@ -127,6 +155,23 @@ def _check_order(schedule: Schedule) -> Counter:
             elif k is ActionKind.OPT_STEP:
                 if not reduced:
                     raise _fail(schedule, w, i, "OPT_STEP without a REDUCE_GRAD before it in this iteration")
+                missing = [g for g in tied_due if g not in tied_done]
+                if missing:
+                    g = missing[0]
+                    late = _late_tied_reduce(actions, i, g)
+                    if late is not None:
+                        raise _fail(
+                            schedule, w, late,
+                            f"{actions[late]} after the iteration's OPT_STEP (step {i}); TIED_REDUCE({g}) must come "
+                            f"after the worker's REDUCE_GRAD and before its OPT_STEP",
+                        )
+                    raise _fail(
+                        schedule, w, i,
+                        f"OPT_STEP without TIED_REDUCE({g}) before it: every surviving worker of a stage of tied "
+                        f"group {g} {schedule.tied[g]} runs exactly one TIED_REDUCE({g}) per iteration, after its "
+                        f"REDUCE_GRAD and before its OPT_STEP",
+                    )
+                tied_done.clear()
                 reduced = False
                 steps += 1
                 in_iteration.clear()
@@ -140,6 +185,35 @@ def _check_order(schedule: Schedule) -> Counter:
                 f"({schedule.iterations}), OPT_STEP last",
             )
     return forwards
+
+
+def _late_tied_reduce(actions: tuple, i: int, g: int) -> int | None:
+    """The step of a TIED_REDUCE(g) that follows the OPT_STEP at ``i`` before any other work, if any."""
+    for j in range(i + 1, len(actions)):
+        x = actions[j]
+        if x.kind is ActionKind.TIED_REDUCE and x.microbatch == g:
+            return j
+        if x.kind.is_compute or x.kind in (ActionKind.REDUCE_GRAD, ActionKind.OPT_STEP):
+            return None
+    return None
+
+
+def _early_tied_reduce(actions: tuple, i: int, steps: int) -> str:
+    """Why a TIED_REDUCE at step ``i`` (no REDUCE_GRAD yet in its iteration) is out of place."""
+    a = actions[i]
+    rest: list = []
+    for x in actions[i + 1:]:
+        if x.kind is ActionKind.OPT_STEP:
+            break
+        rest.append(x)
+    rule = "it must come after all the worker's compute and its REDUCE_GRAD, before its OPT_STEP"
+    if any(x.kind.is_compute for x in rest):
+        return f"{a} before the worker's last compute action of the iteration; {rule}"
+    if any(x.kind is ActionKind.REDUCE_GRAD for x in rest):
+        return f"{a} before the worker's REDUCE_GRAD; {rule}"
+    if steps > 0:
+        return f"{a} after the iteration's OPT_STEP; {rule}"
+    return f"{a} without a REDUCE_GRAD before it; {rule}"
 
 
 def _name(key: tuple) -> str:

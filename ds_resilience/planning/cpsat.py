@@ -9,7 +9,8 @@ passes run on the same peer). Constraints:
 * no overlap of two tasks on one worker;
 * memory: on each worker, at most ``memory_cap`` micro-batches between their F's start and their
   W's end (activations, then pending W state), a cumulative constraint;
-* the objective is the makespan of the compute (the reduce and optimizer tail is a constant).
+* the objective is the makespan of the compute (the reduce, tied-reduce and optimizer tail is
+  added after it by lowering, with the incumbent's tied groups, and measured by the replay).
 
 Times are scaled to integers. The heuristic's schedule is given as a hint, so the solver starts
 from a feasible point; the caller keeps whichever schedule the simulator rates better. Used for the
@@ -192,6 +193,7 @@ def improve(
         failed=frozenset(topology.worker_index(w) for w in topology.failed),
         optimizer=incumbent.optimizer,
         name=f"{variant}-cpsat",
+        tied=incumbent.tied,
     )
     status_name = name if gap > 0 or name == "optimal" else "optimal"
     return Improved(schedule, SolverReport(name="cpsat", status=status_name, gap=gap, seconds=seconds))

@@ -1,14 +1,17 @@
 """Fault-free schedule generators: 1F1B (DeepSpeed's order) and decoupled backward (ZB-H1 style).
 
 Both are pure functions of the grid (and, for the decoupled one, the cost model) that return a
-validated :class:`Schedule`.
+validated :class:`Schedule`. ``tied`` (the model's tied groups, e.g. ``((0, 3),)`` for tied
+embeddings on 4 stages) adds each group's TIED_REDUCE right after REDUCE_GRAD on its stages' workers
+(DeepSpeed runs its ``ReduceTiedGrads`` before ``ReduceGrads``; the order within the tail does not
+change the sums).
 """
 
 from __future__ import annotations
 
 from ..costs import CostModel
 from ..errors import PlanningError
-from ..ir import Action, ActionKind, Schedule, validate
+from ..ir import Action, ActionKind, Schedule, TiedGroups, validate
 from ..vocab import SCHEDULES
 from .list_scheduler import list_schedule
 from .lowering import lower
@@ -45,7 +48,7 @@ def one_f_one_b_order(stage: int, pp: int, microbatches: int) -> list[tuple[str,
     return order
 
 
-def one_f_one_b(dp: int, pp: int, microbatches: int) -> Schedule:
+def one_f_one_b(dp: int, pp: int, microbatches: int, *, tied: TiedGroups = ()) -> Schedule:
     """The 1F1B schedule DeepSpeed runs today (fused backward, one global optimizer step)."""
     _check_grid(dp, pp, microbatches)
     orders = []
@@ -57,10 +60,12 @@ def one_f_one_b(dp: int, pp: int, microbatches: int) -> Schedule:
                 for k, m in one_f_one_b_order(stage, pp, microbatches)
             ]
         )
-    return validate(lower(orders, dp=dp, pp=pp, microbatches=microbatches, name="1f1b"))
+    return validate(lower(orders, dp=dp, pp=pp, microbatches=microbatches, name="1f1b", tied=tied))
 
 
-def decoupled(dp: int, pp: int, microbatches: int, cost: CostModel | None = None) -> Schedule:
+def decoupled(
+    dp: int, pp: int, microbatches: int, cost: CostModel | None = None, *, tied: TiedGroups = ()
+) -> Schedule:
     """Decoupled backward in the style of ZB-H1.
 
     B (input gradient) stays on the critical path; W (weight gradient) fills what would be idle
@@ -85,13 +90,15 @@ def decoupled(dp: int, pp: int, microbatches: int, cost: CostModel | None = None
         act_caps=[caps[w // dp] for w in range(dp * pp)],
         w_caps=[min(w // dp + 1, microbatches) for w in range(dp * pp)],
     )
-    return validate(lower(result.orders, dp=dp, pp=pp, microbatches=microbatches, name="decoupled"))
+    return validate(lower(result.orders, dp=dp, pp=pp, microbatches=microbatches, name="decoupled", tied=tied))
 
 
-def generate(name: str, dp: int, pp: int, microbatches: int, cost: CostModel | None = None) -> Schedule:
-    """Build the fault-free schedule called ``name`` (one of :data:`SCHEDULES`)."""
+def generate(
+    name: str, dp: int, pp: int, microbatches: int, cost: CostModel | None = None, *, tied: TiedGroups = ()
+) -> Schedule:
+    """Build the fault-free schedule called ``name`` (one of :data:`SCHEDULES`), with ``tied`` groups."""
     if name == "1f1b":
-        return one_f_one_b(dp, pp, microbatches)
+        return one_f_one_b(dp, pp, microbatches, tied=tied)
     if name == "decoupled":
-        return decoupled(dp, pp, microbatches, cost)
+        return decoupled(dp, pp, microbatches, cost, tied=tied)
     raise PlanningError(f"unknown schedule {name!r}; allowed: {', '.join(SCHEDULES)}")

@@ -8,7 +8,9 @@ the rest, the same way for every schedule:
 * a send of the output right after each F at stages < last, to whichever worker runs the next
   stage's F;
 * the mirror image for gradients around each B/BW;
-* REDUCE_GRAD then OPT_STEP at the end of every surviving worker's iteration.
+* REDUCE_GRAD, then one TIED_REDUCE per tied group holding the worker's stage (in group order, so
+  every member of a group meets its collectives in the same order), then OPT_STEP at the end of
+  every surviving worker's iteration.
 
 Pure Python.
 """
@@ -19,7 +21,7 @@ from dataclasses import replace
 from typing import Mapping, Sequence
 
 from ..errors import ScheduleError
-from ..ir import Action, ActionKind, Schedule
+from ..ir import Action, ActionKind, Schedule, TiedGroups, check_tied
 
 __all__ = ["lower", "placement_of", "repeat", "compute_orders"]
 
@@ -47,6 +49,7 @@ def lower(
     failed: frozenset[int] = frozenset(),
     optimizer: str = "global",
     name: str = "",
+    tied: TiedGroups = (),
 ) -> Schedule:
     """Add communication and the optimizer tail to per-worker compute orders.
 
@@ -56,12 +59,15 @@ def lower(
         failed: worker indices that run nothing.
         optimizer: ``"global"`` or ``"staggered"``.
         name: schedule label.
+        tied: tied groups (sorted stage tuples, see :class:`~ds_resilience.ir.Schedule`); their
+            TIED_REDUCEs follow REDUCE_GRAD on the groups' surviving workers.
 
     Returns:
         The schedule (not yet validated: call :func:`ds_resilience.ir.validate`).
     """
     where: Mapping[Key, int] = placement_of(orders)
     last = pp - 1
+    tied = check_tied(tied, pp)
 
     def peer(p: int, s: int, m: int) -> int:
         try:
@@ -94,6 +100,9 @@ def lower(
             else:
                 out.append(a)
         out.append(Action(kind=ActionKind.REDUCE_GRAD, stage=stage))
+        for g, group in enumerate(tied):
+            if stage in group:
+                out.append(Action(kind=ActionKind.TIED_REDUCE, stage=stage, microbatch=g))
         out.append(Action(kind=ActionKind.OPT_STEP, stage=stage))
         workers.append(tuple(out))
     return Schedule(
@@ -104,6 +113,7 @@ def lower(
         failed=failed,
         optimizer=optimizer,
         name=name,
+        tied=tied,
     )
 
 
@@ -119,5 +129,6 @@ def repeat(schedule: Schedule, iterations: int) -> Schedule:
 
 
 def compute_orders(schedule: Schedule) -> list[list[Action]]:
-    """The compute actions (F/B/W/BW) of each worker, in order: the inverse of :func:`lower`."""
+    """The compute actions (F/B/W/BW) of each worker, in order: the inverse of :func:`lower`
+    (``lower(compute_orders(s), ..., tied=s.tied)`` rebuilds ``s``)."""
     return [[a for a in actions if a.kind.is_compute] for actions in schedule.workers]

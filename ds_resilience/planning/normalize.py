@@ -81,7 +81,10 @@ def _relabel_action(a: Action, perm: tuple[int, ...], dp: int) -> Action:
 
 
 def relabel_schedule(schedule: Schedule, perm: tuple[int, ...]) -> Schedule:
-    """Rename pipelines: label ``p`` becomes ``perm[p]`` in actions, peers and worker indices."""
+    """Rename pipelines: label ``p`` becomes ``perm[p]`` in actions, peers and worker indices.
+
+    Tied groups are sets of stages, which relabelling never moves: they are kept as they are.
+    """
     dp = schedule.dp
     workers: list[tuple[Action, ...]] = [()] * len(schedule.workers)
     failed = set()
@@ -100,4 +103,5 @@ def relabel_schedule(schedule: Schedule, perm: tuple[int, ...]) -> Schedule:
         optimizer=schedule.optimizer,
         iterations=schedule.iterations,
         name=schedule.name,
+        tied=schedule.tied,
     )

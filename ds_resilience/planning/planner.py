@@ -6,6 +6,20 @@
   its next iteration may start right after. Its iteration time is the steady-state period of the
   schedule repeated :data:`STEADY_ITERATIONS` times, not one iteration's makespan.
 
+Tied weights (``tied``, e.g. ``((0, 3),)`` for an embedding shared by the first and the last of 4
+stages): every plan ends each surviving tied-stage worker's iteration with REDUCE_GRAD, then one
+TIED_REDUCE per group holding its stage, then OPT_STEP; a re-routed survivor simply contributes the
+gradients of the micro-batches it ran for its dead peer. Decision for the staggered optimizer: the
+stages of a tied group cannot step before the group's reduce, so the last stage's step waits for
+the first stage's final backward, and the first stage's step waits for the last stage's final W.
+The replay measures this exactly, so plans and the simulator include it. What it costs: the last
+stage can no longer run its deferred W's while the first stage starts the next iteration, so the
+steady-state period is at least ``pp - 1`` forwards (plus links) plus the last stage's whole
+iteration of work (:func:`~.bounds.tied_cycle_bound`, part of ``lower_bound``; the heuristic meets
+it in the cases measured). With unit costs that bound lies ``(pp - 1) / (3 M)`` above the work
+bound; measured: 3 x 4 x 6 fault-free 19 -> 21 (+10.5 %), one failure on the last stage 27 -> 30,
+on another stage no change; 2 x 4 x 16 fault-free 48 -> 51 (+6 %). It shrinks as M grows.
+
 The heuristic (list scheduling over a few memory splits) always answers in milliseconds; the CP-SAT
 solver (:mod:`.cpsat`), warm-started from it, may improve one-iteration variants within a time
 limit. Whatever produced it, a plan's schedule is validated and its claimed iteration time is the
@@ -20,8 +34,8 @@ from functools import lru_cache
 from typing import Iterable
 
 from ..costs import CostModel
-from ..errors import PlanningError
-from ..ir import Schedule, validate
+from ..errors import PlanningError, ScheduleError
+from ..ir import Schedule, TiedGroups, check_tied, validate
 from ..ir.timeline import STEADY_ITERATIONS, iteration_time, memory_peaks
 from ..topology import Topology, Worker
 from ..vocab import SOLVERS, VARIANTS
@@ -56,32 +70,36 @@ def _check_variant(variant: str, solver: str) -> None:
 
 
 @lru_cache(maxsize=256)
-def one_f_one_b_time(dp: int, pp: int, microbatches: int, cost: CostModel) -> float:
+def one_f_one_b_time(dp: int, pp: int, microbatches: int, cost: CostModel, *, tied: TiedGroups = ()) -> float:
     """Iteration time of fault-free 1F1B (what DeepSpeed runs today) on the grid; cached.
 
     The one cache of this figure: every :class:`Plan` carries it (``fault_free_iteration_time``) and
-    the failure-trace simulator's ``PlanCache`` asks for it here.
+    the failure-trace simulator's ``PlanCache`` asks for it here. ``tied``: the model's tied groups.
     """
-    return iteration_time(one_f_one_b(dp, pp, microbatches), cost, "adaptive")
+    return iteration_time(one_f_one_b(dp, pp, microbatches, tied=tied), cost, "adaptive")
 
 
 @lru_cache(maxsize=64)
-def _best_fault_free_time(dp: int, pp: int, microbatches: int, cost: CostModel, variant: str) -> float:
+def _best_fault_free_time(
+    dp: int, pp: int, microbatches: int, cost: CostModel, variant: str, tied: TiedGroups = ()
+) -> float:
     """Iteration time of the fault-free decoupled schedule (staggered optimizer for ``recycle``)."""
-    best = decoupled(dp, pp, microbatches, cost)
+    best = decoupled(dp, pp, microbatches, cost, tied=tied)
     if variant == "recycle":
         best = replace(best, optimizer="staggered")
     return iteration_time(best, cost, variant)
 
 
-def _fault_free_times(dp: int, pp: int, microbatches: int, cost: CostModel, variant: str) -> tuple[float, float]:
+def _fault_free_times(
+    dp: int, pp: int, microbatches: int, cost: CostModel, variant: str, tied: TiedGroups = ()
+) -> tuple[float, float]:
     """Fault-free 1F1B's iteration time and the best fault-free schedule's (never worse than 1F1B)."""
-    base = one_f_one_b_time(dp, pp, microbatches, cost)
-    return base, min(base, _best_fault_free_time(dp, pp, microbatches, cost, variant))
+    base = one_f_one_b_time(dp, pp, microbatches, cost, tied=tied)
+    return base, min(base, _best_fault_free_time(dp, pp, microbatches, cost, variant, tied))
 
 
 def _heuristic(
-    topology: Topology, microbatches: int, cost: CostModel, variant: str, memory_cap: int
+    topology: Topology, microbatches: int, cost: CostModel, variant: str, memory_cap: int, tied: TiedGroups = ()
 ) -> tuple[Schedule, float]:
     """Best list schedule over a few splits of the memory cap between activations and pending W."""
     dp, pp = topology.dp, topology.pp
@@ -117,6 +135,7 @@ def _heuristic(
             failed=failed,
             optimizer=optimizer,
             name=f"{variant}-heuristic",
+            tied=tied,
         )
         value = iteration_time(schedule, cost, variant)
         if best is None or value < best[1] - 1e-9:
@@ -136,6 +155,7 @@ def plan(
     solver: str = "heuristic",
     time_limit_s: float = 10.0,
     memory_cap: int | None = None,
+    tied: TiedGroups = (),
 ) -> Plan:
     """Plan one failure set.
 
@@ -147,13 +167,21 @@ def plan(
         solver: ``heuristic`` (list scheduling only) or ``cpsat`` (warm-started optimization).
         time_limit_s: the solver's time limit.
         memory_cap: micro-batch states per worker (default :func:`default_memory_cap`).
+        tied: the model's tied groups (sorted stage tuples, e.g. ``((0, 3),)``): every surviving
+            worker of a group's stages runs its TIED_REDUCE after REDUCE_GRAD, before OPT_STEP
+            (see the module docstring for what it costs the staggered optimizer).
 
     Raises:
-        PlanningError: out-of-range workers, a stage with no surviving replica, or bad options.
+        PlanningError: out-of-range workers, a stage with no surviving replica, bad tied groups,
+            or bad options.
     """
     _check_variant(variant, solver)
     cost = cost or CostModel.unit()
     cost.check_stages(pp)
+    try:
+        tied = check_tied(tied, pp)
+    except ScheduleError as exc:
+        raise PlanningError(f"bad tied groups: {exc}") from exc
     try:
         topology = Topology(dp=dp, pp=pp).without(failed)
     except Exception as exc:  # TopologyError names the pipeline or stage
@@ -162,8 +190,8 @@ def plan(
     if cap < 1:
         raise PlanningError(f"memory_cap must be >= 1, got {cap}")
     started = time.perf_counter()
-    schedule, value = _heuristic(topology, microbatches, cost, variant, cap)
-    bound = lower_bound(topology, microbatches, cost, variant=variant)
+    schedule, value = _heuristic(topology, microbatches, cost, variant, cap, tied)
+    bound = lower_bound(topology, microbatches, cost, variant=variant, tied=tied)
     report = SolverReport(name="heuristic", status="feasible", gap=None, seconds=0.0)
     if solver == "cpsat" and value > bound + 1e-9:
         from .cpsat import improve
@@ -181,7 +209,7 @@ def plan(
     report = replace(report, seconds=time.perf_counter() - started)
     validate(schedule, replayed=True)  # iteration_time() replayed it to completion
     acts, pending, state = memory_peaks(schedule)
-    base, best = _fault_free_times(dp, pp, microbatches, cost, variant)
+    base, best = _fault_free_times(dp, pp, microbatches, cost, variant, tied)
     return Plan(
         dp=dp,
         pp=pp,

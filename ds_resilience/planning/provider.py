@@ -17,7 +17,7 @@ from typing import Any, Iterable
 
 from ..costs import CostModel
 from ..errors import PlanningError
-from ..ir import Schedule
+from ..ir import Schedule, TiedGroups
 from ..topology import Topology, Worker
 from .generators import generate
 from .planner import plan
@@ -48,11 +48,14 @@ class ScheduleProvider:
         table: a built plan table, or ``None`` (every failure set is planned on demand).
         on_demand_solver: the solver for sets the table lacks (the heuristic by default: every
             survivor must compute the same schedule without talking).
+        tied: the model's tied groups (sorted stage tuples, e.g. ``((0, 3),)``), passed to the
+            fault-free generator, the planner and the plan table: every schedule it answers carries
+            them and their TIED_REDUCEs.
     """
 
     def __init__(self, topology: Topology, microbatches: int, cost: CostModel, *, schedule: str, variant: str,
                  solver: str, time_limit_s: float, memory_cap: int | None, table: PlanTable | None = None,
-                 on_demand_solver: str = "heuristic") -> None:
+                 on_demand_solver: str = "heuristic", tied: TiedGroups = ()) -> None:
         self.topology = topology
         self.microbatches = microbatches
         self.cost = cost
@@ -61,19 +64,23 @@ class ScheduleProvider:
         self.table = table
         self.on_demand_solver = on_demand_solver
         self.table_summary: dict[str, Any] | None = None
+        self.tied: TiedGroups = tuple(tuple(group) for group in tied)
+        if table is not None and table.spec.tied != self.tied:
+            raise PlanningError(f"plan table built for tied groups {table.spec.tied}, provider has {self.tied}")
 
     @classmethod
     def build(cls, topology: Topology, microbatches: int, cost: CostModel, *, schedule: str, variant: str,
               solver: str, time_limit_s: float, memory_cap: int | None, max_failures: int, all_coverable: bool,
               cache_dir: str | Path | None, workers: int, on_demand_solver: str = "heuristic",
-              progress: bool = False) -> "ScheduleProvider":
+              progress: bool = False, tied: TiedGroups = ()) -> "ScheduleProvider":
         """Build or load the plan table (``max_failures`` 0 and no ``all_coverable``: no table)."""
         provider = cls(topology, microbatches, cost, schedule=schedule, variant=variant, solver=solver,
-                       time_limit_s=time_limit_s, memory_cap=memory_cap, on_demand_solver=on_demand_solver)
+                       time_limit_s=time_limit_s, memory_cap=memory_cap, on_demand_solver=on_demand_solver,
+                       tied=tied)
         if max_failures > 0 or all_coverable:
             spec = TableSpec(dp=topology.dp, pp=topology.pp, microbatches=microbatches, cost=cost, variant=variant,
                              solver=solver, time_limit_s=time_limit_s, memory_cap=memory_cap,
-                             max_failures=max_failures, all_coverable=all_coverable)
+                             max_failures=max_failures, all_coverable=all_coverable, tied=provider.tied)
             provider.table, provider.table_summary = build_table(spec, cache_dir=cache_dir, workers=workers,
                                                                  progress=progress)
         return provider
@@ -100,7 +107,7 @@ class ScheduleProvider:
         started = time.perf_counter()
         dp, pp = self.topology.dp, self.topology.pp
         if not failed:
-            schedule = generate(self.schedule_name, dp, pp, self.microbatches, self.cost)
+            schedule = generate(self.schedule_name, dp, pp, self.microbatches, self.cost, tied=self.tied)
             return ScheduleChoice(schedule, "fault-free", time.perf_counter() - started)
         if self.table is not None:
             try:
@@ -112,6 +119,6 @@ class ScheduleProvider:
                 return ScheduleChoice(schedule, "table", time.perf_counter() - started, view.figures)
         result = plan(dp, pp, self.microbatches, failed, cost=self.cost, variant=self.variant,
                       solver=solver or self.on_demand_solver, time_limit_s=self.time_limit_s,
-                      memory_cap=self.memory_cap)
+                      memory_cap=self.memory_cap, tied=self.tied)
         return ScheduleChoice(result.schedule, "planner", time.perf_counter() - started,
                               result.to_dict(with_schedule=False))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from ..epochs import EpochRecord
 from ..errors import PlanningError
@@ -62,7 +62,8 @@ class RecoveryPlan:
         lost_stages: stages with no surviving replica (non-empty exactly when beyond tolerance).
         schedule_source: ``"fault-free"``, ``"table"`` (a precomputed plan covers the set) or
             ``"planner"`` (planned on demand); ``None`` when training does not continue.
-        groups: the process groups of the new generation, ``{"world": ranks, "stage<s>": ranks}``.
+        groups: the process groups of the new generation, ``{"world": ranks, "stage<s>": ranks,
+            "tied<g>": ranks}``.
         handovers: ``(donor, joiner)`` rank pairs: the donor sends its stage's state.
         reason: the agent's description of the change.
     """
@@ -94,7 +95,8 @@ class RecoveryPlan:
 
 
 def plan_recovery(record: EpochRecord, topology: Topology, steps: Mapping[int, int], *,
-                  covered: Callable[[frozenset[Worker]], bool] | None = None) -> RecoveryPlan:
+                  covered: Callable[[frozenset[Worker]], bool] | None = None,
+                  tied: Sequence[Sequence[int]] = ()) -> RecoveryPlan:
     """Turn an epoch record, the job's topology and the survivors' step counts into a plan.
 
     Args:
@@ -102,6 +104,7 @@ def plan_recovery(record: EpochRecord, topology: Topology, steps: Mapping[int, i
         topology: the full grid (``record.failed`` are global ranks of it).
         steps: optimizer steps taken, for every rank of :func:`voters` (others are ignored).
         covered: whether the plan table holds a schedule for a failed set (default: never).
+        tied: the model's tied groups (stage tuples): their groups are built too (``tied<g>``).
 
     Raises:
         PlanningError: a voter's count is missing, or a survivor is more than one step ahead
@@ -132,6 +135,8 @@ def plan_recovery(record: EpochRecord, topology: Topology, steps: Mapping[int, i
         groups = {"world": tuple(topology.rank(w) for w in target.alive_workers())}
         for s in range(topology.pp):
             groups[f"stage{s}"] = tuple(topology.rank(w) for w in target.stage_peers(s))
+        for g, stages in enumerate(tied):
+            groups[f"tied{g}"] = tuple(sorted(topology.rank(w) for s in stages for w in target.stage_peers(s)))
         joining = set(record.joining)
         pairs = []
         for joiner in sorted(joining):

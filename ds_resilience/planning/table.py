@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from ..costs import CostModel
-from ..errors import PlanningError
-from ..ir import Action, Schedule, parse_action
+from ..errors import PlanningError, ScheduleError
+from ..ir import Action, Schedule, TiedGroups, check_tied, parse_action
 from ..topology import Topology, Worker
 from .normalize import FailureKey, normalize, relabel_schedule
 from .plan import Plan
@@ -44,7 +44,11 @@ _MAX_KEYS = 200_000
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TableSpec:
-    """Everything a plan table depends on; its hash names the cache entry."""
+    """Everything a plan table depends on; its hash names the cache entry.
+
+    ``tied``: the model's tied groups (see :class:`~ds_resilience.ir.Schedule`), part of the hash;
+    every stored plan carries them (its schedule text's header), so a lookup's relabelled schedule does.
+    """
 
     dp: int
     pp: int
@@ -56,6 +60,13 @@ class TableSpec:
     memory_cap: int | None = None
     max_failures: int = 1
     all_coverable: bool = False
+    tied: TiedGroups = ()
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "tied", check_tied(self.tied, self.pp))
+        except ScheduleError as exc:
+            raise PlanningError(f"plan table: bad tied groups: {exc}") from exc
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -70,6 +81,7 @@ class TableSpec:
             "memory_cap": self.memory_cap,
             "max_failures": self.max_failures,
             "all_coverable": self.all_coverable,
+            "tied": [list(group) for group in self.tied],
         }
 
     def digest(self) -> str:
@@ -140,6 +152,7 @@ def _plan_one(args: tuple[TableSpec, FailureKey]) -> tuple[FailureKey, dict[str,
         solver=spec.solver,
         time_limit_s=spec.time_limit_s,
         memory_cap=spec.memory_cap,
+        tied=spec.tied,
     )
     data = p.to_dict(with_schedule=False)
     data["schedule_text"] = p.schedule.to_text()

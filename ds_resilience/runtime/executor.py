@@ -34,7 +34,7 @@ from ..errors import ResilienceError
 from ..ir import Action, ActionKind
 from .bw_split import WeightGradStore, backward_fused, backward_input
 
-__all__ = ["BatchSource", "Executor", "ExecutorHooks", "IterationStats", "StageSpec"]
+__all__ = ["BatchSource", "EvalResult", "Executor", "ExecutorHooks", "IterationStats", "StageSpec"]
 
 BatchSource = Callable[[int, int, int], tuple[Any, Any]]
 """(pipeline, iteration, microbatch) -> (inputs, labels)."""
@@ -62,6 +62,7 @@ class IterationStats:
     seconds: float = 0.0
     peak_pending_w: int = 0
     peak_pending_w_bytes: int = 0
+    loss_dtype: Any = None
     durations: dict = field(default_factory=dict)
     """Seconds per action, by action kind code (``F``, ``B``, ``W``, ``BW``, ``RD``, ``OPT``, ...)."""
 
@@ -69,6 +70,24 @@ class IterationStats:
     def compute_seconds(self) -> float:
         """Time spent in forward and backward passes (from :attr:`durations`)."""
         return sum(sum(self.durations.get(code, ())) for code in ("F", "B", "W", "BW"))
+
+
+@dataclass
+class EvalResult:
+    """What one evaluation left on a worker.
+
+    Attributes:
+        total: sum of the per-micro-batch values (losses, or outputs) this worker computed on the
+            last stage (``None`` elsewhere, or when it computed none).
+        count: how many micro-batches it evaluated on the last stage.
+        own: its own pipeline's per-micro-batch values, in micro-batch order (last stage).
+        last_outputs: the stage outputs of the last of its own pipeline's micro-batches (last stage).
+    """
+
+    total: Any = None
+    count: int = 0
+    own: list = field(default_factory=list)
+    last_outputs: Any = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,6 +100,10 @@ class StageSpec:
         seed: base of the per-micro-batch RNG streams (``resilience.seed``).
         gradient_clipping: max global gradient norm (0 = off).
         timeout_s: how long a message or collective may wait.
+        dynamic_shapes: activation shapes may change from one micro-batch to the next (the shape
+            travels with every message).
+        mark_inputs: the first stage's floating-point inputs require grad (what DeepSpeed does when
+            reentrant activation checkpointing is on).
     """
 
     stage: int
@@ -91,6 +114,8 @@ class StageSpec:
     seed: int = 1234
     gradient_clipping: float = 0.0
     timeout_s: float = 300.0
+    dynamic_shapes: bool = False
+    mark_inputs: bool = False
 
 
 class ExecutorHooks:
@@ -119,15 +144,28 @@ class Executor:
         rank_of: worker index (``stage * dp + pipeline``) -> global rank.
         step: the stage's optimizer step (the clip coefficient already applied to the gradients).
         forward_fn: optional wrapper ``forward_fn(inputs) -> outputs`` (e.g. DeepSpeed's forward).
+        recompute: activation checkpointing, at stage granularity: the stage's forward without
+            checkpointing. F then runs it under ``no_grad`` (between F and B the stage keeps only
+            its inputs) and B runs it again, under the micro-batch's own RNG stream (same dropout
+            masks), to build the graph that B and W split as usual. Neither B nor W enters a
+            checkpoint function, so reentrant and non-reentrant checkpointing both work with the
+            split, and W keeps what B recomputed (as many as the plan's pending-W cap allows).
         fault_hook: ``fault_hook(point, iteration)`` at the fault-injection points (tests, demos).
         hooks: see :class:`ExecutorHooks`.
+        tied: tied group index -> this stage's parameters of that group (its copies of the tied
+            module's tied weights). They leave REDUCE_GRAD: TIED_REDUCE sums them over every
+            surviving worker of the group's stages. ``counted_tied`` lists the groups whose copies
+            this stage counts in the global gradient norm (the first stage of each group), so a
+            tied weight is counted once.
     """
 
     def __init__(self, spec: StageSpec, *, module: Callable[[Any], Any], parameters: Sequence[torch.nn.Parameter],
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None, batch_source: BatchSource | None,
                  rank_of: Callable[[int], int], step: Callable[[], None],
-                 forward_fn: Callable[[Any], Any] | None = None,
-                 fault_hook: Callable[[str, int], None] | None = None, hooks: ExecutorHooks | None = None) -> None:
+                 forward_fn: Callable[[Any], Any] | None = None, recompute: Callable[[Any], Any] | None = None,
+                 fault_hook: Callable[[str, int], None] | None = None, hooks: ExecutorHooks | None = None,
+                 tied: dict[int, Sequence[torch.nn.Parameter]] | None = None,
+                 counted_tied: Sequence[int] = ()) -> None:
         self.spec = spec
         self.stage, self.pipeline = spec.stage, spec.pipeline
         self.num_stages, self.dp, self.microbatches = spec.num_stages, spec.dp, spec.microbatches
@@ -138,8 +176,15 @@ class Executor:
         self.rank_of = rank_of
         self.step_fn = step
         self.forward_fn = forward_fn
+        self.recompute = recompute
         self.fault_hook = fault_hook
         self.hooks = hooks or ExecutorHooks()
+        self.tied = {g: list(ps) for g, ps in (tied or {}).items()}
+        tied_ids = {id(p) for ps in self.tied.values() for p in ps}
+        self.untied = [p for p in self.parameters if id(p) not in tied_ids]
+        uncounted = {id(p) for g, ps in self.tied.items() if g not in set(counted_tied) for p in ps}
+        self.counted = [p for p in self.parameters if id(p) not in uncounted]
+        self.last_grad_norm: float | None = None
         self.groups: GenerationGroups | None = None
         self.messenger: Messenger | None = None
         self.iteration = 0
@@ -150,6 +195,7 @@ class Executor:
         self._outputs: dict = {}
         self._grads_out: dict = {}
         self._received: dict = {}
+        self._labels: dict = {}
         self.handlers: dict[ActionKind, Callable[[Action], None]] = {
             ActionKind.F: self.forward,
             ActionKind.B: self.backward_input,
@@ -160,6 +206,7 @@ class Executor:
             ActionKind.SEND_GRAD: self.send_grad,
             ActionKind.RECV_GRAD: self.recv_grad,
             ActionKind.REDUCE_GRAD: self.reduce_grads,
+            ActionKind.TIED_REDUCE: self.reduce_tied_grads,
             ActionKind.OPT_STEP: self.optimizer_step,
         }
         """The one dispatch table: every compute and communication kind a training schedule uses."""
@@ -168,7 +215,7 @@ class Executor:
     def install(self, groups: GenerationGroups) -> None:
         """Use ``groups`` (a new membership generation's) for every message and collective."""
         self.groups = groups
-        self.messenger = Messenger(group=groups.world, timeout_s=self.spec.timeout_s)
+        self.messenger = Messenger(group=groups.world, timeout_s=self.spec.timeout_s, dynamic=self.spec.dynamic_shapes)
 
     @property
     def stage_replicas(self) -> int:
@@ -219,6 +266,7 @@ class Executor:
         self._outputs.clear()
         self._grads_out.clear()
         self._received.clear()
+        self._labels.clear()
         self.wstore = WeightGradStore()
         self.cursor = 0
         if self.messenger is not None:
@@ -232,7 +280,7 @@ class Executor:
         """Wait for posted sends and check nothing is left over."""
         self.messenger.wait_sends()
         self.wstore.assert_empty()
-        left = [k for d in (self._inputs, self._outputs, self._grads_out, self._received) for k in d]
+        left = [k for d in (self._inputs, self._outputs, self._grads_out, self._received, self._labels) for k in d]
         if left:
             raise ResilienceError(f"worker p{self.pipeline}s{self.stage}: iteration ended with state left for {left[:4]}")
         self.stats.peak_pending_w = self.wstore.peak_count
@@ -251,29 +299,52 @@ class Executor:
         if self.is_first:
             inputs, labels = self._load(a.pipeline, a.microbatch)
             inputs = tuple(t.clone() if torch.is_tensor(t) else t for t in _as_tuple(inputs))
+            if self.spec.mark_inputs:
+                for t in inputs:
+                    if torch.is_tensor(t) and t.is_floating_point():
+                        t.requires_grad_(True)
         else:
             inputs = tuple(self._received.pop(("act",) + key))
         if self.is_last and labels is None:
             _, labels = self._load(a.pipeline, a.microbatch)
-        arg = inputs[0] if len(inputs) == 1 else inputs
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(_rng_seed(self.spec.seed, self.iteration, a.pipeline, a.microbatch, self.stage))
-            outputs = (self.forward_fn or self.module)(arg)
-        if self.is_last:
-            if self.loss_fn is None:
-                raise ResilienceError("the last stage needs a loss_fn")
-            loss = self.loss_fn(outputs, labels)
+        if self.recompute is not None:
+            with torch.no_grad():
+                outputs, loss = self._compute(a, inputs, labels, self.recompute)
+            if self.is_last:
+                self._labels[key] = labels
+        else:
+            outputs, loss = self._compute(a, inputs, labels, self.forward_fn or self.module)
+        if loss is not None:
             self.stats.loss_sum += float(loss.detach())
             self.stats.losses += 1
-            outputs = loss / (self.dp * self.microbatches)
+            self.stats.loss_dtype = loss.dtype
         self._inputs[key] = inputs
         self._outputs[key] = outputs
         self.stats.forwards += 1
         self.stats.rerouted += int(a.pipeline != self.pipeline)
 
-    def _backward_args(self, key: tuple[int, int]):
+    def _compute(self, a: Action, inputs: tuple, labels: Any, fn: Callable[[Any], Any]) -> tuple[Any, Any]:
+        """The stage's forward under the micro-batch's RNG stream; on the last stage, the loss too.
+
+        Returns ``(outputs, loss)``: on the last stage ``outputs`` is the loss scaled by the global
+        micro-batch count, what its backward starts from."""
+        arg = inputs[0] if len(inputs) == 1 else inputs
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_rng_seed(self.spec.seed, self.iteration, a.pipeline, a.microbatch, self.stage))
+            outputs = fn(arg)
+        if not self.is_last:
+            return outputs, None
+        if self.loss_fn is None:
+            raise ResilienceError("the last stage needs a loss_fn")
+        loss = self.loss_fn(outputs, labels)
+        return loss / (self.dp * self.microbatches), loss
+
+    def _backward_args(self, a: Action):
+        key = (a.pipeline, a.microbatch)
         inputs = self._inputs.pop(key)
         outputs = self._outputs.pop(key)
+        if self.recompute is not None:  # activation checkpointing: the graph is built now
+            outputs, _ = self._compute(a, inputs, self._labels.pop(key, None), self.recompute)
         grads = None if self.is_last else self._received.pop(("grad",) + key)
         out_t = [t for t in _as_tuple(outputs) if torch.is_tensor(t) and t.requires_grad]
         if grads is not None and len(grads) != len(out_t):
@@ -283,7 +354,7 @@ class Executor:
 
     def backward_input(self, a: Action) -> None:
         key = (a.pipeline, a.microbatch)
-        outputs, grads, inputs = self._backward_args(key)
+        outputs, grads, inputs = self._backward_args(a)
         input_grads, pending = backward_input(outputs, grads, inputs, list(self.parameters))
         self._fault("mid_backward")
         self.wstore.put(key, pending)
@@ -295,11 +366,66 @@ class Executor:
 
     def backward_fused(self, a: Action) -> None:
         key = (a.pipeline, a.microbatch)
-        outputs, grads, inputs = self._backward_args(key)
+        outputs, grads, inputs = self._backward_args(a)
         input_grads = backward_fused(outputs, grads, inputs, list(self.parameters))
         self._fault("mid_backward")
         if not self.is_first:
             self._grads_out[key] = [g for g in input_grads if g is not None]
+
+    # --- evaluation ---------------------------------------------------------------------------
+    def evaluate(self, actions: Sequence[Action], *, load: Callable[[int, int], tuple[Any, Any]], microbatches: int,
+                 compute_loss: bool = True) -> EvalResult:
+        """Run a forward-only action list (``planning.inference``) without autograd.
+
+        ``load(pipeline, microbatch)`` gives an evaluation micro-batch ``(inputs, labels)``. On the
+        last stage each micro-batch's value is ``loss_fn(outputs, labels)`` (or the outputs with
+        ``compute_loss=False``). Messages carry their shapes (evaluation batches may differ from
+        training's) on the evaluation channel, apart from training's tags.
+        """
+        messenger = Messenger(group=self.groups.world, timeout_s=self.spec.timeout_s, dynamic=True)
+        received: dict[tuple[int, int], list] = {}
+        outputs_of: dict[tuple[int, int], Any] = {}
+        result = EvalResult()
+
+        def tag(a: Action) -> int:
+            return message_tag("eval", a.pipeline, a.microbatch, 0, dp=self.dp, microbatches=microbatches)
+
+        with torch.no_grad():
+            for a in actions:
+                key = (a.pipeline, a.microbatch)
+                if a.kind is ActionKind.RECV_ACT:
+                    received[key] = messenger.recv(self.rank_of(a.peer), tag(a), f"eval{a.stage - 1}")
+                elif a.kind is ActionKind.SEND_ACT:
+                    tensors = [t for t in _as_tuple(outputs_of.pop(key)) if torch.is_tensor(t)]
+                    messenger.send(tensors, self.rank_of(a.peer), tag(a), f"eval{a.stage}")
+                elif a.kind is ActionKind.F:
+                    labels = None
+                    if self.is_first:
+                        inputs, labels = load(a.pipeline, a.microbatch)
+                        inputs = _as_tuple(inputs)
+                    else:
+                        inputs = tuple(received.pop(key))
+                    if self.is_last and labels is None:
+                        _, labels = load(a.pipeline, a.microbatch)
+                    outputs = self.module(inputs[0] if len(inputs) == 1 else inputs)
+                    if not self.is_last:
+                        outputs_of[key] = outputs
+                        continue
+                    value = self.loss_fn(outputs, labels) if compute_loss and self.loss_fn is not None else outputs
+                    value = value.detach() if torch.is_tensor(value) else [v.detach() for v in value]
+                    if torch.is_tensor(value):
+                        result.total = value.clone() if result.total is None else result.total + value
+                    else:
+                        result.total = ([v.clone() for v in value] if result.total is None
+                                        else [t + v for t, v in zip(result.total, value)])
+                    result.count += 1
+                    if a.pipeline == self.pipeline:
+                        result.own.append(value)
+                        result.last_outputs = outputs
+                else:
+                    raise ResilienceError(f"an evaluation runs forward passes and activations only, not {a}")
+        messenger.wait_sends()
+        return result
 
     # --- messages ----------------------------------------------------------------------------
     def _tag(self, channel: str, a: Action) -> int:
@@ -327,31 +453,51 @@ class Executor:
         )
 
     # --- optimizer ---------------------------------------------------------------------------
-    def _grads(self) -> list[torch.Tensor]:
+    def _grads(self, params: Sequence[torch.nn.Parameter] | None = None) -> list[torch.Tensor]:
         out = []
-        for p in self.parameters:
+        for p in self.parameters if params is None else params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             out.append(p.grad)
         return out
 
-    def reduce_grads(self, a: Action) -> None:
-        """Sum this stage's gradients over its surviving replicas (one flat all-reduce)."""
-        self._fault("in_reduce")
-        grads = self._grads()
-        if self.stage_replicas <= 1 or not grads:
+    @staticmethod
+    def _all_reduce(group, grads: list[torch.Tensor]) -> None:
+        """One flat all-reduce (sum) of ``grads`` over ``group``."""
+        if not grads or group is None or len(group) <= 1:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
-        self.groups.stage.all_reduce(flat)
+        group.all_reduce(flat)
         offset = 0
         for g in grads:
             n = g.numel()
             g.copy_(flat[offset: offset + n].view_as(g))
             offset += n
 
+    def reduce_grads(self, a: Action) -> None:
+        """Sum this stage's gradients over its surviving replicas (one flat all-reduce)."""
+        self._fault("in_reduce")
+        if self.parameters and self.stats.forwards and all(p.grad is None for p in self.parameters):
+            raise ResilienceError(
+                f"worker p{self.pipeline}s{self.stage}: none of the stage's {len(self.parameters)} trainable "
+                f"parameters received a gradient in iteration {self.iteration} (an autograd graph cut between the "
+                f"stage's inputs and its parameters?); training would silently not move them")
+        self._grads()
+        self._all_reduce(self.groups.stage if self.groups is not None else None, self._grads(self.untied))
+
+    def reduce_tied_grads(self, a: Action) -> None:
+        """Sum the tied weights' gradients of group ``a.tied_group`` over every surviving worker of
+        the group's stages (they left REDUCE_GRAD; each copy then holds the sum over every
+        micro-batch of every use, DeepSpeed's ReduceTiedGrads followed by its data-parallel reduce)."""
+        g = a.tied_group
+        if g not in self.tied or g not in self.groups.tied:
+            raise ResilienceError(f"worker p{self.pipeline}s{self.stage}: {a} names tied group {g}, which this "
+                                  f"stage does not hold (its groups: {sorted(self.tied)})")
+        self._all_reduce(self.groups.tied[g], self._grads(self.tied[g]))
+
     def global_grad_norm(self) -> float:
         """sqrt(sum over stages of the stage's squared gradient norm), from all survivors."""
-        local = sum(float(g.double().pow(2).sum()) for g in self._grads())
+        local = sum(float(g.double().pow(2).sum()) for g in self._grads(self.counted))
         share = torch.tensor([local / self.stage_replicas], dtype=torch.float64)
         self.groups.world.all_reduce(share)
         return float(share.item()) ** 0.5
@@ -360,7 +506,7 @@ class Executor:
         self._fault("in_optimizer")
         clip = self.spec.gradient_clipping
         if clip > 0:
-            norm = self.global_grad_norm()
+            norm = self.last_grad_norm = self.global_grad_norm()
             coef = clip / (norm + 1e-6)
             if coef < 1.0:
                 for g in self._grads():

@@ -138,7 +138,7 @@ class LiveRecovery:
         groups = None
         if build:
             groups = build_groups(target, self.me, session=self.session, generation=epoch, timeout_s=self.timeout_s,
-                                  store=self.coordinator.store)
+                                  store=self.coordinator.store, tied=self.provider.tied)
         return Generation(epoch=epoch, topology=target, schedule=choice.schedule, source=choice.source,
                           lookup_s=choice.seconds, figures=choice.figures, groups=groups)
 
@@ -160,7 +160,7 @@ class LiveRecovery:
     def plan(self, record: EpochRecord) -> RecoveryPlan:
         """Post this worker's step count, read the survivors', and plan (pure)."""
         steps = self.coordinator.gather_steps(record.epoch, self.tier.host.counters()[0], voters(record))
-        return plan_recovery(record, self.topology, steps, covered=self.provider.covers)
+        return plan_recovery(record, self.topology, steps, covered=self.provider.covers, tied=self.provider.tied)
 
     def apply(self, record: EpochRecord) -> None:
         started = time.perf_counter()
@@ -205,7 +205,8 @@ class LiveRecovery:
             if time.monotonic() > deadline:
                 raise ResilienceError(f"rank {self.rank}: no re-join epoch from the agent within {self.timeout_s:.0f} s")
             time.sleep(0.01)
-        plan = plan_recovery(record, self.topology, {r: 0 for r in voters(record)}, covered=self.provider.covers)
+        plan = plan_recovery(record, self.topology, {r: 0 for r in voters(record)}, covered=self.provider.covers,
+                             tied=self.provider.tied)
         donor = next(d for d, j in plan.handovers if j == self.rank)
         failed = frozenset(self.topology.coord(r)[0] for r in plan.failed)
         generation = self.generation(record.epoch, failed)

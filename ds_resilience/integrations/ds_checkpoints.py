@@ -1,0 +1,88 @@
+"""DeepSpeed's checkpoint files, written by the survivors.
+
+:func:`save_on_survivors` writes exactly what DeepSpeed's ``save_checkpoint`` writes for a pipeline
+with ZeRO-0 (``<tag>/layer_XX-model_states.pt`` per layer, ``<tag>/mp_rank_XX_model_states.pt``
+per stage with the optimizer, scheduler and counters, ``latest``), but each stage's first
+surviving replica plays data-parallel rank 0, so the whole model is there once whoever died, and
+every wait is on the survivors' group. :func:`export_stage` writes a stage's layers and optimizer
+state when a job stops beyond tolerance (for the user to load; not a transfer between ranks).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import ResilienceError
+from .ds_reporting import is_reporter
+
+__all__ = ["export_stage", "save_layers", "save_on_survivors"]
+
+
+def save_on_survivors(engine: Any, save_dir: str, tag, client_state: dict, save_latest: bool,
+                      exclude_frozen_parameters: bool) -> bool:
+    """``save_checkpoint`` by the survivors (see ``ResilientPipelineEngine.save_checkpoint``)."""
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
+
+    world = engine.generation.groups.world
+    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    ce = engine.checkpoint_engine
+    if is_reporter(engine):
+        ce.makedirs(save_dir, exist_ok=True)
+    world.barrier()
+    tags = set(world.all_gather_json(tag))
+    if len(tags) != 1:
+        raise ResilienceError(f"the checkpoint tag differs between the survivors: {sorted(tags)}")
+    info = CheckpointCommitInfo(tag=tag, save_dir=save_dir, save_latest=save_latest)
+    ce.create(info)
+    if engine.me == engine.current.stage_peers(engine.stage_id)[0]:  # this stage's writer
+        path = os.path.join(save_dir, tag)
+        ce.makedirs(path, exist_ok=True)
+        save_layers(engine, path, exclude_frozen_parameters)
+        state = engine._common_checkpoint_state(None, False, False)
+        state.update(client_state)
+        ce.save(state_dict=state, path=engine._get_ckpt_name(save_dir, tag))
+    if not ce.is_decoupled():
+        ce.commit(info)
+        if save_latest and is_reporter(engine):
+            with open(os.path.join(save_dir, "latest"), "w") as fd:
+                fd.write(tag)
+    world.barrier()
+    return True
+
+
+def save_layers(engine: Any, path: str, exclude_frozen: bool) -> None:
+    """``PipelineModule.save_state_dict`` for this stage, whichever data-parallel rank writes it."""
+    from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
+
+    module, ce = engine.module, engine.checkpoint_engine
+    for idx, layer in enumerate(module.forward_funcs):
+        if not hasattr(layer, "state_dict"):
+            continue
+        state = layer.state_dict()
+        if exclude_frozen:
+            for name in module._get_frozen_parameter_names(layer):
+                del state[name]
+        if ce.preserves_storage_sharing():
+            state = clone_tensors_for_torch_save(state)
+        ce.save(state_dict=state, path=module.ckpt_layer_path(path, idx))
+
+
+def export_stage(engine: Any, ckpt_dir: str, step: int) -> None:
+    """This stage's layers (DeepSpeed's file names) and optimizer state, written atomically."""
+    Path(ckpt_dir).mkdir(parents=True, exist_ok=True)
+    for idx, layer in enumerate(engine.module.forward_funcs):
+        if not hasattr(layer, "state_dict"):
+            continue
+        path = engine.module.ckpt_layer_path(ckpt_dir, idx)
+        tmp = f"{path}.tmp{os.getpid()}"
+        torch.save({k: v.detach().clone() for k, v in layer.state_dict().items()}, tmp)
+        os.replace(tmp, path)
+    optim_path = os.path.join(ckpt_dir, f"stage{engine.stage_id}-optim_states.pt")
+    tmp = f"{optim_path}.tmp{os.getpid()}"
+    torch.save({"step": step, "optimizer": engine.optimizer.state_dict(),
+                "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None}, tmp)
+    os.replace(tmp, optim_path)

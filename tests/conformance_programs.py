@@ -1,0 +1,157 @@
+"""Programs of the conformance suite: one case, run by vanilla DeepSpeed and by ds_resilience in the
+same processes, exactly as a DeepSpeed user would drive each (``engine.train_batch(data_iter)``).
+
+A case is a dict: ``model`` ("gpt" or "tied"), ``pp``, ``microbatches``, ``steps``, ``module``
+(PipelineModule kwargs), ``pipeline`` (the DeepSpeed config's ``pipeline`` section), ``dynamic``
+(variable sequence lengths), ``mbs``, ``eval`` (also run ``eval_batch``), ``failed`` (ds_resilience
+only: ``simulate_failed``, with ``batch_source``), ``resilience`` (extra section keys).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import conformance_models as cm
+
+ENGINES = ("vanilla", "resilient")
+
+
+def ds_config(case: dict, dp: int) -> dict[str, Any]:
+    m, mbs = case.get("microbatches", 4), case.get("mbs", cm.MBS)
+    cfg = {
+        "train_micro_batch_size_per_gpu": mbs,
+        "gradient_accumulation_steps": m,
+        "train_batch_size": mbs * m * dp,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}
+        if case.get("optimizer", "adam") == "adam" else {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 3}},
+        "gradient_clipping": 0.0,
+        "steps_per_print": 10**6,
+        "zero_optimization": {"stage": 0},
+    }
+    if case.get("pipeline"):
+        cfg["pipeline"] = dict(case["pipeline"])
+    return cfg
+
+
+def make_engine(kind: str, case: dict, world: int):
+    import deepspeed
+
+    import ds_resilience
+
+    pp = case["pp"]
+    dp = world // pp
+    module = cm.build(case["model"], num_stages=pp, **case.get("module", {}))
+    config = ds_config(case, dp)
+    params = [p for p in module.parameters() if p.requires_grad]
+    if kind == "vanilla":
+        engine, *_ = deepspeed.initialize(model=module, config=config, model_parameters=params)
+        return engine
+    m = case.get("microbatches", 4)
+    config["resilience"] = {"planner": {"solver": "heuristic"}, "simulate_failed": case.get("failed", []),
+                            **case.get("resilience", {})}
+    dynamic = case.get("dynamic", False)
+    mbs = case.get("mbs", cm.MBS)
+
+    def source(p, i, mb):
+        return cm.micro_batch(p, i, mb, dp=dp, microbatches=m, dynamic=dynamic, mbs=mbs)
+
+    def eval_source(p, step, mb):
+        return cm.micro_batch(p, step, mb, dp=dp, microbatches=m, dynamic=dynamic, split="eval", mbs=mbs)
+
+    kwargs = {"batch_source": source, "eval_source": eval_source} if case.get("failed") else {}
+    engine, *_ = ds_resilience.initialize(model=module, config=config, model_parameters=params, **kwargs)
+    return engine
+
+
+def _describe(t) -> dict:
+    import torch
+
+    if t is None:
+        return {"none": True}
+    if isinstance(t, (tuple, list)):
+        return {"seq": [_describe(x) for x in t]}
+    return {"shape": tuple(t.shape), "dtype": str(t.dtype), "device": str(t.device),
+            "value": float(t.reshape(-1)[0]) if t.numel() else None, "cls": type(t).__name__ if not torch.is_tensor(t) else "Tensor"}
+
+
+def train(kind: str, case: dict, world: int, *, start: int = 0, steps: int | None = None, engine=None,
+          load_from: str | None = None, save_to: str | None = None, save_after: int | None = None) -> dict:
+    """Train one engine; returns losses, what train_batch/eval_batch returned, the final params."""
+    import torch
+
+    pp = case["pp"]
+    dp = world // pp
+    m = case.get("microbatches", 4)
+    steps = case.get("steps", 4) if steps is None else steps
+    engine = engine or make_engine(kind, case, world)
+    if load_from is not None:
+        engine.load_checkpoint(load_from)
+    pipeline = engine.grid.data_parallel_id
+    kw = {"dynamic": case.get("dynamic", False), "mbs": case.get("mbs", cm.MBS)}
+    data = cm.iterator(pipeline, dp=dp, microbatches=m, start=start, **kw)
+    losses, returned = [], None
+    for step in range(steps):
+        loss = engine.train_batch(data)
+        if loss is not None:
+            losses.append(float(loss))
+            returned = returned or _describe(loss)
+        if save_to is not None and step + 1 == save_after:
+            engine.save_checkpoint(save_to, tag="ck")
+    out = {"losses": losses, "returned": returned, "stage": engine.stage_id, "pipeline": pipeline,
+           "global_steps": engine.global_steps, "global_samples": engine.global_samples, "lr": engine.get_lr(),
+           "alive": getattr(engine, "alive", True)}
+    if case.get("eval"):
+        eval_data = cm.iterator(pipeline, dp=dp, microbatches=m, start=engine.global_steps, split="eval", **kw)
+        value = engine.eval_batch(eval_data)
+        out["eval"] = _describe(value)
+        logits = engine.eval_batch(cm.iterator(pipeline, dp=dp, microbatches=m, start=engine.global_steps,
+                                               split="eval", **kw), return_logits=True)
+        out["eval_logits"] = _describe(logits[1]) if isinstance(logits, tuple) else None
+    out["params"] = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    out["grad_norm"] = engine.get_global_grad_norm()
+    if getattr(engine, "persistent_engine", None) is not None:
+        engine.persistent_engine.flush()  # what the end of a job does (atexit): its saves are complete
+    del engine
+    torch.distributed.barrier()
+    return out
+
+
+def run_case(rank: int, world: int, case: dict) -> dict:
+    """Every variant of the case (``case["variants"]``: name -> overrides; default one, "base"),
+    each with every engine (``engines`` of the variant, default both), one after the other in
+    these processes; results keyed ``"<variant>/<engine>"``."""
+    import deepspeed
+    import torch
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    out = {}
+    for name, overrides in case.get("variants", {"base": {}}).items():
+        merged = {**case, **overrides}
+        for kind in merged.get("engines", ENGINES):
+            out[f"{name}/{kind}"] = train(kind, merged, world)
+    torch.distributed.barrier()
+    return out
+
+
+def round_trip(rank: int, world: int, case: dict, root: str) -> dict:
+    """For every (saver, loader) pair of engines: the saver trains ``steps`` steps saving after
+    ``save_after``; a fresh loader loads that checkpoint and trains the remaining steps with the
+    iterator restarted there. The loader must end where the saver did."""
+    import deepspeed
+    import torch
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    steps, save_after = case.get("steps", 4), case.get("save_after", 2)
+    out: dict = {}
+    for saver in ENGINES:
+        save_dir = os.path.join(root, saver)
+        full = train(saver, case, world, steps=steps, save_to=save_dir, save_after=save_after)
+        out[f"{saver}-uninterrupted"] = full
+        for loader in ENGINES:
+            engine = make_engine(loader, case, world)
+            out[f"{saver}->{loader}"] = train(loader, case, world, start=save_after, steps=steps - save_after,
+                                               engine=engine, load_from=save_dir)
+    torch.distributed.barrier()
+    return out

@@ -1,0 +1,176 @@
+"""Conformance: ds_resilience is a drop-in for DeepSpeed's PipelineEngine.
+
+Every case runs vanilla DeepSpeed and ds_resilience in the same processes (gloo over loopback,
+bounded by timeouts), each driven exactly as a DeepSpeed user drives it (``train_batch(data_iter)``,
+``eval_batch``, ``save_checkpoint`` / ``load_checkpoint``), and asserts the same result: losses,
+parameters, what the calls return (shape, dtype, device), counters and learning rate. The cases
+are the public behaviour DeepSpeed's own pipeline tests exercise: pipeline depths 1, 2 and 4,
+gradient-accumulation scaling, pipeline against pure data parallelism, dynamic shapes, activation
+checkpointing (reentrant and not), tied weights, and checkpoint round trips in both directions.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from conformance_programs import round_trip, run_case
+from dist_harness import run_workers
+
+WORLD = 4
+
+
+def by_stage(results, key):
+    out = {}
+    for r in results:
+        rec = r[key]
+        if rec["alive"]:
+            out.setdefault(rec["stage"], rec["params"])
+    return out
+
+
+def assert_same_params(results, a, b, *, rtol=1e-5, atol=1e-7):
+    pa, pb = by_stage(results, a), by_stage(results, b)
+    assert set(pa) == set(pb)
+    for stage in pa:
+        for name, ta in pa[stage].items():
+            tb = pb[stage][name]
+            assert torch.allclose(ta, tb, rtol=rtol, atol=atol), (
+                f"{a} vs {b}: stage {stage} {name} differs by {(ta - tb).abs().max().item():.3e}")
+
+
+def assert_same_training(results, a, b, *, rtol=1e-5, atol=1e-7, returned=True):
+    for r in results:
+        ra, rb = r[a], r[b]
+        if not (ra["alive"] and rb["alive"]):
+            continue
+        assert rb["losses"] == pytest.approx(ra["losses"], rel=rtol), (a, b)
+        assert rb["global_steps"] == ra["global_steps"] and rb["global_samples"] == ra["global_samples"]
+        assert rb["lr"] == pytest.approx(ra["lr"])
+        if returned:
+            assert {k: v for k, v in rb["returned"].items() if k != "value"} == \
+                   {k: v for k, v in ra["returned"].items() if k != "value"}, (a, b, "train_batch return")
+    assert_same_params(results, a, b, rtol=rtol, atol=atol)
+
+
+def assert_same_eval(results, a, b, *, rel=1e-5):
+    for r in results:
+        ea, eb = r[a]["eval"], r[b]["eval"]
+        assert {k: v for k, v in eb.items() if k != "value"} == {k: v for k, v in ea.items() if k != "value"}, \
+            (a, b, ea, eb)
+        if ea.get("value") is not None:
+            assert eb["value"] == pytest.approx(ea["value"], rel=rel)
+        la, lb = r[a]["eval_logits"], r[b]["eval_logits"]
+        assert {k: v for k, v in (lb or {}).items() if k != "value"} == {k: v for k, v in (la or {}).items()
+                                                                          if k != "value"}
+
+
+def case_run(case, timeout_s=300):
+    return run_workers(run_case, WORLD, args=(case,), timeout_s=timeout_s)
+
+
+# --- the API ------------------------------------------------------------------------------------
+def test_initialize_has_deepspeeds_signature_then_our_keywords():
+    import deepspeed
+
+    import ds_resilience
+
+    ours = list(inspect.signature(ds_resilience.initialize).parameters.values())
+    theirs = list(inspect.signature(deepspeed.initialize).parameters.values())
+    assert [(p.name, p.kind, p.default) for p in ours[: len(theirs)]] == \
+           [(p.name, p.kind, p.default) for p in theirs]
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in ours[len(theirs):])
+    assert {p.name for p in ours[len(theirs):]} >= {"batch_source", "eval_source"}
+
+
+# --- training -----------------------------------------------------------------------------------
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("pp", [1, 2, 4])
+def test_pipeline_depths_train_and_evaluate_as_vanilla(pp):
+    results = case_run({"model": "gpt", "pp": pp, "eval": True})
+    assert_same_training(results, "base/vanilla", "base/resilient")
+    assert_same_eval(results, "base/vanilla", "base/resilient")
+
+
+@pytest.mark.timeout(400)
+def test_gradient_accumulation_scaling_and_pipeline_against_data_parallel():
+    """The same samples per step: 4 micro-batches of 1 or 1 of 4 (gradient accumulation), and
+    PP=2 x DP=2 against PP=1 x DP=4 (pipeline against pure data parallelism)."""
+    case = {"model": "gpt", "pp": 2, "optimizer": "sgd",
+            "variants": {"gas4": {"microbatches": 4, "mbs": 1}, "gas1": {"microbatches": 1, "mbs": 4}}}
+    results = case_run(case)
+    for kind in ("vanilla", "resilient"):
+        assert_same_training(results, f"gas4/{kind}", f"gas1/{kind}", rtol=1e-4, atol=1e-6, returned=False)
+    assert_same_training(results, "gas4/vanilla", "gas4/resilient")
+    pp1 = case_run({"model": "gpt", "pp": 1, "optimizer": "sgd", "microbatches": 2})
+    pp2 = case_run({"model": "gpt", "pp": 2, "optimizer": "sgd", "microbatches": 4})
+    for kind in ("vanilla", "resilient"):
+        assert pp2[0][f"base/{kind}"]["losses"] == pytest.approx(pp1[0][f"base/{kind}"]["losses"], rel=1e-4)
+
+
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("pp", [1, 2, 4])
+def test_activation_checkpointing_reentrant_and_not_trains_as_vanilla(pp):
+    # as GPT pipelines do (DeepSpeed's GPT2ModelPipe): the transformer blocks are checkpointed, not
+    # the embedding, whose integer inputs reentrant checkpointing cannot differentiate through
+    case = {"model": "gpt", "pp": pp, "module": {"checkpointable_layers": ["Block"]}, "variants": {
+        "reentrant": {"pipeline": {"activation_checkpoint_interval": 1, "use_reentrant": True}},
+        "non-reentrant": {"pipeline": {"activation_checkpoint_interval": 1, "use_reentrant": False}}}}
+    results = case_run(case, timeout_s=450)
+    for v in ("reentrant", "non-reentrant"):
+        assert_same_training(results, f"{v}/vanilla", f"{v}/resilient")
+        assert any(r[f"{v}/resilient"]["losses"][0] != r[f"{v}/resilient"]["losses"][-1] for r in results)
+    if pp == 1:  # the case that once trained nothing at all: parameters must move
+        before = by_stage(case_run({"model": "gpt", "pp": 1, "steps": 0, "engines": ["resilient"]}), "base/resilient")
+        after = by_stage(results, "reentrant/resilient")
+        assert any(not torch.equal(before[0][n], after[0][n]) for n in after[0])
+
+
+@pytest.mark.timeout(400)
+def test_tied_weights_train_as_vanilla_also_around_a_failed_last_stage_worker():
+    case = {"model": "tied", "pp": 2, "optimizer": "sgd", "eval": True, "variants": {
+        "healthy": {},
+        "failed": {"engines": ["resilient"], "failed": ["1:1"]}}}
+    results = case_run(case)
+    assert_same_training(results, "healthy/vanilla", "healthy/resilient")
+    assert_same_eval(results, "healthy/vanilla", "healthy/resilient")
+    assert_same_params(results, "healthy/vanilla", "failed/resilient")
+    # the two copies of the tied weight are one parameter: equal on both stages (the embedding's
+    # positional table is not tied: the head does not use it)
+    for variant in ("healthy/resilient", "failed/resilient"):
+        stages = {r[variant]["stage"]: r[variant]["params"] for r in results if r[variant]["alive"]}
+        assert torch.equal(stages[0]["tied_modules.embed.weight"], stages[1]["tied_modules.embed.weight"])
+
+
+@pytest.mark.timeout(400)
+def test_tied_weights_over_four_stages():
+    results = case_run({"model": "tied", "pp": 4, "optimizer": "sgd"})
+    assert_same_training(results, "base/vanilla", "base/resilient")
+
+
+@pytest.mark.timeout(400)
+def test_dynamic_shapes_train_as_vanilla_also_re_routed():
+    case = {"model": "gpt", "pp": 2, "dynamic": True, "optimizer": "sgd", "module": {"dynamic_shape": True},
+            "eval": True, "variants": {"healthy": {}, "failed": {"engines": ["resilient"], "failed": ["0:0"]}}}
+    results = case_run(case)
+    assert_same_training(results, "healthy/vanilla", "healthy/resilient")
+    assert_same_eval(results, "healthy/vanilla", "healthy/resilient")
+    assert_same_params(results, "healthy/vanilla", "failed/resilient")
+
+
+# --- checkpoints --------------------------------------------------------------------------------
+@pytest.mark.timeout(500)
+def test_save_load_round_trip_and_cross_loading_continue_identically(tmp_path):
+    """Model, optimizer, LR scheduler and step counters survive save_checkpoint / load_checkpoint
+    within each engine and across them, so a user can switch in either direction mid-run; a
+    load followed by train_batch never hangs."""
+    results = run_workers(round_trip, WORLD, args=({"model": "gpt", "pp": 2, "steps": 4, "save_after": 2},
+                                                    str(tmp_path)), timeout_s=450)
+    for saver in ("vanilla", "resilient"):
+        for loader in ("vanilla", "resilient"):
+            assert_same_params(results, f"{saver}-uninterrupted", f"{saver}->{loader}", rtol=1e-6, atol=1e-8)
+            for r in results:
+                assert r[f"{saver}->{loader}"]["global_steps"] == r[f"{saver}-uninterrupted"]["global_steps"]
+                assert r[f"{saver}->{loader}"]["lr"] == pytest.approx(r[f"{saver}-uninterrupted"]["lr"])
