@@ -14,6 +14,7 @@ Keys (under ``"resilience"``), defaults in brackets::
     max_failures                    int >= 0                              [1]
     microbatches                    int >= 1 | null                       [null]
     seed                            int >= 0                              [1234]
+    clipping                        "speculative" | "barrier"             ["speculative"]
     simulate_failed                 list of "p:s" strings, no duplicates  [[]]
     cost_model                      null | path (string) | object         [null]
     planner.solver                  "heuristic" | "cpsat"                 ["cpsat"]
@@ -333,6 +334,9 @@ class ResilienceConfig(_Section):
     seed: int = _opt(int, "base of every micro-batch's RNG stream (dropout masks are drawn from (seed, "
                      "iteration, pipeline, micro-batch, stage), so a re-routed micro-batch draws the same)",
                      default=1234, minimum=0)
+    clipping: str = _opt(str, "how gradient clipping and fp16 overflow checks agree on the global norm: each "
+                         "stage steps speculatively and validates (rolling back when wrong), or all wait at a "
+                         "barrier", default="speculative", choices=("speculative", "barrier"))
     simulate_failed: tuple[Worker, ...] = _opt(tuple, "workers left idle (alive, running nothing)",
                                                default=(), what="a list", items=_WORKER, unique=True)
     cost_model: str | CostModel | None = _opt(

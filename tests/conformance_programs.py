@@ -32,6 +32,13 @@ def ds_config(case: dict, dp: int) -> dict[str, Any]:
     }
     if case.get("pipeline"):
         cfg["pipeline"] = dict(case["pipeline"])
+    if case.get("clip"):
+        cfg["gradient_clipping"] = case["clip"]
+    if case.get("precision") == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    elif case.get("precision") == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": case.get("scale_power", 8), "loss_scale_window": 2,
+                       "hysteresis": 1}
     return cfg
 
 
@@ -39,6 +46,13 @@ def make_engine(kind: str, case: dict, world: int):
     import deepspeed
 
     import ds_resilience
+
+    if case.get("precision") == "fp16":
+        # DeepSpeed refuses fp16 where the CPU lacks native fp16 (mkldnn); torch runs fp16 on any
+        # CPU, slowly: lift the check, for both engines alike
+        from deepspeed.accelerator import get_accelerator
+
+        get_accelerator().is_fp16_supported = lambda: True
 
     pp = case["pp"]
     dp = world // pp
@@ -109,7 +123,14 @@ def train(kind: str, case: dict, world: int, *, start: int = 0, steps: int | Non
         logits = engine.eval_batch(cm.iterator(pipeline, dp=dp, microbatches=m, start=engine.global_steps,
                                                split="eval", **kw), return_logits=True)
         out["eval_logits"] = _describe(logits[1]) if isinstance(logits, tuple) else None
-    out["params"] = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    out["param_dtype"] = str(next(engine.module.parameters()).dtype)
+    out["params"] = {n: p.detach().clone().float() for n, p in engine.module.named_parameters()}
+    opt = engine.optimizer
+    out["loss_scale"] = float(getattr(opt, "cur_scale", getattr(opt, "loss_scale", 1.0)) or 1.0)
+    out["skipped_steps"] = int(getattr(engine, "skipped_steps", 0))
+    validator = getattr(engine, "validator", None)
+    out["validation"] = (None if validator is None else
+                         {"speculated": validator.speculated, "rolled back": validator.rollbacks, "waited": validator.waited})
     out["grad_norm"] = engine.get_global_grad_norm()
     if getattr(engine, "persistent_engine", None) is not None:
         engine.persistent_engine.flush()  # what the end of a job does (atexit): its saves are complete

@@ -90,3 +90,44 @@ def test_the_iterator_source_survives_a_checkpoint_load_and_never_loops():
         source(0, 4, 4)
     with pytest.raises(ResilienceError, match="batch_source"):
         source(1, 4, 0)
+
+
+def test_a_rollback_restores_the_fp32_masters_not_only_the_low_precision_weights():
+    """Under bf16 the optimizer steps fp32 masters; a rollback that restored only the bf16 weights
+    would leave the masters one step ahead, and the next step would silently build on them."""
+    from ds_resilience.checkpoint.state import apply, capture
+    from ds_resilience.runtime.precision import MixedPrecisionOptimizer
+
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4).to(torch.bfloat16)
+    params = list(model.parameters())
+    opt = MixedPrecisionOptimizer(torch.optim.Adam(params, lr=1e-2), params)
+
+    class Host:
+        parameters, optimizer, lr_scheduler = params, opt, None
+        steps, samples = 0, 0
+
+        def counters(self):
+            return self.steps, self.samples
+
+        def set_counters(self, steps, samples):
+            self.steps, self.samples = steps, samples
+
+    host = Host()
+
+    def step():
+        model(torch.randn(3, 8).to(torch.bfloat16)).float().pow(2).sum().backward()
+        opt.accumulate()
+        opt.step()
+        opt.zero_grad()
+        host.steps += 1
+
+    step()
+    before = capture(host, stage=0, rank=0).clone()
+    masters = [m.detach().clone() for m in opt.masters]
+    step()
+    assert any(not torch.equal(m, b) for m, b in zip(opt.masters, masters))
+    apply(before, host, stage=0)
+    assert all(torch.equal(m, b) for m, b in zip(opt.masters, masters)), "the fp32 masters were not rolled back"
+    assert all(torch.equal(p, b.to(p.dtype)) for p, b in zip(params, masters))
+    assert opt.masters[0].dtype == torch.float32 and params[0].dtype == torch.bfloat16

@@ -77,6 +77,10 @@ class CheckpointTier:
     def after_step(self) -> None:
         self.capture_due()
 
+    def undo_step(self) -> None:
+        """Undo the stage's last optimizer step (a speculative step that validation rejected)."""
+        self.rollback(self.host.counters()[0] - 1)
+
     def action_window(self, index: int) -> ContextManager[None]:
         mem = self.memory
         if mem is None or mem.replicator is None or index not in self._windows:

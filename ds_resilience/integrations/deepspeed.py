@@ -62,9 +62,6 @@ def _split_config(config: Any) -> tuple[dict[str, Any], ResilienceConfig, Path |
     data.pop("resilience", None)
     if not resilience.enabled:
         return data, resilience, base_dir
-    for key in ("fp16", "bf16"):
-        if isinstance(data.get(key), dict) and data[key].get("enabled"):
-            raise ConfigError(key, "the resilient engine trains in fp32/fp64 only for now; set enabled: false")
     zero = data.get("zero_optimization", {})
     if isinstance(zero, dict) and int(zero.get("stage", 0)) > 0:
         raise ConfigError("zero_optimization.stage", f"{zero.get('stage')}: only stage 0 is supported with the resilient engine")

@@ -39,7 +39,9 @@ from ..planning.provider import ScheduleChoice, ScheduleProvider
 from ..runtime.coordinator import Coordinator
 from ..runtime.executor import BatchSource, Executor, StageSpec
 from ..runtime.faults import FaultInjector
+from ..runtime.precision import DynamicLossScaler, MixedPrecisionOptimizer
 from ..runtime.recovery import Generation, LiveRecovery, is_failure
+from ..runtime.validation import StepValidator
 from ..topology import Topology, Worker
 from .ds_checkpoint_engine import install as install_checkpoint_engine
 from .ds_instructions import ActionSchedule, IRAction
@@ -105,7 +107,9 @@ class ResilientPipelineEngine(PipelineEngine):
         self.provider = self._schedule_provider(config_dir)
         self.coordinator = self._coordinator() if live else None
         self.faults = FaultInjector(resilience.fault_injection, self.rank, launch=launch)
-        self.tier = CheckpointTier(self.stage_host, stage=self.stage_id, rank=self.rank, keep_pre_step=live,
+        self.validator = self._validator()
+        self.tier = CheckpointTier(self.stage_host, stage=self.stage_id, rank=self.rank,
+                                   keep_pre_step=live or self.validator is not None,
                                    memory=self._memory_tier(rejoin) if live and self.alive else None)
         self.faults.lose_memory = self.tier.lose_memory
         recompute, reentrant = activation_checkpointing(self.module)
@@ -119,6 +123,8 @@ class ResilientPipelineEngine(PipelineEngine):
             batch_source=batch_source or IteratorSource(self, self.micro_batches), rank_of=lambda i: self.topology.rank(self.topology.worker(i)),
             step=self.stage_host.step, recompute=recompute, fault_hook=self.faults.maybe_fire, hooks=self.tier,
             tied=tied_params, counted_tied=[g for g, stages in enumerate(self.tied_groups) if stages[0] == self.stage_id],
+            precision=self.optimizer if isinstance(self.optimizer, MixedPrecisionOptimizer) else None,
+            validator=self.validator, zero_grad=self.stage_host.zero_grad,
         )
         # get_global_grad_norm(): the true global norm where this engine computes one (clipping on);
         # like vanilla's fp32 engine, None otherwise
@@ -148,6 +154,50 @@ class ResilientPipelineEngine(PipelineEngine):
             self.recovery.join()
 
     # --- construction ----------------------------------------------------------------------------------
+    def _configure_optimizer(self, client_optimizer, model_parameters):
+        """bf16 / fp16 without ZeRO: our own :class:`MixedPrecisionOptimizer` (fp32 masters, fp32
+        gradient accumulation, fp16 dynamic loss scaling) instead of DeepSpeed's BF16/FP16
+        optimizers, whose steps and overflow checks run collectives over DeepSpeed's groups; the
+        executor does those over the survivors. fp32 (and ZeRO) is DeepSpeed's own."""
+        model_dtype, _ = self.get_data_types()
+        if model_dtype == torch.float32 or self.zero_optimization():
+            return super()._configure_optimizer(client_optimizer, model_parameters)
+        if client_optimizer is None:
+            basic = self._configure_basic_optimizer(model_parameters)
+        elif isinstance(client_optimizer, tuple(self._supported_optims())):
+            basic = client_optimizer
+        else:
+            basic = client_optimizer(model_parameters)
+        basic.param_groups[:] = [pg for pg in basic.param_groups if len(pg["params"]) != 0]
+        self.basic_optimizer = basic
+        scaler = None
+        if model_dtype == torch.float16:
+            scaler = DynamicLossScaler.from_config(self._config._param_dict.get("fp16", {}))
+        self.optimizer = MixedPrecisionOptimizer(basic, [p for p in self.module.parameters() if p.requires_grad],
+                                                 scaler=scaler)
+
+    def _validator(self) -> StepValidator | None:
+        """Clipping and fp16 overflow agreed without a barrier (``runtime/validation.py``)."""
+        clip = float(self.gradient_clipping() or 0.0)
+        fp16 = bool(self.fp16_enabled())
+        if clip <= 0 and not fp16:
+            return None
+        if self.resilience.clipping == "barrier":
+            if fp16:
+                raise ConfigError("resilience.clipping", "'barrier' covers gradient clipping only; fp16's overflow "
+                                  "check needs 'speculative'")
+            return None  # the executor all-reduces the global norm over every survivor before stepping
+
+        def wait(key: str) -> bytes:
+            if self.coordinator is not None:
+                return self.coordinator.wait_key(key)
+            return self._wait_store(key, self.resilience.detector.store_timeout_s, "the other stages' gradient norms")
+
+        return StepValidator(clip=clip, check_overflow=fp16, num_stages=self.num_stages,
+                             key=lambda iteration, stage: f"dsr/{self.session}/val/{iteration}/{stage}",
+                             publish=lambda key, value: self._store().set(key, value), wait=wait,
+                             delete=lambda key: self._store().delete_key(key))
+
     def _schedule_provider(self, base_dir: Path | None) -> ScheduleProvider:
         cfg = self.resilience
         planner = cfg.planner
@@ -296,12 +346,17 @@ class ResilientPipelineEngine(PipelineEngine):
 
     def _train_iteration(self):
         started = time.perf_counter()
+        self.executor.resolve()  # the previous step is validated before this iteration's forwards
         self.executor.begin_iteration(self.global_steps)
         self.tier.begin_iteration(self.schedule, self.my_index, self.provider.cost)
         self._exec_schedule(self._train_schedule())
         self.executor.end_iteration()
         stats = self.executor.stats
         loss = self._aggregate_loss(stats.loss_sum)
+        # the step taken speculatively is validated now, in time this stage would wait anyway (its
+        # next forward needs an activation that follows the first stage's step): train_batch
+        # returns a final state, and no stage's step waited for another's gradients
+        self.executor.resolve()
         elapsed = time.perf_counter() - started
         self.tier.end_iteration(elapsed)
         if self.persistent_engine is not None and self.checkpoint_engine is self.persistent_engine:
@@ -330,6 +385,7 @@ class ResilientPipelineEngine(PipelineEngine):
         if reduce_output not in ("avg", None):
             raise NotImplementedError(f"reduction type {reduce_output} not supported.")
         micro_batches = self.micro_batches if num_micro_batches is None else int(num_micro_batches)
+        self._resilient(self.executor.resolve)
         self.module.eval()
         try:
             return self._resilient(lambda: evaluate(self, data_iter, micro_batches, return_logits, compute_loss,
@@ -355,14 +411,15 @@ class ResilientPipelineEngine(PipelineEngine):
         """DeepSpeed's ``save_checkpoint``, also after a failure.
 
         Without the agent and fault-free it is DeepSpeed's own. Under the agent, or once a worker
-        has failed, the survivors write the same files DeepSpeed writes, the whole model once: for each stage its first surviving replica
-        plays data-parallel rank 0 (the layer files ``layer_XX-model_states.pt`` and the stage's
+        has failed, the survivors write the same files DeepSpeed writes, the whole model once: for
+        each stage its first surviving replica plays data-parallel rank 0 (the layer files ``layer_XX-model_states.pt`` and the stage's
         ``mp_rank_XX_model_states.pt`` with optimizer, scheduler and counters), every wait is on
         the survivors' group, and the survivor that reports writes ``latest``. The result loads
         into a full-size job (DeepSpeed's or ours) after the repair.
         """
         if not save_dir:
             raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
+        self._resilient(self.executor.resolve)
         if not self._world_unsafe():
             return super().save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
                                            exclude_frozen_parameters=exclude_frozen_parameters)
@@ -377,6 +434,7 @@ class ResilientPipelineEngine(PipelineEngine):
         files; the broadcast that re-synchronizes tied weights over the world is skipped, as every
         copy is read from the same checkpoint). The in-memory tier keeps its snapshots: the next
         one is the loaded state."""
+        self.executor.forget_pending()  # the loaded state replaces whatever step awaited validation
         if self.persistent_engine is not None and self.checkpoint_engine is self.persistent_engine:
             self.persistent_engine.flush()  # this job's own saves are complete and `latest` is current
         if not self._world_unsafe():
@@ -418,7 +476,9 @@ class ResilientPipelineEngine(PipelineEngine):
         return tuple(self.topology.rank(w) for w in self.current.alive_workers())
 
     def close_snapshots(self) -> None:
-        """Stop the checkpoint tier's threads (the snapshots stay in host memory for the agent)."""
+        """Validate the last step and stop the checkpoint tier's threads (the snapshots stay in host
+        memory for the agent)."""
+        self._resilient(self.executor.resolve)
         self.tier.close()
 
     # --- loss aggregation without a global barrier -------------------------------------------------

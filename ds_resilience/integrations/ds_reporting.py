@@ -45,8 +45,11 @@ def report(engine, elapsed: float) -> None:
     reporter = is_reporter(engine)
     if due and reporter:
         iter_time = engine._since_print / every
+        extra = ""
+        if engine.validator is not None:
+            extra = f" rollbacks/100 steps: {engine.validator.rollbacks_per_100():0.1f}"
         print(f"steps: {engine.global_steps} loss: {float(engine.agg_train_loss):0.4f} iter time (s): {iter_time:0.3f} "
-              f"samples/sec: {engine.train_batch_size() / iter_time:0.3f}", flush=True)
+              f"samples/sec: {engine.train_batch_size() / iter_time:0.3f}{extra}", flush=True)
         if engine.wall_clock_breakdown():
             parts = " | ".join(f"{kind}: {1e3 * sum(v):.2f}" for kind, v in sorted(engine.executor.stats.durations.items()))
             print(f"rank={engine.rank} time (ms) | {parts}", flush=True)
@@ -58,6 +61,8 @@ def report(engine, elapsed: float) -> None:
             events += [(f"Resilience/{key}", float(rec[key]), engine.global_samples)
                        for key in ("recovery_s", "lookup_s", "apply_s") if rec.get(key) is not None]
             events.append(("Resilience/failed_workers", float(len(rec.get("failed", ()))), engine.global_samples))
+        if engine.validator is not None:
+            events.append(("Resilience/rollbacks_per_100", engine.validator.rollbacks_per_100(), engine.global_samples))
         if engine.recovery_log[engine._reported_recoveries:] or engine.current.failed:
             events.append(("Resilience/rerouted_microbatches", float(engine.executor.stats.rerouted), engine.global_samples))
         write_monitor(engine, events)

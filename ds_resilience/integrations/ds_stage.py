@@ -75,18 +75,33 @@ class DeepSpeedStage:
     def set_counters(self, steps: int, samples: int) -> None:
         self.engine.global_steps, self.engine.global_samples = steps, samples
 
-    def step(self) -> None:
-        """DeepSpeed's optimizer step for this stage only (gradients already reduced and clipped)."""
+    def step(self, *, zero_grad: bool = True, skip: bool = False) -> None:
+        """DeepSpeed's optimizer step for this stage only (gradients already reduced and clipped).
+
+        ``skip``: an fp16 overflow skips the update, as DeepSpeed does (the counters still move, the
+        LR scheduler does not); ``zero_grad=False`` keeps the gradients (a speculative step, see
+        ``runtime/validation.py``)."""
         e = self.engine
         e._force_grad_boundary = True
-        e.optimizer.step()
-        e.zero_grad()
-        if e.lr_scheduler is not None:
-            e.lr_scheduler.step()
+        if skip:
+            e.skipped_steps += 1
+        else:
+            e.optimizer.step()
+            if e.lr_scheduler is not None:
+                e.lr_scheduler.step()
+        if zero_grad:
+            self.zero_grad()
         e._force_grad_boundary = False
         e._global_grad_norm = self.grad_norm()
         e.global_steps += 1
         e.global_samples += e.train_batch_size()
+
+    def zero_grad(self) -> None:
+        """Every gradient of the stage: the module's and, under mixed precision, the fp32 masters'."""
+        self.engine.zero_grad()
+        zero = getattr(self.engine.optimizer, "zero_grad", None)
+        if zero is not None:
+            zero(set_to_none=True)
 
 
 def activation_checkpointing(module: Any) -> tuple[Any, bool]:

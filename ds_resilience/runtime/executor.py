@@ -129,7 +129,11 @@ class ExecutorHooks:
         """Right before the stage's optimizer step changes the parameters."""
 
     def after_step(self) -> None:
-        """Right after the stage's optimizer step (and the engine's counters moved)."""
+        """Right after the stage's optimizer step, once it is final (and the counters moved)."""
+
+    def undo_step(self) -> None:
+        """Put the stage back to the state before its last optimizer step (a wrong speculation)."""
+        raise ResilienceError("this executor's hooks cannot undo an optimizer step")
 
 
 class Executor:
@@ -152,6 +156,11 @@ class Executor:
             split, and W keeps what B recomputed (as many as the plan's pending-W cap allows).
         fault_hook: ``fault_hook(point, iteration)`` at the fault-injection points (tests, demos).
         hooks: see :class:`ExecutorHooks`.
+        precision: mixed precision (``runtime.precision.MixedPrecisionOptimizer``): gradients are
+            folded into its fp32 masters after every micro-batch's W, reduced, clipped and stepped
+            there; on fp16 the last stage's loss is scaled by its loss scale.
+        validator: clipping and overflow agreement without a barrier (``runtime.validation``).
+        zero_grad: clears every gradient the stage holds (default: ``.grad = None``).
         tied: tied group index -> this stage's parameters of that group (its copies of the tied
             module's tied weights). They leave REDUCE_GRAD: TIED_REDUCE sums them over every
             surviving worker of the group's stages. ``counted_tied`` lists the groups whose copies
@@ -165,7 +174,8 @@ class Executor:
                  forward_fn: Callable[[Any], Any] | None = None, recompute: Callable[[Any], Any] | None = None,
                  fault_hook: Callable[[str, int], None] | None = None, hooks: ExecutorHooks | None = None,
                  tied: dict[int, Sequence[torch.nn.Parameter]] | None = None,
-                 counted_tied: Sequence[int] = ()) -> None:
+                 counted_tied: Sequence[int] = (), precision: Any = None, validator: Any = None,
+                 zero_grad: Callable[[], None] | None = None) -> None:
         self.spec = spec
         self.stage, self.pipeline = spec.stage, spec.pipeline
         self.num_stages, self.dp, self.microbatches = spec.num_stages, spec.dp, spec.microbatches
@@ -179,12 +189,19 @@ class Executor:
         self.recompute = recompute
         self.fault_hook = fault_hook
         self.hooks = hooks or ExecutorHooks()
-        self.tied = {g: list(ps) for g, ps in (tied or {}).items()}
+        self.precision = precision
+        self.validator = validator
+        self._zero_grad = zero_grad
+        # where the reduced gradients live: the fp32 masters under mixed precision, else the parameters
+        master = (lambda p: precision.master_of[id(p)]) if precision is not None else (lambda p: p)
+        self.grad_parameters = [master(p) for p in self.parameters]
+        self.tied = {g: [master(p) for p in ps] for g, ps in (tied or {}).items()}
         tied_ids = {id(p) for ps in self.tied.values() for p in ps}
-        self.untied = [p for p in self.parameters if id(p) not in tied_ids]
+        self.untied = [p for p in self.grad_parameters if id(p) not in tied_ids]
         uncounted = {id(p) for g, ps in self.tied.items() if g not in set(counted_tied) for p in ps}
-        self.counted = [p for p in self.parameters if id(p) not in uncounted]
+        self.counted = [p for p in self.grad_parameters if id(p) not in uncounted]
         self.last_grad_norm: float | None = None
+        self.pending: int | None = None  # the iteration whose speculative step awaits validation
         self.groups: GenerationGroups | None = None
         self.messenger: Messenger | None = None
         self.iteration = 0
@@ -260,8 +277,9 @@ class Executor:
     def reset(self) -> None:
         """Drop everything an interrupted iteration left behind (activations, pending W, sends,
         partial gradients)."""
-        for p in self.parameters:
-            p.grad = None
+        if self.pending is None:  # a step awaiting validation keeps its gradients (no forward ran since)
+            for p in self.parameters + self.grad_parameters:
+                p.grad = None
         self._inputs.clear()
         self._outputs.clear()
         self._grads_out.clear()
@@ -337,7 +355,8 @@ class Executor:
         if self.loss_fn is None:
             raise ResilienceError("the last stage needs a loss_fn")
         loss = self.loss_fn(outputs, labels)
-        return loss / (self.dp * self.microbatches), loss
+        scale = self.precision.loss_scale if self.precision is not None else 1.0
+        return loss * (scale / (self.dp * self.microbatches)), loss
 
     def _backward_args(self, a: Action):
         key = (a.pipeline, a.microbatch)
@@ -363,11 +382,15 @@ class Executor:
 
     def backward_weight(self, a: Action) -> None:
         self.wstore.pop((a.pipeline, a.microbatch))
+        if self.precision is not None:
+            self.precision.accumulate()
 
     def backward_fused(self, a: Action) -> None:
         key = (a.pipeline, a.microbatch)
         outputs, grads, inputs = self._backward_args(a)
         input_grads = backward_fused(outputs, grads, inputs, list(self.parameters))
+        if self.precision is not None:
+            self.precision.accumulate()
         self._fault("mid_backward")
         if not self.is_first:
             self._grads_out[key] = [g for g in input_grads if g is not None]
@@ -455,7 +478,7 @@ class Executor:
     # --- optimizer ---------------------------------------------------------------------------
     def _grads(self, params: Sequence[torch.nn.Parameter] | None = None) -> list[torch.Tensor]:
         out = []
-        for p in self.parameters if params is None else params:
+        for p in self.grad_parameters if params is None else params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             out.append(p.grad)
@@ -477,7 +500,7 @@ class Executor:
     def reduce_grads(self, a: Action) -> None:
         """Sum this stage's gradients over its surviving replicas (one flat all-reduce)."""
         self._fault("in_reduce")
-        if self.parameters and self.stats.forwards and all(p.grad is None for p in self.parameters):
+        if self.grad_parameters and self.stats.forwards and all(p.grad is None for p in self.grad_parameters):
             raise ResilienceError(
                 f"worker p{self.pipeline}s{self.stage}: none of the stage's {len(self.parameters)} trainable "
                 f"parameters received a gradient in iteration {self.iteration} (an autograd graph cut between the "
@@ -503,14 +526,85 @@ class Executor:
         return float(share.item()) ** 0.5
 
     def optimizer_step(self, a: Action) -> None:
+        """The stage's optimizer step, on its own (see ``runtime/validation.py`` for clipping and
+        fp16 overflow: a speculative step now, validated before the next forward)."""
         self._fault("in_optimizer")
-        clip = self.spec.gradient_clipping
-        if clip > 0:
-            norm = self.last_grad_norm = self.global_grad_norm()
-            coef = clip / (norm + 1e-6)
-            if coef < 1.0:
-                for g in self._grads():
-                    g.mul_(coef)
+        v = self.validator
+        if v is None or not v.active:
+            clip = self.spec.gradient_clipping
+            if clip > 0:  # without a validator: the global norm with a barrier over every survivor
+                norm = self.last_grad_norm = self.global_grad_norm()
+                coef = clip / (norm + 1e-6)
+                if coef < 1.0:
+                    for g in self._grads():
+                        g.mul_(coef)
+            self._step()
+            return
+        sq = sum(float(g.double().pow(2).sum()) for g in self._grads(self.counted))
+        overflow = self.precision.overflow() if self.precision is not None else False
+        v.publish(self.iteration, self.stage, sq, overflow)
+        if v.should_speculate(sq, overflow):
+            self.hooks.before_step()
+            self.step_fn(zero_grad=False)  # the gradients stay until the step is validated
+            self.pending = self.iteration
+            return
+        decision = v.decide(self.iteration)
+        v.record(self.iteration, "waited")
+        self._apply(decision)
+
+    def resolve(self) -> None:
+        """Validate a speculative step (call before the next forward, save or evaluation): keep it,
+        or roll it back and redo it exactly (clipped, or skipped on an overflow)."""
+        if self.pending is None:
+            return
+        iteration, self.pending = self.pending, None
+        decision = self.validator.decide(iteration)
+        self.last_grad_norm = decision.norm
+        if decision.speculation_holds:
+            self.validator.record(iteration, "speculated")
+            if self.precision is not None and self.precision.scaler is not None:
+                self.precision.scaler.update(False)
+            self.zero_grad()
+            self.hooks.after_step()
+            return
+        self.validator.record(iteration, "rolled back")
+        saved = [p.grad for p in self.grad_parameters]
+        self.hooks.undo_step()
+        for p, g in zip(self.grad_parameters, saved):
+            p.grad = g
+        self._apply(decision)
+
+    def forget_pending(self) -> None:
+        """A recovery rolled this stage back past its speculative step: nothing to validate."""
+        self.pending = None
+
+    def _apply(self, decision) -> None:
+        """The exact step: skipped on a global overflow, else scaled by the clip coefficient."""
+        self.last_grad_norm = decision.norm
+        scaler = self.precision.scaler if self.precision is not None else None
+        if decision.overflow:
+            self.hooks.before_step()
+            self.step_fn(skip=True)
+            if self.precision is not None:
+                self.precision.skip()
+            if scaler is not None:
+                scaler.update(True)
+            self.hooks.after_step()
+            return
+        if decision.coef < 1.0:
+            for g in self._grads():
+                g.mul_(decision.coef)
+        self._step()
+        if scaler is not None:
+            scaler.update(False)
+
+    def _step(self) -> None:
         self.hooks.before_step()
         self.step_fn()
         self.hooks.after_step()
+
+    def zero_grad(self) -> None:
+        if self._zero_grad is not None:
+            self._zero_grad()
+        for p in self.parameters + self.grad_parameters:
+            p.grad = None

@@ -169,6 +169,7 @@ class LiveRecovery:
         _log_plan(plan, self.rank)
         if self.rank in plan.rollbacks:
             self.tier.rollback(plan.resume_step)
+            self.executor.forget_pending()  # the speculative step, if any, is undone with it
         if plan.action != "continue":
             self._beyond_tolerance(record, plan)
         failed = frozenset(self.topology.coord(r)[0] for r in plan.failed)
