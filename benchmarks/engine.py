@@ -61,14 +61,20 @@ def _program(rank: int, world: int, opts: dict) -> dict:
             module = build_pipeline_module(cfg, num_stages=pp, seed=5)
             params = [p for p in module.parameters() if p.requires_grad]
             if sc["engine"] == "vanilla":
-                engine, *_ = deepspeed.initialize(model=module, config=dict(base), model_parameters=params)
+                config = dict(base, **({"bf16": {"enabled": True}} if sc.get("precision") == "bf16" else {}))
+                engine, *_ = deepspeed.initialize(model=module, config=config, model_parameters=params)
                 it = data_iterator(corpus, pipeline=engine.grid.data_parallel_id, dp=dp, microbatches=m, micro_batch_size=MBS)
 
                 def step():
                     engine.train_batch(it)
             else:
                 config = dict(base, resilience={"schedule": sc.get("schedule", "1f1b"), "variant": sc.get("variant", "recycle"),
-                                                "simulate_failed": sc.get("failed", [])})
+                                                "simulate_failed": sc.get("failed", []),
+                                                "clipping": sc.get("clipping", "speculative")})
+                if sc.get("clip"):
+                    config["gradient_clipping"] = sc["clip"]
+                if sc.get("precision") == "bf16":
+                    config["bf16"] = {"enabled": True}
 
                 def source(p, i, mb):
                     return micro_batch(corpus, pipeline=p, iteration=i, microbatch=mb, dp=dp, microbatches=m, micro_batch_size=MBS)
@@ -90,6 +96,9 @@ def _program(rank: int, world: int, opts: dict) -> dict:
             if sc["engine"] != "vanilla" and getattr(engine, "alive", False) and rnd == opts["rounds"] - 1:
                 rec["durations"] = engine.executor.stats.durations
                 rec["schedule"] = engine.schedule.to_text()
+                if engine.validator is not None:
+                    v = engine.validator
+                    rec["validation"] = {"speculated": v.speculated, "rolled back": v.rollbacks, "waited": v.waited}
             del engine
     # link latency: small-message ping-pong between ranks 0 and 1 (both exist for any world >= 2)
     t = torch.zeros(8)
@@ -139,6 +148,8 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=4, choices=(2, 4),
                         help="4: PP=2 x DP=2 with the failure scenarios; 2: PP=2 x DP=1, fault-free only "
                              "(one process per core, so bubbles cost time as on dedicated devices)")
+    parser.add_argument("--config-rows", action="store_true",
+                        help="add clipping (speculative against barrier) and bf16 rows (vanilla bf16 as reference)")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args()
     scenarios = [
@@ -151,6 +162,13 @@ def main() -> None:
     ]
     if args.world == 2:
         scenarios = scenarios[:3]
+    if args.config_rows:  # the DeepSpeed user's own configuration: clipping (DeepSpeed's default 1.0), bf16
+        scenarios += [
+            {"name": "clip-barrier", "engine": "resilient", "schedule": "decoupled", "clip": 1.0, "clipping": "barrier"},
+            {"name": "clip-speculative", "engine": "resilient", "schedule": "decoupled", "clip": 1.0},
+            {"name": "vanilla-bf16", "engine": "vanilla", "precision": "bf16"},
+            {"name": "bf16", "engine": "resilient", "precision": "bf16"},
+        ]
     opts = {"pp": 2, "microbatches": args.microbatches, "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
             "d_model": args.d_model, "layers": args.layers, "seq_len": args.seq_len, "scenarios": scenarios}
     t0 = time.perf_counter()
@@ -174,7 +192,7 @@ def main() -> None:
         t = it_time(name)
         row = {"iteration_s": t, "throughput_ratio": vanilla / t}
         pred = ""
-        if name != "vanilla":
+        if sc["engine"] != "vanilla":
             schedule = Schedule.from_text(next(r[name]["schedule"] for r in results if "schedule" in r.get(name, {})))
             cost = _calibrated_cost(results, name, 2)
             row["cost"] = cost.to_dict()
@@ -183,6 +201,10 @@ def main() -> None:
             row["predicted_s"] = p
             row["measured_over_predicted"] = t / p
             pred = f"{p:12.4f} {t / p:19.2f}"
+        counts = next((r[name]["validation"] for r in results if "validation" in r.get(name, {})), None)
+        if counts:
+            row["validation"] = counts
+            pred += f"   steps speculated/rolled back/waited {counts['speculated']}/{counts['rolled back']}/{counts['waited']}"
         report[name] = row
         print(f"{name:<16} {t:12.4f} {t / vanilla:11.2f} {vanilla / t:17.3f} {pred}")
     if args.json:

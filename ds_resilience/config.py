@@ -30,7 +30,8 @@ Keys (under ``"resilience"``), defaults in brackets::
     fault_injection                 list of objects, each with all of:    [[]]
     fault_injection[].rank          int >= 0
     fault_injection[].step          int >= 0
-    fault_injection[].point         "before_forward" | "mid_backward" | "in_reduce" | "in_optimizer"
+    fault_injection[].point         "before_forward" | "mid_backward" | "in_reduce" | "in_optimizer" |
+                                    "in_recovery" | "in_snapshot" | "in_rejoin"
     fault_injection[].kind          "exit" | "sigkill" | "hang" | "lose_machine"
     checkpoint.enabled              bool                                  [true]
     checkpoint.interval             int >= 1                              [1]

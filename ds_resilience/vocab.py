@@ -8,7 +8,7 @@ injector all take their choices from here.
 
 from __future__ import annotations
 
-__all__ = ["SCHEDULES", "VARIANTS", "SOLVERS", "FAULT_POINTS", "FAULT_KINDS"]
+__all__ = ["SCHEDULES", "VARIANTS", "SOLVERS", "FAULT_POINTS", "ITERATION_POINTS", "FAULT_KINDS"]
 
 SCHEDULES = ("1f1b", "decoupled")
 """Fault-free schedules :func:`ds_resilience.planning.generate` builds."""
@@ -19,8 +19,14 @@ VARIANTS = ("adaptive", "decoupled", "recycle")
 SOLVERS = ("heuristic", "cpsat")
 """Planner solvers: list scheduling only, or CP-SAT warm-started from it."""
 
-FAULT_POINTS = ("before_forward", "mid_backward", "in_reduce", "in_optimizer")
-"""Where in an iteration an injected fault fires."""
+ITERATION_POINTS = ("before_forward", "mid_backward", "in_reduce", "in_optimizer")
+"""The fault points every iteration passes, in order."""
+
+FAULT_POINTS = ITERATION_POINTS + ("in_recovery", "in_snapshot", "in_rejoin")
+"""Where an injected fault fires: four points of an iteration; while a survivor applies a recovery
+plan (step: the resume step); right after a snapshot was handed to the background copy, while it
+drains into host memory (step: the snapshot's); on a donor, right before it hands its state to a
+re-joining worker (step: the resume step)."""
 
 FAULT_KINDS = ("exit", "sigkill", "hang", "lose_machine")
 """How an injected fault fails the worker."""

@@ -119,7 +119,7 @@ def test_kill_every_position_recovers_exactly(tmp_path, reference4, rank):
         assert rec["schedule_source"] == "table" and 0 <= rec["lookup_s"] < 1.0
     # every survivor computed the same plan, and printed it as one JSON line
     plans = {json.dumps(d["recovery"][0]["plan"], sort_keys=True) for d in dumps.values()}
-    assert len(plans) == 1
+    assert len(plans) == 1, plans
     lines = [line for line in logs(tmp_path, "job").splitlines() if "recovery plan {" in line]
     assert len(lines) == len(dumps), lines
     assert json.loads(lines[0].split("recovery plan ", 1)[1]) == json.loads(plans.pop())
@@ -149,6 +149,26 @@ def test_two_failures_in_different_stages(tmp_path, reference4):
     for d in dumps.values():
         assert [r["schedule_source"] for r in d["recovery"]] == ["table", "planner"], d["recovery"]
         assert [r["plan"]["failed"] for r in d["recovery"]] == [[0], [0, 3]]
+
+
+@pytest.mark.timeout(600)
+def test_a_failure_during_a_recovery_and_one_while_a_snapshot_drains(tmp_path, reference4):
+    """Rank 3 dies mid-backward; while the survivors apply that recovery plan, rank 0 dies too (its
+    fault fires inside the recovery); later rank 2 dies while its snapshot is being copied into host
+    memory. Stages 0 and 1 each keep one replica: training goes on and ends exactly."""
+    faults = [
+        {"rank": 3, "step": 2, "point": "mid_backward", "kind": "sigkill"},
+        {"rank": 0, "step": 2, "point": "in_recovery", "kind": "sigkill"},
+    ]
+    code, events, dumps = run_job(tmp_path, faults=faults)
+    assert code == 0, logs(tmp_path, "job")
+    assert sorted(e.rank for e in events if e.kind == "crash") == [0, 3]
+    assert_equal_to_reference(dumps, reference4, dead=[0, 3])
+    code, events, dumps = run_job(tmp_path, name="drain", faults=[{"rank": 2, "step": 3, "point": "in_snapshot",
+                                                                   "kind": "sigkill"}])
+    assert code == 0, logs(tmp_path, "drain")
+    assert [e.rank for e in events if e.kind == "crash"] == [2]
+    assert_equal_to_reference(dumps, reference4, dead=[2])
 
 
 @pytest.mark.timeout(600)

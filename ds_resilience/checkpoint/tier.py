@@ -44,14 +44,17 @@ class CheckpointTier:
         stage, rank: this worker's stage and global rank.
         keep_pre_step: keep the pre-step state of every step (live failure handling is on).
         memory: the in-memory snapshot tier, or ``None`` (off, or not under the agent).
+        fault_hook: ``fault_hook("in_snapshot", step)`` while a snapshot drains (tests).
     """
 
     def __init__(self, host: StageHost, *, stage: int, rank: int, keep_pre_step: bool,
-                 memory: InMemoryCheckpointer | None = None) -> None:
+                 memory: InMemoryCheckpointer | None = None,
+                 fault_hook: Callable[[str, int], None] | None = None) -> None:
         self.host = host
         self.stage, self.rank = stage, rank
         self.keep_pre_step = keep_pre_step
         self.memory = memory
+        self.fault_hook = fault_hook
         self._pre_step: StageState | None = None
         self._windows: dict[int, Any] = {}
         self._windows_of: Schedule | None = None
@@ -106,6 +109,8 @@ class CheckpointTier:
         steps = self.host.counters()[0]
         if mem is not None and mem.due(steps):
             mem.capture(steps, self.state().to_tree())
+            if self.fault_hook is not None:
+                self.fault_hook("in_snapshot", steps)  # the copy into host memory is in flight
 
     def begin_iteration(self, schedule: Schedule, worker_index: int, cost: CostModel) -> None:
         """Compute the replication windows when the schedule changed."""

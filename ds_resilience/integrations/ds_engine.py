@@ -110,7 +110,8 @@ class ResilientPipelineEngine(PipelineEngine):
         self.validator = self._validator()
         self.tier = CheckpointTier(self.stage_host, stage=self.stage_id, rank=self.rank,
                                    keep_pre_step=live or self.validator is not None,
-                                   memory=self._memory_tier(rejoin) if live and self.alive else None)
+                                   memory=self._memory_tier(rejoin) if live and self.alive else None,
+                                   fault_hook=self.faults.maybe_fire)
         self.faults.lose_memory = self.tier.lose_memory
         recompute, reentrant = activation_checkpointing(self.module)
         self.executor = Executor(
@@ -135,7 +136,7 @@ class ResilientPipelineEngine(PipelineEngine):
                 topology=self.topology, me=self.me, coordinator=self.coordinator, executor=self.executor,
                 tier=self.tier, provider=self.provider, session=self.session, timeout_s=resilience.detector.pg_timeout_s,
                 grace_s=resilience.detector.heartbeat_timeout_s + 5.0, adopt=self._adopt, export=lambda directory, step: export_stage(self, directory, step),
-                persistent_dir=resilience.checkpoint.persistent_dir,
+                persistent_dir=resilience.checkpoint.persistent_dir, fault_hook=self.faults.maybe_fire,
             )
             self.recovery.log = self.recovery_log
         self.generation = self._first_generation(failed, live=live, rejoin=rejoin)

@@ -61,6 +61,7 @@ class Coordinator:
         self.store_timeout_s = store_timeout_s
         self.on_epoch = on_epoch
         self.applied = membership.latest_epoch(store)
+        self.applying = 0  # the epoch being applied: only a newer one interrupts it
         self._latched = None
         self._lock = threading.Lock()
         interval = launch.heartbeat_interval_s or heartbeat_interval_s
@@ -90,9 +91,13 @@ class Coordinator:
         """The newest latched epoch record not applied yet, or ``None``."""
         with self._lock:
             record = self._latched
-        if record is not None and record.epoch > self.applied:
+        if record is not None and record.epoch > max(self.applied, self.applying):
             return record
         return None
+
+    def begin(self, record) -> None:
+        """``record`` is being applied: waits inside it are interrupted only by a newer epoch."""
+        self.applying = record.epoch
 
     def check(self) -> None:
         """Raise :class:`Reconfigure` if a newer epoch is latched."""
@@ -102,6 +107,7 @@ class Coordinator:
 
     def mark_applied(self, record) -> None:
         self.applied = record.epoch
+        self.applying = 0
 
     def wait_pending(self, grace_s: float):
         """Wait up to ``grace_s`` for a new epoch (after an in-band error); ``None`` if none came."""
@@ -127,6 +133,12 @@ class Coordinator:
 
     def gather_steps(self, epoch: int, value: int, ranks: Iterable[int]) -> dict[int, int]:
         """Every survivor posts its step count ``value``; returns ``{rank: steps}`` for ``ranks``
-        (raises :class:`Reconfigure` if another epoch arrives meanwhile)."""
-        self.store.set(f"dsr/agree/{epoch}/{self.rank}", str(value))
+        (raises :class:`Reconfigure` if another epoch arrives meanwhile).
+
+        A rank posts once per epoch: a rank that applies an epoch again (interrupted by a newer
+        one) keeps its first value, which every survivor has planned with, even if it has rolled
+        back since."""
+        key = f"dsr/agree/{epoch}/{self.rank}"
+        if not self.store.check([key]):
+            self.store.set(key, str(value))
         return {r: int(self.wait_key(f"dsr/agree/{epoch}/{r}")) for r in ranks}

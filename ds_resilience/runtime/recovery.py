@@ -109,13 +109,13 @@ class LiveRecovery:
         export: ``export(directory, step)`` writes this stage in the engine's own checkpoint layout
             (when the job stops beyond tolerance without a restart).
         persistent_dir: where that export goes (default ``./checkpoints``).
-        grid: ``{"dp": ..., "pp": ...}`` for the export's manifest.
+        fault_hook: ``fault_hook(point, step)`` at ``in_recovery`` and ``in_rejoin`` (tests).
     """
 
     def __init__(self, *, topology: Topology, me: Worker, coordinator: Coordinator, executor: Executor,
                  tier: CheckpointTier, provider: ScheduleProvider, session: str, timeout_s: float, grace_s: float,
                  adopt: Callable[[Generation], None], export: Callable[[str, int], None],
-                 persistent_dir: str | None) -> None:
+                 persistent_dir: str | None, fault_hook: Callable[[str, int], None] | None = None) -> None:
         self.topology, self.me = topology, me
         self.rank = topology.rank(me)
         self.coordinator = coordinator
@@ -128,6 +128,7 @@ class LiveRecovery:
         self.adopt = adopt
         self.export = export
         self.persistent_dir = persistent_dir
+        self.fault_hook = fault_hook or (lambda point, step: None)
         self.log: list[dict[str, Any]] = []
 
     # --- the generation for a set of failed workers -------------------------------------------------
@@ -137,14 +138,25 @@ class LiveRecovery:
         target = self.topology.without(failed)
         groups = None
         if build:
+            self._arrive(epoch, [self.topology.rank(w) for w in target.alive_workers()])
             groups = build_groups(target, self.me, session=self.session, generation=epoch, timeout_s=self.timeout_s,
                                   store=self.coordinator.store, tied=self.provider.tied)
         return Generation(epoch=epoch, topology=target, schedule=choice.schedule, source=choice.source,
                           lookup_s=choice.seconds, figures=choice.figures, groups=groups)
 
+    def _arrive(self, epoch: int, members: list[int]) -> None:
+        """Wait until every member of the new generation is here before building its groups: a
+        member that dies now releases the wait (a new epoch), where gloo's group construction would
+        wait out its whole timeout."""
+        store = self.coordinator.store
+        store.set(f"dsr/arrive/{epoch}/{self.rank}", "1")
+        for r in members:
+            self.coordinator.wait_key(f"dsr/arrive/{epoch}/{r}")
+
     # --- recovery ----------------------------------------------------------------------------------
     def recover(self, exc: BaseException) -> None:
-        """Handle a failure signal: wait for the agent's epoch, then apply it (and any newer one)."""
+        """Handle a failure signal: wait for the agent's epoch, then apply it (and any newer one,
+        including one published while this one was being applied)."""
         record = exc.record if isinstance(exc, Reconfigure) else None
         if record is None:
             record = self.coordinator.wait_pending(self.grace_s)
@@ -156,6 +168,15 @@ class LiveRecovery:
                 return
             except Reconfigure as newer:
                 record = newer.record
+            except Exception as failed:  # noqa: BLE001 - a peer died while this plan was applied
+                if not is_failure(failed):
+                    raise
+                newer = self.coordinator.wait_pending(self.grace_s)
+                if newer is None or newer.epoch == record.epoch:
+                    raise  # no newer membership change explains it: a real error
+                print(f"[ds_resilience] rank {self.rank}: epoch {record.epoch} interrupted ({failed}); applying "
+                      f"epoch {newer.epoch}", file=sys.stderr, flush=True)
+                record = newer
 
     def plan(self, record: EpochRecord) -> RecoveryPlan:
         """Post this worker's step count, read the survivors', and plan (pure)."""
@@ -164,9 +185,11 @@ class LiveRecovery:
 
     def apply(self, record: EpochRecord) -> None:
         started = time.perf_counter()
+        self.coordinator.begin(record)
         self.executor.reset()
         plan = self.plan(record)
         _log_plan(plan, self.rank)
+        self.fault_hook("in_recovery", plan.resume_step)
         if self.rank in plan.rollbacks:
             self.tier.rollback(plan.resume_step)
             self.executor.forget_pending()  # the speculative step, if any, is undone with it
@@ -178,6 +201,7 @@ class LiveRecovery:
         self.adopt(generation)
         for donor, joiner in plan.handovers:
             if donor == self.rank:
+                self.fault_hook("in_rejoin", plan.resume_step)
                 send_state(generation.groups.world, joiner, self.tier.state(), timeout_s=self.timeout_s)
         self.coordinator.mark_applied(record)
         self.log.append({
@@ -206,6 +230,7 @@ class LiveRecovery:
             if time.monotonic() > deadline:
                 raise ResilienceError(f"rank {self.rank}: no re-join epoch from the agent within {self.timeout_s:.0f} s")
             time.sleep(0.01)
+        self.coordinator.begin(record)
         plan = plan_recovery(record, self.topology, {r: 0 for r in voters(record)}, covered=self.provider.covers,
                              tied=self.provider.tied)
         donor = next(d for d, j in plan.handovers if j == self.rank)

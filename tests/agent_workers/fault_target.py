@@ -9,14 +9,14 @@ from __future__ import annotations
 import os
 import sys
 
-from ds_resilience.config import FAULT_POINTS
+from ds_resilience.vocab import ITERATION_POINTS
 from ds_resilience.runtime.faults import FaultInjector
 
 
 def main() -> int:
     injector = FaultInjector((), int(sys.argv[1]), env=os.environ)
     for step in range(5):
-        for point in FAULT_POINTS:
+        for point in ITERATION_POINTS:
             print(f"{step} {point}", flush=True)
             injector.maybe_fire(point, step)
     print("survived", [f"{f.step} {f.point}" for f in injector.fired], flush=True)

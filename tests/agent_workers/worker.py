@@ -23,7 +23,7 @@ import time
 if os.environ.get("DSR_TEST_DIE_IF_REJOIN") == "1" and os.environ.get("DSR_REJOIN") == "1":
     sys.exit(5)
 
-from ds_resilience.config import FAULT_POINTS
+from ds_resilience.vocab import ITERATION_POINTS
 from ds_resilience.runtime import membership as mb
 from ds_resilience.runtime.faults import FaultInjector
 
@@ -86,9 +86,9 @@ def main() -> int:
     deadline = time.monotonic() + 60
     while step < args.steps or (args.until_epoch and not any(e >= args.until_epoch for e in seen)
                                 and time.monotonic() < deadline):
-        for point in FAULT_POINTS:
+        for point in ITERATION_POINTS:
             injector.maybe_fire(point, step)
-            time.sleep(args.step_s / len(FAULT_POINTS))
+            time.sleep(args.step_s / len(ITERATION_POINTS))
             if stop.is_set():
                 open(os.path.join(out_dir, f"saved.{rank}"), "w").close()
                 mb.set_status(store, rank, "saved")
