@@ -185,6 +185,8 @@ def main(argv=None) -> int:
             "heartbeat_interval_s": engine.coordinator.heartbeat_interval_s if engine.coordinator else None,
             "evals": evals,
             "allreduce": reduced,
+            # --training-data: how the engine read the Dataset (own pipeline through loader workers, re-routed directly)
+            "data_reads": getattr(getattr(engine.executor.batch_source, "dataset", None), "reads", None),
         }, f"{args.dump}.rank{rank}.pt")
     if stopped:
         return 0

@@ -27,7 +27,9 @@ engine calls at construction.
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 from typing import Any, Callable, Iterator
 
 import torch
@@ -142,6 +144,29 @@ class _BatchStream:
             k += 1
 
 
+def _die_with_parent(parent: int, worker_id: int) -> None:
+    """A loader worker process dies with the rank that forked it (Linux ``PR_SET_PDEATHSIG``).
+
+    Workers are forked after the rank joined its process groups, so they hold copies of its gloo
+    and store sockets. Left alone, the workers of a SIGKILLed rank live on for up to torch's
+    5-second status-check interval, orphaned, keeping the dead rank's connections half-open; with
+    this they go at once, and with them the dead rank's sockets.
+    """
+    import ctypes
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        os._exit(1)
+
+
 class DatasetSource:
     """Any pipeline's micro-batch of a map-style ``training_data``, with DeepSpeed's semantics.
 
@@ -247,7 +272,8 @@ class DatasetSource:
         self.close()
         loader = torch.utils.data.DataLoader(self.dataset, batch_sampler=_BatchStream(self, self.own, k),
                                              collate_fn=self.collate, num_workers=self.spec.num_workers,
-                                             pin_memory=self.spec.pin_memory and torch.cuda.is_available())
+                                             pin_memory=self.spec.pin_memory and torch.cuda.is_available(),
+                                             worker_init_fn=functools.partial(_die_with_parent, os.getpid()))
         self._stream, self._stream_next = iter(loader), k
         self.reads["restarts"] += 1
 
