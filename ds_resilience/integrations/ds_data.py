@@ -16,9 +16,10 @@ failure must load the same one again. The engine's batch source (what the execut
   through a ``torch`` DataLoader with DeepSpeed's worker processes (prefetching, positioned at the
   batch asked for); other pipelines' micro-batches are read in the worker's own process.
 * :class:`IteratorSource` + :class:`FactorySource` for ``train_batch(data_iter)``: a worker reads
-  its own pipeline from the iterator it is given, positionally, as DeepSpeed does, and another
-  pipeline's from ``data_iter_factory(pipeline, iteration) -> iterator``, one cached iterator per
-  pipeline, re-created when the iteration needed is behind it (a rollback, a load) or far ahead.
+  its own pipeline from the iterator it is given, positionally, as DeepSpeed does (keeping the
+  current and the previous iteration's items for a replay), and another pipeline's from
+  ``data_iter_factory(pipeline, iteration) -> iterator``, one cached iterator per pipeline,
+  re-created when the iteration needed is behind it (a rollback, a load) or far ahead.
 
 :class:`EngineData` picks between the last two at each request (``train_batch(data_iter)`` replaces
 the loader built from ``training_data``, as in DeepSpeed). :func:`engine_batch_source` is what the
@@ -290,27 +291,28 @@ class IteratorSource:
     """A batch source over the engine's DeepSpeed-style data iterator: its own pipeline's micro-batches.
 
     Micro-batch ``m`` of an iteration is the ``m``-th item the iterator yields in that iteration,
-    as in DeepSpeed. The items of the current and the previous iteration are kept, so a replay
-    after a failure (or after a rollback of a stage that had stepped ahead into the next
-    iteration) reads the same micro-batches again, and a stage that reads a micro-batch twice
-    (first and last stage on one rank) gets the same item. An older iteration comes from
-    ``behind(pipeline, iteration, microbatch)`` (the :class:`FactorySource`) when there is one. It
-    never reads more than ``microbatches`` items per iteration: a request it cannot serve is an
-    error naming the micro-batch, never a loop.
+    as in DeepSpeed: an iteration it has not read reads the next items, whatever its number (after
+    ``load_checkpoint`` the step count goes back and the iterator simply goes on, as in
+    DeepSpeed). The items of the current and the previous iteration are kept, so a replay after a
+    failure reads the same micro-batches again, also on a stage that had stepped ahead into the
+    next iteration and is rolled back (by one step at most), and a stage that reads a micro-batch
+    twice (first and last stage on one rank) gets the same item. (A load back to one of those two
+    steps replays their items too.) It never reads more than ``microbatches`` items per
+    iteration: a request it cannot serve is an error naming the micro-batch, never a loop.
     """
 
     KEEP_ITERATIONS = 2
 
-    def __init__(self, engine: Any, microbatches: int, behind: Callable[[int, int, int], Any] | None = None) -> None:
+    def __init__(self, engine: Any, microbatches: int) -> None:
         self.engine = engine
         self.microbatches = microbatches
-        self.behind = behind
         self.items: dict[int, dict[int, Any]] = {}
+        self._order: list[int] = []  # iterations in the order they were first read
 
     @property
     def iteration(self) -> int | None:
-        """The newest iteration read."""
-        return max(self.items) if self.items else None
+        """The iteration read last."""
+        return self._order[-1] if self._order else None
 
     def __call__(self, pipeline: int, iteration: int, microbatch: int) -> tuple[Any, Any]:
         if pipeline != self.engine.me.pipeline:
@@ -323,16 +325,11 @@ class IteratorSource:
             raise ResilienceError(f"micro-batch {microbatch} requested; an iteration has {self.microbatches}")
         items = self.items.get(iteration)
         if items is None:
-            if self.items and iteration < min(self.items):
-                if self.behind is not None:
-                    return self.behind(pipeline, iteration, microbatch)
-                raise ResilienceError(
-                    f"iteration {iteration} is behind the data iterator (it has read iteration {self.iteration}'s "
-                    "micro-batches since): pass data_iter_factory=(pipeline, iteration) -> iterator to "
-                    "ds_resilience.initialize to replay it")
             items = self.items[iteration] = {}
-            for old in sorted(self.items)[:-self.KEEP_ITERATIONS]:
-                del self.items[old]
+            self._order.append(iteration)
+            for old in self._order[:-self.KEEP_ITERATIONS]:
+                self.items.pop(old, None)
+            self._order = self._order[-self.KEEP_ITERATIONS:]
         while microbatch not in items:
             if self.engine.data_iterator is None:
                 raise ResilienceError("train_batch() needs data: pass data_iter=..., training_data= to initialize, "
@@ -396,7 +393,7 @@ class EngineData:
                  factory: FactorySource | None = None) -> None:
         self.engine, self.dataset, self.factory = engine, dataset, factory
         self.loader = getattr(engine, "training_dataloader", None) if dataset is not None else None
-        self.iterator = IteratorSource(engine, microbatches, behind=factory)
+        self.iterator = IteratorSource(engine, microbatches)
 
     @property
     def from_dataset(self) -> bool:
