@@ -157,14 +157,14 @@ def _die_with_parent(parent: int, worker_id: int) -> None:
     import signal
     import sys
 
-    if not sys.platform.startswith("linux"):
-        return
+    if not sys.platform.startswith("linux") or os.getppid() != parent:
+        return  # not forked by the rank (a spawn or forkserver context, or the rank is gone already)
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         return
-    if os.getppid() != parent:  # the parent died before the signal was armed
+    if os.getppid() != parent:  # the rank died between the check and arming the signal
         os._exit(1)
 
 
