@@ -186,7 +186,8 @@ def main(argv=None) -> int:
             "evals": evals,
             "allreduce": reduced,
             # --training-data: how the engine read the Dataset (own pipeline through loader workers, re-routed directly)
-            "data_reads": getattr(getattr(engine.executor.batch_source, "dataset", None), "reads", None),
+            "data_reads": getattr(getattr(getattr(getattr(engine, "executor", None), "batch_source", None), "dataset", None),
+                                  "reads", None),
         }, f"{args.dump}.rank{rank}.pt")
     if stopped:
         return 0
