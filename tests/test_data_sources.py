@@ -117,6 +117,21 @@ def test_factory_source_keeps_one_iterator_per_pipeline_in_step_and_recreates_it
     assert made == [(1, 0), (0, 5), (1, 0), (1, 30)]
 
 
+def test_train_batch_data_iter_replaces_training_data_as_in_deepspeed():
+    """While the engine holds the loader DeepSpeed built from training_data, every micro-batch comes
+    from the dataset source; train_batch(data_iter) (DeepSpeed's set_dataiterator drops the loader)
+    switches the own pipeline to the iterator and the others to data_iter_factory."""
+    from ds_resilience.integrations.ds_data import EngineData
+
+    engine = _Engine(0, None)
+    engine.training_dataloader = loader = object()
+    dataset = lambda p, i, m: ("dataset", p, i, m)  # noqa: E731
+    data = EngineData(engine, 2, dataset=dataset, factory=FactorySource(lambda p, i: iter(range(i * 2, 100)), 2))
+    assert data.loader is loader and data(1, 0, 0) == ("dataset", 1, 0, 0) and data(0, 0, 1) == ("dataset", 0, 0, 1)
+    engine.training_dataloader, engine.data_iterator = None, iter("abcd")  # set_dataiterator(data_iter)
+    assert [data(0, 1, 0), data(0, 1, 1), data(1, 1, 0)] == ["a", "b", 2]
+
+
 # --- distributed: PP=2 x DP=2 against DeepSpeed ----------------------------------------------------
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("variant", [{}, {"collate": True, "drop_last": True, "size": 22}], ids=["default", "collate_drop_last"])
