@@ -49,7 +49,7 @@ from torch import nn
 __all__ = [
     "GPTConfig", "EmbeddingLayer", "Block", "Head", "gpt_layer_specs", "gpt_loss_fn",
     "build_pipeline_module", "build_full_model", "layer_seed", "SyntheticCorpus", "sample_index",
-    "micro_batch", "data_iterator",
+    "micro_batch", "data_iterator", "CorpusDataset",
 ]
 
 _INIT_STD = 0.02
@@ -341,3 +341,23 @@ def _iterate(corpus, pipeline, dp, microbatches, micro_batch_size, iteration):
             yield micro_batch(corpus, pipeline=pipeline, iteration=iteration, microbatch=m, dp=dp,
                               microbatches=microbatches, micro_batch_size=micro_batch_size)
         iteration += 1
+
+
+class CorpusDataset(torch.utils.data.Dataset):
+    """The first ``size`` samples of a corpus as a map-style torch ``Dataset``: item ``i`` is
+    ``corpus.sample(i)``, ``(tokens, labels)``. What a DeepSpeed user passes as
+    ``initialize(training_data=...)``: DeepSpeed's ``DistributedSampler`` picks each data-parallel
+    rank's items and its loader batches them (the default collate stacks the pairs)."""
+
+    def __init__(self, corpus: SyntheticCorpus, size: int) -> None:
+        if size < 1:
+            raise ValueError(f"size must be >= 1, got {size}")
+        self.corpus, self.size = corpus, int(size)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= index < self.size:
+            raise IndexError(f"index {index} out of range for a dataset of {self.size}")
+        return self.corpus.sample(index)

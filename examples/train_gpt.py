@@ -49,6 +49,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--load-tag", default=None, help="the tag to load (default: the 'latest' file's)")
     parser.add_argument("--log-allreduce", action="store_true",
                         help="all-reduce each step's loss over engine.survivor_group(), as a logging loop would")
+    parser.add_argument("--training-data", action="store_true",
+                        help="feed the corpus as DeepSpeed users do: a map-style torch Dataset passed as "
+                        "initialize(training_data=...) (DeepSpeed's sampler, loader and its worker processes) "
+                        "instead of batch_source")
+    parser.add_argument("--dataset-size", type=int, default=200,
+                        help="samples in the --training-data Dataset (fewer than the steps need: it wraps into "
+                        "the next epoch as DeepSpeed's RepeatingLoader does)")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     return parser.parse_args(argv)
 
@@ -79,12 +86,15 @@ def main(argv=None) -> int:
         return gpt_model.micro_batch(eval_corpus, pipeline=pipeline, iteration=step, microbatch=microbatch, dp=dp,
                                      microbatches=microbatches, micro_batch_size=micro_batch_size)
 
+    data = {"batch_source": batch_source}
+    if args.training_data:  # DeepSpeed's way: the engine samples, batches and loads it for each pipeline
+        data = {"training_data": gpt_model.CorpusDataset(corpus, args.dataset_size)}
     engine, *_ = ds_resilience.initialize(
         model=module,
         config=args.deepspeed_config,
         model_parameters=[p for p in module.parameters() if p.requires_grad],
-        batch_source=batch_source,
         eval_source=eval_source,
+        **data,
     )
     if args.load_dir:
         engine.load_checkpoint(args.load_dir, tag=args.load_tag)
@@ -175,6 +185,9 @@ def main(argv=None) -> int:
             "heartbeat_interval_s": engine.coordinator.heartbeat_interval_s if engine.coordinator else None,
             "evals": evals,
             "allreduce": reduced,
+            # --training-data: how the engine read the Dataset (own pipeline through loader workers, re-routed directly)
+            "data_reads": getattr(getattr(getattr(getattr(engine, "executor", None), "batch_source", None), "dataset", None),
+                                  "reads", None),
         }, f"{args.dump}.rank{rank}.pt")
     if stopped:
         return 0

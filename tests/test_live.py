@@ -125,6 +125,36 @@ def test_kill_every_position_recovers_exactly(tmp_path, reference4, rank):
     assert json.loads(lines[0].split("recovery plan ", 1)[1]) == json.loads(plans.pop())
 
 
+TRAINING_DATA = ["--training-data", "--dataset-size", "40"]  # 10 micro-batches per rank and epoch: 3 epochs in 8 steps
+
+
+@pytest.fixture(scope="module")
+def reference_training_data(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ref_td")
+    code, _, dumps = run_job(tmp, name="ref", extra=TRAINING_DATA)
+    assert code == 0, logs(tmp, "ref")
+    return dumps
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("rank", [1, 3])
+def test_training_data_with_loader_workers_survives_a_sigkill_and_stays_exact(tmp_path, reference_training_data, rank):
+    """DeepSpeed's way of feeding data, ``initialize(training_data=Dataset)``: each rank's own
+    micro-batches stream through DataLoader worker processes (DeepSpeed's 2), a failed peer's are
+    read by index. A first-stage (rank 1: its peer loads the inputs) or last-stage (rank 3: the
+    labels) worker SIGKILLed mid-backward: training goes on and ends where the fault-free run ends."""
+    fault = {"rank": rank, "step": 3, "point": "mid_backward", "kind": "sigkill"}
+    code, events, dumps = run_job(tmp_path, faults=[fault], extra=TRAINING_DATA)
+    assert code == 0, logs(tmp_path, "job")
+    assert [e.rank for e in events if e.kind == "crash"] == [rank]
+    assert_equal_to_reference(dumps, reference_training_data, dead=[rank])
+    peer = 0 if rank == 1 else 2  # the failed worker's data-parallel peer
+    for r, d in dumps.items():
+        reads = d["data_reads"]
+        assert reads["stream"] >= STEPS * 4, (r, reads)  # its own pipeline, through the loader workers
+        assert (reads["direct"] > 0) == (r == peer), (r, reads)  # the failed pipeline's, by index
+
+
 @pytest.mark.timeout(600)
 def test_hang_is_detected_by_heartbeat_and_handled(tmp_path, reference4):
     fault = {"rank": 2, "step": 3, "point": "mid_backward", "kind": "hang"}

@@ -16,6 +16,7 @@ from ..errors import ConfigError
 from ..launch import LaunchEnv, launch_env
 from ..runtime.executor import BatchSource
 from ..runtime.recovery import BeyondTolerance
+from .ds_data import DataIterFactory, reroute_data_error
 from .ds_engine import ResilientPipelineEngine
 from .ds_instructions import ActionSchedule, IRAction
 
@@ -88,6 +89,7 @@ def initialize(
     *,
     batch_source: BatchSource | None = None,
     eval_source: BatchSource | None = None,
+    data_iter_factory: DataIterFactory | None = None,
 ):
     """``deepspeed.initialize`` for a ``PipelineModule``, returning a :class:`ResilientPipelineEngine`.
 
@@ -105,6 +107,16 @@ def initialize(
         eval_source: ``(pipeline, step, microbatch) -> (inputs, labels)``: the same for
             ``eval_batch`` (a worker still reads its own pipeline's micro-batches from the
             ``data_iter`` it is given, as in DeepSpeed).
+        data_iter_factory: ``(pipeline, iteration) -> iterator`` over pipeline ``pipeline``'s
+            micro-batches from iteration ``iteration`` on, in DeepSpeed's order: with
+            ``train_batch(data_iter)``, a worker reads its own pipeline from ``data_iter`` and a
+            failed peer's from an iterator this makes.
+
+    Without ``batch_source``, a map-style ``training_data`` serves any pipeline's micro-batch with
+    DeepSpeed's sampling and batching (``ds_data.DatasetSource``). Where micro-batches may be
+    re-routed (under ``ds-resilience run``, or with ``resilience.simulate_failed``), a data path
+    that cannot serve a failed peer's micro-batches (none of ``batch_source``, a map-style
+    ``training_data``, ``data_iter_factory``) is a :class:`ConfigError` here.
     """
     import deepspeed
     from deepspeed import comm as ds_dist
@@ -136,6 +148,10 @@ def initialize(
     if mesh_param is not None:
         raise ConfigError("mesh_param", "a sequence-parallel device mesh is not supported with pipeline parallelism")
     launch = launch_env()  # the agent's contract, read once
+    if launch is not None or resilience.simulate_failed:  # micro-batches may be re-routed: any pipeline's data
+        error = reroute_data_error(training_data, batch_source, data_iter_factory)
+        if error is not None:
+            raise error
     ds_dist.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                              distributed_port=distributed_port, dist_init_required=dist_init_required)
     mpu = model.mpu()
@@ -156,6 +172,7 @@ def initialize(
         resilience=resilience,
         batch_source=batch_source,
         eval_source=eval_source,
+        data_iter_factory=data_iter_factory,
         launch=launch,
         config_dir=base_dir,
     )

@@ -48,7 +48,8 @@ from .ds_instructions import ActionSchedule, IRAction
 from .ds_checkpoints import export_stage, save_on_survivors
 from .ds_evaluation import evaluate
 from .ds_reporting import is_reporter, report
-from .ds_stage import DeepSpeedStage, IteratorSource, activation_checkpointing, tied_layout
+from .ds_data import DataIterFactory, engine_batch_source
+from .ds_stage import DeepSpeedStage, activation_checkpointing, tied_layout
 
 __all__ = ["ResilientPipelineEngine"]
 
@@ -66,11 +67,15 @@ class ResilientPipelineEngine(PipelineEngine):
         eval_source: ``(pipeline, step, microbatch) -> (inputs, labels)``: any pipeline's evaluation
             micro-batch for an ``eval_batch`` at optimizer step ``step``; needed when a worker
             evaluates a failed peer's micro-batches (first and last stages).
+        data_iter_factory: ``(pipeline, iteration) -> iterator`` over that pipeline's micro-batches
+            from that iteration on: other pipelines' data for ``train_batch(data_iter)``. Without
+            ``batch_source``, data come from ``training_data`` or the iterators (see ``ds_data``).
     """
 
     def __init__(self, *args: Any, resilience: ResilienceConfig, batch_source: BatchSource | None = None,
                  launch: LaunchEnv | None = None, config_dir: Path | None = None,
-                 eval_source: BatchSource | None = None, **kwargs: Any):
+                 eval_source: BatchSource | None = None, data_iter_factory: DataIterFactory | None = None,
+                 **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.resilience, self.launch = resilience, launch
         if self.grid.model_parallel_size != 1:
@@ -121,7 +126,9 @@ class ResilientPipelineEngine(PipelineEngine):
                       timeout_s=resilience.detector.pg_timeout_s, mark_inputs=reentrant,
                       dynamic_shapes=bool(getattr(self.module, "dynamic_shape", False))),
             module=self.module, parameters=self.stage_host.parameters, loss_fn=self.module.loss_fn,
-            batch_source=batch_source or IteratorSource(self, self.micro_batches), rank_of=lambda i: self.topology.rank(self.topology.worker(i)),
+            batch_source=engine_batch_source(self, batch_source=batch_source, data_iter_factory=data_iter_factory,
+                                             rerouting=live or bool(failed)),
+            rank_of=lambda i: self.topology.rank(self.topology.worker(i)),
             step=self.stage_host.step, recompute=recompute, fault_hook=self.faults.maybe_fire, hooks=self.tier,
             tied=tied_params, counted_tied=[g for g, stages in enumerate(self.tied_groups) if stages[0] == self.stage_id],
             precision=self.optimizer if isinstance(self.optimizer, MixedPrecisionOptimizer) else None,

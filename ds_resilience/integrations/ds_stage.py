@@ -2,7 +2,8 @@
 
 :class:`DeepSpeedStage` is the stage (``checkpoint.state.StageHost``): parameters, optimizer,
 scheduler, step counters, and DeepSpeed's optimizer step for this stage alone.
-:class:`IteratorSource` turns a DeepSpeed-style data iterator into a batch source.
+:class:`IteratorSource` (a DeepSpeed-style data iterator as a batch source) now lives in
+``ds_data`` with the other data sources; it is re-exported here.
 :func:`activation_checkpointing` reads a ``PipelineModule``'s checkpointing settings and
 :func:`tied_layout` its tied modules.
 """
@@ -13,44 +14,9 @@ from typing import Any
 
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from ..errors import ResilienceError
+from .ds_data import IteratorSource
 
 __all__ = ["DeepSpeedStage", "IteratorSource", "activation_checkpointing", "tied_layout"]
-
-
-class IteratorSource:
-    """A batch source over the engine's DeepSpeed-style data iterator: its own pipeline's micro-batches.
-
-    Micro-batch ``m`` of an iteration is the ``m``-th item the iterator yields in that iteration,
-    as in DeepSpeed. The items of the current iteration are kept until the next one begins, so a
-    replay of the iteration after a failure reads the same micro-batches again, and a stage that
-    reads a micro-batch twice (first and last stage on one rank) gets the same item. It never reads
-    more than ``microbatches`` items per iteration: a request it cannot serve is an error naming
-    the micro-batch, never a loop.
-    """
-
-    def __init__(self, engine: PipelineEngine, microbatches: int) -> None:
-        self.engine = engine
-        self.microbatches = microbatches
-        self.iteration: int | None = None
-        self.items: dict[int, Any] = {}
-
-    def __call__(self, pipeline: int, iteration: int, microbatch: int) -> tuple[Any, Any]:
-        if pipeline != self.engine.me.pipeline:
-            raise ResilienceError(
-                f"re-routed micro-batch {microbatch} of pipeline {pipeline} needs that pipeline's data: pass "
-                "batch_source=(pipeline, iteration, microbatch) -> (inputs, labels) to ds_resilience.initialize"
-            )
-        if not 0 <= microbatch < self.microbatches:
-            raise ResilienceError(f"micro-batch {microbatch} requested; an iteration has {self.microbatches}")
-        if iteration != self.iteration:
-            self.iteration, self.items = iteration, {}
-        while microbatch not in self.items:
-            if self.engine.data_iterator is None:
-                raise ResilienceError("train_batch() needs data: pass data_iter=..., training_data= to initialize, "
-                                      "or batch_source= to ds_resilience.initialize")
-            self.items[len(self.items)] = next(self.engine.data_iterator)
-        return self.items[microbatch]
 
 
 class DeepSpeedStage:
