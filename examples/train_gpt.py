@@ -171,6 +171,7 @@ def main(argv=None) -> int:
                 json.dump({"losses": losses, "times_s": times, "plan": getattr(engine, "plan_figures", None),
                            "recovery": engine.recovery_log, "stopped": stopped}, fh)
     if args.dump:
+        master_of = getattr(engine.optimizer, "master_of", {})
         torch.save({
             "rank": rank,
             "stage": engine.stage_id,
@@ -178,6 +179,11 @@ def main(argv=None) -> int:
             "alive": engine.alive,
             "steps": engine.global_steps,
             "params": {n: p.detach().clone() for n, p in module.named_parameters()},
+            # bf16/fp16: the fp32 master weights (what the optimizer steps; the module holds their rounding)
+            "masters": {n: master_of[id(p)].detach().clone() for n, p in module.named_parameters() if id(p) in master_of},
+            "validation": None if getattr(engine, "validator", None) is None else {
+                "speculated": engine.validator.speculated, "rolled_back": engine.validator.rollbacks,
+                "waited": engine.validator.waited},
             "losses": losses,
             "times_s": times,
             "recovery": engine.recovery_log,

@@ -26,8 +26,8 @@ POINTS = ("before_forward", "mid_backward", "in_reduce", "in_optimizer")
 
 def _config(tmp: Path, *, dp: int, faults=(), name="cfg", checkpoint=None, deepspeed=None) -> Path:
     base = json.loads((REPO / "configs" / "gpt_cpu_pp2_dp2.json").read_text())
-    base.update(deepspeed or {})
     base["optimizer"] = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}
+    base.update(deepspeed or {})
     base["resilience"] = {
         "schedule": "1f1b",
         "variant": "recycle",
@@ -153,6 +153,54 @@ def test_training_data_with_loader_workers_survives_a_sigkill_and_stays_exact(tm
         reads = d["data_reads"]
         assert reads["stream"] >= STEPS * 4, (r, reads)  # its own pipeline, through the loader workers
         assert (reads["direct"] > 0) == (r == peer), (r, reads)  # the failed pipeline's, by index
+
+
+# DeepSpeed's default configuration (configs/default_resilience.json: Adam, gradient_clipping 1.0) in bf16
+USER_CONFIG = {k: v for k, v in json.loads((REPO / "configs" / "default_resilience.json").read_text()).items()
+               if k in ("optimizer", "gradient_clipping")} | {"bf16": {"enabled": True}}
+
+
+def assert_masters_equal(dumps, reference, *, dead=(), steps=STEPS):
+    """bf16: the fp32 master weights equal the fault-free run's (to fp32 rounding), and each
+    bf16 parameter is its master rounded."""
+    ref = {}
+    for d in reference.values():
+        ref.setdefault(d["stage"], d["masters"])
+    assert set(dumps) == set(range(len(reference))) - set(dead)
+    for rank, d in dumps.items():
+        assert d["steps"] == steps, f"rank {rank} stopped at step {d['steps']}"
+        assert d["masters"] and d["masters"].keys() == ref[d["stage"]].keys()
+        for name, t in d["masters"].items():
+            assert t.dtype == torch.float32 and d["params"][name].dtype == torch.bfloat16
+            r = ref[d["stage"]][name]
+            assert torch.allclose(t, r, rtol=1e-5, atol=1e-6), f"rank {rank} {name}: {(t - r).abs().max():.3e}"
+            assert torch.equal(d["params"][name], t.to(torch.bfloat16)), name
+
+
+@pytest.fixture(scope="module")
+def reference_user_config(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ref_user")
+    code, _, dumps = run_job(tmp, name="ref", extra=TRAINING_DATA, deepspeed=USER_CONFIG)
+    assert code == 0, logs(tmp, "ref")
+    return dumps
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("rank", [0, 3])
+def test_user_config_training_data_clipping_bf16_survives_sigkill_mid_backward(tmp_path, reference_user_config, rank):
+    """The hold-out's live half: the user's own data (``training_data``, loader workers), DeepSpeed's
+    default clipping 1.0 (speculative, validated, rolled back) and bf16 with fp32 masters; a worker
+    SIGKILLed mid-backward. The survivors end with the fault-free run's masters."""
+    fault = {"rank": rank, "step": 3, "point": "mid_backward", "kind": "sigkill"}
+    code, events, dumps = run_job(tmp_path, faults=[fault], extra=TRAINING_DATA, deepspeed=USER_CONFIG)
+    assert code == 0, logs(tmp_path, "job")
+    assert [e.rank for e in events if e.kind == "crash"] == [rank]
+    assert_masters_equal(dumps, reference_user_config, dead=[rank])
+    # clipping acted: the global norm was validated every step, and exceeded 1.0 at least once
+    for d in reference_user_config.values():
+        v = d["validation"]
+        assert v is not None and sum(v.values()) == STEPS, v
+    assert any(d["validation"]["rolled_back"] + d["validation"]["waited"] > 0 for d in reference_user_config.values())
 
 
 @pytest.mark.timeout(600)
