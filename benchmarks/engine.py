@@ -9,8 +9,15 @@ same processes, interleaved over several rounds so drift hits them alike:
   the decoupled schedule; throughput ratio against vanilla;
 * one simulated failure (worker 1:1 idle): this engine with the planner's schedule for each
   variant; measured iteration time against the simulator's prediction for the schedule the engine
-  ran, under a cost model calibrated from the fault-free decoupled run's own action timings, and
-  against vanilla's fault-free time.
+  ran, under a cost model calibrated from that run's own action timings, and against vanilla's
+  fault-free time;
+* ``--config-rows``, the DeepSpeed user's configuration: clipping 1.0 with the failure's staggered
+  optimizer, once with the barrier and once speculative (validated after the step; its parameters
+  must equal the barrier's), predicted with the step check in the cost model (measured scalar
+  all-reduce / store round trip, the counted waits and rollbacks, OPT_STEP from the row without
+  clipping); vanilla with its default clipping; bf16 against vanilla bf16; ZeRO-1.
+
+The lab rows set ``gradient_clipping`` 0 (DeepSpeed's default is 1.0: see the config rows).
 
 Iteration time = wall time of the timed steps / steps, measured between two barriers, slowest rank.
 """
@@ -54,6 +61,7 @@ def _program(rank: int, world: int, opts: dict) -> dict:
         "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
         "steps_per_print": 10**6,
         "zero_optimization": {"stage": 0},
+        "gradient_clipping": 0.0,  # the lab rows: no clipping (DeepSpeed's default 1.0 is a config row)
     }
     out: dict = {}
     for rnd in range(opts["rounds"]):
@@ -62,6 +70,8 @@ def _program(rank: int, world: int, opts: dict) -> dict:
             params = [p for p in module.parameters() if p.requires_grad]
             if sc["engine"] == "vanilla":
                 config = dict(base, **({"bf16": {"enabled": True}} if sc.get("precision") == "bf16" else {}))
+                if sc.get("clip"):
+                    config["gradient_clipping"] = sc["clip"]
                 engine, *_ = deepspeed.initialize(model=module, config=config, model_parameters=params)
                 it = data_iterator(corpus, pipeline=engine.grid.data_parallel_id, dp=dp, microbatches=m, micro_batch_size=MBS)
 
@@ -75,6 +85,8 @@ def _program(rank: int, world: int, opts: dict) -> dict:
                     config["gradient_clipping"] = sc["clip"]
                 if sc.get("precision") == "bf16":
                     config["bf16"] = {"enabled": True}
+                if sc.get("zero"):
+                    config["zero_optimization"] = {"stage": sc["zero"]}
 
                 def source(p, i, mb):
                     return micro_batch(corpus, pipeline=p, iteration=i, microbatch=mb, dp=dp, microbatches=m, micro_batch_size=MBS)
@@ -85,21 +97,43 @@ def _program(rank: int, world: int, opts: dict) -> dict:
                     engine.train_batch()
             for _ in range(warmup):
                 step()
+            resilient = sc["engine"] != "vanilla" and getattr(engine, "alive", False)
+            durations: dict = {}
             dist.barrier()
             t0 = time.perf_counter()
             for _ in range(steps):
                 step()
+                if resilient:  # every timed step's action timings (calibration), not just the last one's
+                    for kind, values in engine.executor.stats.durations.items():
+                        durations.setdefault(kind, []).extend(values)
             dist.barrier()
             elapsed = time.perf_counter() - t0
             rec = out.setdefault(sc["name"], {"times": [], "stage": engine.stage_id})
             rec["times"].append(elapsed / steps)
-            if sc["engine"] != "vanilla" and getattr(engine, "alive", False) and rnd == opts["rounds"] - 1:
-                rec["durations"] = engine.executor.stats.durations
+            if resilient and rnd == opts["rounds"] - 1:
+                rec["durations"] = durations
                 rec["schedule"] = engine.schedule.to_text()
                 if engine.validator is not None:
                     v = engine.validator
                     rec["validation"] = {"speculated": v.speculated, "rolled back": v.rollbacks, "waited": v.waited}
+                if sc.get("clip"):  # speculative against barrier: the same parameters after the same steps
+                    rec["params"] = torch.cat([p.detach().double().flatten() for p in engine.module.parameters()])
             del engine
+    # one agreement on the global norm: the barrier's scalar all-reduce over every rank, and the
+    # speculative check's store publish + read (rank 0 hosts the store, as under the launcher)
+    x = torch.zeros(1, dtype=torch.float64)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(50):
+        dist.all_reduce(x)
+    out["allreduce_s"] = (time.perf_counter() - t0) / 50
+    store = dist.distributed_c10d._get_default_store()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for i in range(50):
+        store.set(f"bench/{rank}/{i}", "x")
+        store.get(f"bench/{rank}/{i}")
+    out["store_s"] = (time.perf_counter() - t0) / 50
     # link latency: small-message ping-pong between ranks 0 and 1 (both exist for any world >= 2)
     t = torch.zeros(8)
     dist.barrier()
@@ -122,7 +156,7 @@ def _calibrated_cost(results: list[dict], name: str, pp: int):
     itself; a fused backward (BW) is split evenly between t_B and t_W."""
     from ds_resilience.costs import CostModel
 
-    per = {k: [[] for _ in range(pp)] for k in ("F", "B", "W", "BW", "OPT", "RD")}
+    per = {k: [[] for _ in range(pp)] for k in ("F", "B", "W", "BW", "OPT", "RD", "UNDO")}
     latency = statistics.median(r["latency_s"] for r in results if "latency_s" in r)
     for r in results:
         rec = r[name]
@@ -133,7 +167,26 @@ def _calibrated_cost(results: list[dict], name: str, pp: int):
         if med["BW"][s] and not med["B"][s]:
             med["B"][s] = med["W"][s] = med["BW"][s] / 2
     return CostModel(name="calibrated", t_f=med["F"], t_b=med["B"], t_w=med["W"], t_opt=med["OPT"], t_reduce=med["RD"],
-                     p2p_latency=latency)
+                     t_undo=med["UNDO"], p2p_latency=latency)
+
+
+def _with_step_check(cost, results: list[dict], sc: dict, counts: dict | None, clean: str | None):
+    """The calibrated model of a clipping row with its step check: the barrier (one scalar
+    all-reduce, measured) or speculation (store round trips, measured; the fractions of steps that
+    waited or rolled back, counted). Its OPT_STEP time comes from the same schedule's run without
+    clipping (``clean``): the clipping run's own OPT timings include the waits being modelled."""
+    from dataclasses import replace
+
+    if clean is not None:
+        cost = replace(cost, t_opt=_calibrated_cost(results, clean, len(cost.t_f)).t_opt)
+    if sc.get("clipping") == "barrier":
+        return replace(cost, step_check="barrier", t_sync=statistics.median(r["allreduce_s"] for r in results))
+    total = sum(counts.values()) if counts else 0
+    waits = counts["waited"] / total if total else 0.0
+    rollbacks = counts["rolled back"] / total if total else 0.0
+    t_undo = cost.t_undo if any(cost.t_undo) else cost.t_opt  # no rollback measured: a restore ~ a step
+    return replace(cost, step_check="speculative", t_sync=statistics.median(r["store_s"] for r in results) / 2,
+                   check_waits=waits, check_rollbacks=rollbacks, t_undo=t_undo)
 
 
 def main() -> None:
@@ -149,7 +202,8 @@ def main() -> None:
                         help="4: PP=2 x DP=2 with the failure scenarios; 2: PP=2 x DP=1, fault-free only "
                              "(one process per core, so bubbles cost time as on dedicated devices)")
     parser.add_argument("--config-rows", action="store_true",
-                        help="add clipping (speculative against barrier) and bf16 rows (vanilla bf16 as reference)")
+                        help="add clipping (speculative against barrier, with a failure: the staggered optimizer), "
+                             "bf16 (vanilla bf16 as reference) and ZeRO-1 rows")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args()
     scenarios = [
@@ -164,8 +218,12 @@ def main() -> None:
         scenarios = scenarios[:3]
     if args.config_rows:  # the DeepSpeed user's own configuration: clipping (DeepSpeed's default 1.0), bf16
         scenarios += [
-            {"name": "clip-barrier", "engine": "resilient", "schedule": "decoupled", "clip": 1.0, "clipping": "barrier"},
-            {"name": "clip-speculative", "engine": "resilient", "schedule": "decoupled", "clip": 1.0},
+            # the staggered optimizer (a failure re-routed by the recycle plan): the barrier every
+            # step, against speculation validated after the step (same parameters, checked below)
+            {"name": "clip-barrier", "engine": "resilient", "variant": "recycle", "failed": ["1:1"], "clip": 1.0,
+             "clipping": "barrier"},
+            {"name": "clip-speculative", "engine": "resilient", "variant": "recycle", "failed": ["1:1"], "clip": 1.0},
+            {"name": "vanilla-clip", "engine": "vanilla", "clip": 1.0},  # DeepSpeed's default (first stage's norm)
             {"name": "vanilla-bf16", "engine": "vanilla", "precision": "bf16"},
             {"name": "bf16", "engine": "resilient", "precision": "bf16"},
         ]
@@ -192,21 +250,37 @@ def main() -> None:
         t = it_time(name)
         row = {"iteration_s": t, "throughput_ratio": vanilla / t}
         pred = ""
+        counts = next((r[name]["validation"] for r in results if "validation" in r.get(name, {})), None)
         if sc["engine"] != "vanilla":
             schedule = Schedule.from_text(next(r[name]["schedule"] for r in results if "schedule" in r.get(name, {})))
             cost = _calibrated_cost(results, name, 2)
+            if sc.get("clip"):
+                key = ("schedule", "variant", "failed", "precision", "zero")
+                clean = next((c["name"] for c in scenarios if c["engine"] != "vanilla" and not c.get("clip")
+                              and all(c.get(k) == sc.get(k) for k in key)), None)
+                cost = _with_step_check(cost, results, sc, counts, clean)
             row["cost"] = cost.to_dict()
             sim = simulate(schedule, cost, repeat=4 if schedule.optimizer == "staggered" else 1)
             p = sim.iteration_time
             row["predicted_s"] = p
             row["measured_over_predicted"] = t / p
             pred = f"{p:12.4f} {t / p:19.2f}"
-        counts = next((r[name]["validation"] for r in results if "validation" in r.get(name, {})), None)
         if counts:
             row["validation"] = counts
             pred += f"   steps speculated/rolled back/waited {counts['speculated']}/{counts['rolled back']}/{counts['waited']}"
         report[name] = row
         print(f"{name:<16} {t:12.4f} {t / vanilla:11.2f} {vanilla / t:17.3f} {pred}")
+    # post-validation: speculation must give exactly the barrier's (the global) clipped steps
+    by_stage_spec = {r["clip-speculative"]["stage"]: r["clip-speculative"]["params"] for r in results
+                     if "params" in r.get("clip-speculative", {})}
+    by_stage_bar = {r["clip-barrier"]["stage"]: r["clip-barrier"]["params"] for r in results
+                    if "params" in r.get("clip-barrier", {})}
+    if by_stage_spec and by_stage_bar:
+        diff = max(float((by_stage_spec[s] - by_stage_bar[s]).abs().max()) for s in by_stage_spec)
+        report["speculative_vs_barrier_max_param_diff"] = diff
+        print(f"\nclip-speculative against clip-barrier after the same steps: largest parameter difference {diff:.3g}")
+    print(f"agreement messages: scalar all-reduce {1e3 * statistics.median(r['allreduce_s'] for r in results):.3f} ms, "
+          f"store round trip {1e3 * statistics.median(r['store_s'] for r in results) / 2:.3f} ms")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
 

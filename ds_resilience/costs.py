@@ -17,6 +17,20 @@ JSON fields (all optional, defaults in brackets)::
     activation_bytes   bytes of one micro-batch's activation (or gradient) crossing a stage boundary [0]
     p2p_latency        per-message latency                            [0]
     p2p_bandwidth      bytes per time unit, null = infinite           [null]
+
+How each step agrees on the global gradient norm (clipping) and fp16 overflow, and what that costs
+(see ``runtime/validation.py`` and :mod:`ds_resilience.ir.replay`)::
+
+    step_check         "none" (no clipping, no fp16), "barrier" (every survivor all-reduces the
+                       norm before any stage steps: OPT_STEP becomes a global collective) or
+                       "speculative" (each stage publishes its norm and steps at once; every
+                       worker validates before its next iteration)          ["none"]
+    t_sync             one agreement message: the barrier's scalar all-reduce, or one store
+                       round trip (a publication is 2, reading the norms 2 per stage)  [0]
+    t_undo             rolling a stage back to its pre-step state (per stage)  [0]
+    check_waits        speculative: fraction of steps that wait for every stage's norm (the
+                       last step clipped or overflowed, or the stage's own norm decides)  [0]
+    check_rollbacks    speculative: fraction of steps rolled back and redone    [0]
 """
 
 from __future__ import annotations
@@ -31,8 +45,11 @@ from .errors import CostModelError
 
 __all__ = ["CostModel", "StageCosts"]
 
-_PER_STAGE = ("t_f", "t_b", "t_w", "t_opt", "t_reduce", "t_tied_reduce", "t_recompute", "activation_bytes")
-_SCALAR = ("p2p_latency", "p2p_bandwidth")
+_PER_STAGE = ("t_f", "t_b", "t_w", "t_opt", "t_reduce", "t_tied_reduce", "t_recompute", "activation_bytes",
+              "t_undo")
+_SCALAR = ("p2p_latency", "p2p_bandwidth", "t_sync", "check_waits", "check_rollbacks")
+STEP_CHECKS = ("none", "barrier", "speculative")
+"""How a step agrees on the global gradient norm / overflow (``step_check``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -48,6 +65,7 @@ class StageCosts:
     t_tied_reduce: float
     t_recompute: float
     activation_bytes: float
+    t_undo: float = 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -68,6 +86,11 @@ class CostModel:
     activation_bytes: tuple[float, ...] = (0.0,)
     p2p_latency: float = 0.0
     p2p_bandwidth: float | None = None
+    t_undo: tuple[float, ...] = (0.0,)
+    step_check: str = "none"
+    t_sync: float = 0.0
+    check_waits: float = 0.0
+    check_rollbacks: float = 0.0
 
     def __post_init__(self) -> None:
         for name in _PER_STAGE:
@@ -86,6 +109,17 @@ class CostModel:
         bw = self.p2p_bandwidth
         if bw is not None and (isinstance(bw, bool) or not isinstance(bw, (int, float)) or bw <= 0):
             raise CostModelError(f"cost model {self.name!r}: p2p_bandwidth must be > 0 or null, got {bw!r}")
+        if self.step_check not in STEP_CHECKS:
+            raise CostModelError(f"cost model {self.name!r}: step_check must be one of {', '.join(STEP_CHECKS)}, "
+                                 f"got {self.step_check!r}")
+        for name in ("t_sync", "check_waits", "check_rollbacks"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise CostModelError(f"cost model {self.name!r}: {name} must be a finite number >= 0, got {v!r}")
+            object.__setattr__(self, name, float(v))
+        if self.check_waits + self.check_rollbacks > 1.0 + 1e-12:
+            raise CostModelError(f"cost model {self.name!r}: check_waits + check_rollbacks are fractions of the "
+                                 f"steps and must sum to at most 1, got {self.check_waits} + {self.check_rollbacks}")
         if self.t_f and all(f == 0 for f in self.t_f):
             raise CostModelError(f"cost model {self.name!r}: t_f must be > 0 for some stage")
 
@@ -123,13 +157,32 @@ class CostModel:
         return cls.from_dict(data, source=str(path))
 
     def to_dict(self) -> dict[str, Any]:
+        """JSON form (``from_dict`` reads it back). A model without rollback costs or a step check
+        keeps the form (and the plan-table cache key) it had before those fields existed."""
         out: dict[str, Any] = {"name": self.name}
         for name in _PER_STAGE:
             values = getattr(self, name)
+            if name == "t_undo" and not any(values):
+                continue
             out[name] = values[0] if len(values) == 1 else list(values)
         out["p2p_latency"] = self.p2p_latency
         out["p2p_bandwidth"] = self.p2p_bandwidth
+        if self.step_check != "none":
+            for name in ("step_check", "t_sync", "check_waits", "check_rollbacks"):
+                out[name] = getattr(self, name)
         return out
+
+    def step_mix(self) -> tuple[tuple[str, float], ...]:
+        """The replay modes of a step and their weights: ``(("plain", 1),)`` without a step check,
+        ``(("barrier", 1),)`` for the barrier, and for speculation the fractions of steps that
+        ``speculate`` (and hold), ``wait`` for every norm, or ``rollback`` (zero weights dropped)."""
+        if self.step_check == "none":
+            return (("plain", 1.0),)
+        if self.step_check == "barrier":
+            return (("barrier", 1.0),)
+        mix = (("speculate", 1.0 - self.check_waits - self.check_rollbacks), ("wait", self.check_waits),
+               ("rollback", self.check_rollbacks))
+        return tuple((m, w) for m, w in mix if w > 1e-12)
 
     # --- queries ---------------------------------------------------------------------------
     def check_stages(self, pp: int) -> None:

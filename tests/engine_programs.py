@@ -98,6 +98,7 @@ def train_scenarios(rank: int, world: int, pp: int, microbatches: int, scenarios
             "stats": getattr(engine, "iteration_log", None),
             "engine_class": type(engine).__name__,
             "schedule_source": engine.generation.source if hasattr(engine, "generation") else None,
+            "step_check": engine.provider.cost.step_check if hasattr(engine, "provider") else None,
         }
         del engine
     # rank 0 hosts the store: nobody leaves while another rank may still read it

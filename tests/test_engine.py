@@ -135,6 +135,9 @@ def test_staggered_optimizer_with_global_norm_clipping_equals_a_global_step():
     # clipping was active: without it training goes elsewhere
     with pytest.raises(AssertionError):
         assert_params_close(results, "global", "noclip", rtol=1e-5, atol=1e-7)
+    # and the plans were rated with the step check the engine ran (speculation), not without one
+    assert {r["staggered"]["step_check"] for r in results} == {"speculative"}
+    assert {r["noclip"]["step_check"] for r in results} == {"none"}
 
 
 @pytest.mark.timeout(400)

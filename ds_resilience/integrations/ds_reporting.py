@@ -47,7 +47,8 @@ def report(engine, elapsed: float) -> None:
         iter_time = engine._since_print / every
         extra = ""
         if engine.validator is not None:
-            extra = f" rollbacks/100 steps: {engine.validator.rollbacks_per_100():0.1f}"
+            v = engine.validator
+            extra = f" rollbacks/100 steps: {v.rollbacks_per_100():0.1f} waits/100 steps: {v.waits_per_100():0.1f}"
         print(f"steps: {engine.global_steps} loss: {float(engine.agg_train_loss):0.4f} iter time (s): {iter_time:0.3f} "
               f"samples/sec: {engine.train_batch_size() / iter_time:0.3f}{extra}", flush=True)
         if engine.wall_clock_breakdown():
@@ -63,6 +64,7 @@ def report(engine, elapsed: float) -> None:
             events.append(("Resilience/failed_workers", float(len(rec.get("failed", ()))), engine.global_samples))
         if engine.validator is not None:
             events.append(("Resilience/rollbacks_per_100", engine.validator.rollbacks_per_100(), engine.global_samples))
+            events.append(("Resilience/waits_per_100", engine.validator.waits_per_100(), engine.global_samples))
         if engine.recovery_log[engine._reported_recoveries:] or engine.current.failed:
             events.append(("Resilience/rerouted_microbatches", float(engine.executor.stats.rerouted), engine.global_samples))
         write_monitor(engine, events)

@@ -11,6 +11,13 @@ The execution model, which the runtime follows:
   ``t_tied_reduce``; OPT_STEP is local (``staggered``) or a collective of every surviving worker
   (``global``, DeepSpeed's barrier at the optimizer step). A collective starts when its last member
   arrives and ends for all members at once.
+* the step check (the cost model's ``step_check``, one ``mode`` per replay, see
+  :meth:`CostModel.step_mix`; ``t_sync`` is one message): ``barrier`` makes every OPT_STEP a
+  collective of every survivor that also all-reduces the norm; ``wait`` is the same through the
+  store (publish the stage's norm, read every stage's); ``speculate`` publishes the norm and steps
+  at once, and right after its OPT_STEP a worker *validates*: it waits until every survivor has
+  published that iteration's norm, then reads them; ``rollback`` validates and then undoes and
+  redoes the step (``t_undo + t_opt``).
 
 The replay needs no real clock, so it doubles as the deadlock check: if no worker can advance and
 some have actions left, the schedule deadlocks. Pure Python.
@@ -26,7 +33,10 @@ from ..errors import ScheduleError
 from .action import Action, ActionKind
 from .schedule import Schedule
 
-__all__ = ["Transfer", "Replay", "replay", "message_key"]
+__all__ = ["Transfer", "Replay", "replay", "message_key", "STEP_MODES"]
+
+STEP_MODES = ("plain", "barrier", "wait", "speculate", "rollback")
+"""How a replay runs OPT_STEP (see the module docstring)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -103,7 +113,7 @@ def _duration_table(cost: CostModel, pp: int) -> dict[tuple[ActionKind, int], fl
     return table
 
 
-_COMPUTE, _SEND, _RECV, _COLLECTIVE = range(4)
+_COMPUTE, _SEND, _RECV, _COLLECTIVE, _CHECKED = range(5)
 _GLOBAL = -1
 """Collective group id of the global optimizer barrier; stage s's reduce is group ``s``."""
 
@@ -113,13 +123,34 @@ def _tied_gid(group: int) -> int:
     return -2 - group
 
 
-def _compile(schedule: Schedule, cost: CostModel, ckpt_chunk_bytes: float) -> list[list[tuple]]:
+def _opt_op(schedule: Schedule, cost: CostModel, stage: int, mode: str, t_opt: float) -> tuple:
+    """The op of one OPT_STEP under the step-check ``mode``.
+
+    Message counts follow the runtime (``runtime/validation.py``): the barrier is one scalar
+    all-reduce; a publication is a store set and the delete of an old key (2 messages); reading
+    the norms is a wait and a get per stage (``2 * pp``)."""
+    sync = cost.t_sync
+    publish, read = 2 * sync, 2 * schedule.pp * sync
+    redo = cost.stage(stage).t_undo + t_opt if mode == "rollback" else 0.0
+    if mode == "plain":
+        return (_COLLECTIVE, _GLOBAL, t_opt) if schedule.optimizer == "global" else (_COMPUTE, t_opt)
+    if mode == "barrier":
+        return (_COLLECTIVE, _GLOBAL, t_opt + sync)
+    if mode == "wait" or schedule.optimizer == "global":  # every norm is in when the step runs
+        return (_COLLECTIVE, _GLOBAL, publish + read + t_opt + redo)
+    return (_CHECKED, publish + t_opt, publish, read + redo)
+
+
+def _compile(schedule: Schedule, cost: CostModel, ckpt_chunk_bytes: float, mode: str = "plain") -> list[list[tuple]]:
     """Each worker's actions as flat tuples the replay loop can run without attribute lookups.
 
     ``(_COMPUTE, duration)``, ``(_SEND, peer, key_id, busy)``, ``(_RECV, key_id)``,
-    ``(_COLLECTIVE, group_id, duration)`` (group ids: stage s, :data:`_GLOBAL`, :func:`_tied_gid`).
-    Message keys become small integers.
+    ``(_COLLECTIVE, group_id, duration)`` (group ids: stage s, :data:`_GLOBAL`, :func:`_tied_gid`),
+    ``(_CHECKED, step, published_after, validation)`` (a speculative OPT_STEP: publish, step, then
+    wait for every survivor's norm of that step and validate). Message keys become small integers.
     """
+    if mode not in STEP_MODES:
+        raise ValueError(f"step mode {mode!r}; allowed: {', '.join(STEP_MODES)}")
     duration = _duration_table(cost, schedule.pp)
     act_busy = [cost.transfer_time(c.activation_bytes) for c in cost.stages(schedule.pp)]
     ckpt_busy = cost.transfer_time(ckpt_chunk_bytes)
@@ -143,8 +174,8 @@ def _compile(schedule: Schedule, cost: CostModel, ckpt_chunk_bytes: float) -> li
                 if not 0 <= g < len(schedule.tied):  # type: ignore[operator]
                     raise ScheduleError(f"{a} on worker {w}: the schedule has {len(schedule.tied)} tied groups")
                 ops.append((_COLLECTIVE, _tied_gid(g), tied_time[g]))  # type: ignore[arg-type]
-            elif kind is ActionKind.OPT_STEP and schedule.optimizer == "global":
-                ops.append((_COLLECTIVE, _GLOBAL, duration[kind, a.stage]))
+            elif kind is ActionKind.OPT_STEP:
+                ops.append(_opt_op(schedule, cost, a.stage, mode, duration[kind, a.stage]))
             else:
                 ops.append((_COMPUTE, duration[kind, a.stage]))
         program.append(ops)
@@ -152,7 +183,8 @@ def _compile(schedule: Schedule, cost: CostModel, ckpt_chunk_bytes: float) -> li
 
 
 def replay(
-    schedule: Schedule, cost: CostModel | None = None, *, ckpt_chunk_bytes: float = 0.0, repeat: int = 1
+    schedule: Schedule, cost: CostModel | None = None, *, ckpt_chunk_bytes: float = 0.0, repeat: int = 1,
+    mode: str | None = None,
 ) -> Replay:
     """Replay ``schedule`` under ``cost`` (unit costs when ``None``).
 
@@ -162,12 +194,17 @@ def replay(
         ckpt_chunk_bytes: size of one checkpoint chunk message (CKPT_SEND).
         repeat: run every worker's list this many times back to back (steady-state replays);
             the result then covers ``repeat`` copies of each list.
+        mode: how OPT_STEP runs (:data:`STEP_MODES`); default: the cost model's step check alone
+            (``plain``, ``barrier``, or ``speculate`` when every step's speculation holds). The
+            weighted mix is :func:`ds_resilience.ir.timeline.iteration_time`'s business.
 
     Returns:
         The :class:`Replay`; check ``blocked`` for a deadlock.
     """
     cost = cost or CostModel.unit()
-    program = _compile(schedule, cost, ckpt_chunk_bytes)
+    if mode is None:
+        mode = {"none": "plain", "barrier": "barrier", "speculative": "speculate"}[cost.step_check]
+    program = _compile(schedule, cost, ckpt_chunk_bytes, mode)
     latency = cost.p2p_latency
     n = len(program)
     lengths = [len(ops) * repeat for ops in program]
@@ -187,6 +224,13 @@ def replay(
     arrived: dict[tuple[int, int], dict[int, float]] = defaultdict(dict)
     occurrence: dict[tuple[int, int], int] = defaultdict(int)
     woken: set[int] = set()  # workers a step of the current one may have unblocked
+    # the speculative step check: per step occurrence, the publication times so far and the
+    # workers waiting to validate; each worker's published (occurrence, stepped-at clock) if waiting
+    published: dict[int, list[float]] = defaultdict(list)
+    validating: dict[int, list[int]] = defaultdict(list)
+    checked: list[int] = [0] * n
+    validated: dict[int, int] = defaultdict(int)
+    stepped: dict[int, float] = {}
 
     def advance(w: int) -> None:
         """Run worker ``w`` as far as it can go."""
@@ -219,6 +263,26 @@ def replay(
                 arrival = box.popleft()
                 st[i] = now
                 clock[w] = en[i] = arrival if arrival > now else now
+            elif code == _CHECKED:
+                k = checked[w]
+                if w not in stepped:  # publish the norm, step
+                    st[i] = now
+                    stepped[w] = now + op[1]
+                    pubs = published[k]
+                    pubs.append(now + op[2])
+                    if len(pubs) == len(alive):
+                        woken.update(validating.pop(k, ()))
+                pubs = published[k]
+                if len(pubs) < len(alive):
+                    validating[k].append(w)
+                    return
+                done = stepped.pop(w)
+                ready = max(pubs)
+                clock[w] = en[i] = (done if done > ready else ready) + op[3]
+                checked[w] += 1
+                validated[k] += 1
+                if validated[k] == len(alive):
+                    del published[k], validated[k]
             else:
                 gid = op[1]
                 members = groups[gid]

@@ -169,22 +169,23 @@ def iteration_time(schedule: Schedule, cost: CostModel, variant: str) -> float:
     """The iteration time the timeline replay gives ``schedule`` under ``variant``'s semantics.
 
     ``recycle``: the steady-state period of :data:`STEADY_ITERATIONS` back-to-back iterations with
-    the staggered optimizer; otherwise one iteration's makespan. The same rule as
-    :attr:`Timeline.iteration_time` of ``simulate(schedule, cost, repeat=...)``, without measuring
-    the spans.
+    the staggered optimizer; otherwise one iteration's makespan. With a step check (clipping or
+    fp16, ``cost.step_check``) the expected time over its modes: the barrier, or the speculative
+    steps that hold, wait or roll back, weighted by their fractions (:meth:`CostModel.step_mix`).
+    The same rule as :attr:`Timeline.iteration_time` of ``simulate(schedule, cost, repeat=...)``,
+    without measuring the spans.
 
     Raises:
         PlanningError: the schedule deadlocks in the replay.
     """
-    if variant == "recycle":
-        result = replay(schedule, cost, repeat=STEADY_ITERATIONS)
+    repeat = STEADY_ITERATIONS if variant == "recycle" else 1
+    total = 0.0
+    for mode, weight in cost.step_mix():
+        result = replay(schedule, cost, repeat=repeat, mode=mode)
         if result.blocked:
-            raise PlanningError(f"{variant} schedule deadlocks when repeated")
-        return replayed_iteration_time(schedule, result.ends, result.makespan, STEADY_ITERATIONS)
-    result = replay(schedule, cost)
-    if result.blocked:
-        raise PlanningError(f"{variant} schedule deadlocks")
-    return replayed_iteration_time(schedule, result.ends, result.makespan)
+            raise PlanningError(f"{variant} schedule deadlocks" + (" when repeated" if repeat > 1 else ""))
+        total += weight * replayed_iteration_time(schedule, result.ends, result.makespan, repeat)
+    return total
 
 
 def simulate(
@@ -193,14 +194,22 @@ def simulate(
     """Replay ``schedule`` under ``cost`` (unit costs by default) and measure it.
 
     ``repeat`` runs each worker's list that many times back to back (steady state); the spans then
-    cover all repetitions and ``iteration_time`` is the steady-state period.
+    cover all repetitions and ``iteration_time`` is the steady-state period. With a step check
+    (``cost.step_check``) the spans are those of its most frequent mode and ``iteration_time`` the
+    expected time over its modes (as :func:`iteration_time`).
 
     Raises:
         ScheduleError: the schedule deadlocks (validate it first for a precise message).
     """
     cost = cost or CostModel.unit()
     cost.check_stages(schedule.pp)
-    r = replay(schedule, cost, ckpt_chunk_bytes=ckpt_chunk_bytes, repeat=repeat)
+    mix = cost.step_mix()
+    runs = {mode: replay(schedule, cost, ckpt_chunk_bytes=ckpt_chunk_bytes, repeat=repeat, mode=mode)
+            for mode, _ in mix}
+    r = runs[max(mix, key=lambda m: m[1])[0]]
+    for run in runs.values():
+        if run.blocked:
+            r = run
     if r.blocked:
         w, i = min(r.blocked.items())
         raise ScheduleError(
@@ -231,7 +240,8 @@ def simulate(
     acts, pend, state = memory_peaks(schedule)
     return Timeline(
         makespan=makespan,
-        iteration_time=replayed_iteration_time(schedule, r.ends, makespan, repeat),
+        iteration_time=sum(weight * replayed_iteration_time(schedule, runs[mode].ends, runs[mode].makespan, repeat)
+                           for mode, weight in mix),
         starts=r.starts,
         ends=r.ends,
         busy=busy,

@@ -558,7 +558,9 @@ class Executor:
         if self.pending is None:
             return
         iteration, self.pending = self.pending, None
+        t0 = time.perf_counter()
         decision = self.validator.decide(iteration)
+        self.stats.durations.setdefault("VAL", []).append(time.perf_counter() - t0)
         self.last_grad_norm = decision.norm
         if decision.speculation_holds:
             self.validator.record(iteration, "speculated")
@@ -569,7 +571,9 @@ class Executor:
             return
         self.validator.record(iteration, "rolled back")
         saved = [p.grad for p in self.grad_parameters]
+        t0 = time.perf_counter()
         self.hooks.undo_step()
+        self.stats.durations.setdefault("UNDO", []).append(time.perf_counter() - t0)
         for p, g in zip(self.grad_parameters, saved):
             p.grad = g
         self._apply(decision)

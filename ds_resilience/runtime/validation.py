@@ -126,5 +126,15 @@ class StepValidator:
 
     def rollbacks_per_100(self) -> float:
         """Rollbacks per 100 steps over the recent history."""
+        return self._per_100("rolled back")
+
+    def waits_per_100(self) -> float:
+        """Steps that waited for every stage's norm (no speculation) per 100 steps, recent history:
+        each costs what the barrier costs. A step that clips makes the next one wait, so with a
+        norm above the limit at every step (early training, a small ``gradient_clipping``) this is
+        100 and the staggered optimizer's overlap is gone until the norm falls below the limit."""
+        return self._per_100("waited")
+
+    def _per_100(self, what: str) -> float:
         steps = len(self.history)
-        return 100.0 * sum(1 for _, w in self.history if w == "rolled back") / steps if steps else 0.0
+        return 100.0 * sum(1 for _, w in self.history if w == what) / steps if steps else 0.0

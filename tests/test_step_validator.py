@@ -1,0 +1,59 @@
+"""StepValidator: the global norm / overflow agreed through a store, speculation and its counts."""
+
+import math
+
+import pytest
+
+from ds_resilience.runtime.validation import StepValidator, clip_coefficient
+
+
+def _validator(clip=1.0, fp16=False, stages=2):
+    store: dict[str, str] = {}
+    v = StepValidator(clip=clip, check_overflow=fp16, num_stages=stages, key=lambda i, s: f"{i}/{s}",
+                      publish=store.__setitem__, wait=lambda k: store[k].encode(), delete=store.pop)
+    return v, store
+
+
+def test_the_decision_is_the_global_norm_over_every_stage():
+    v, store = _validator(clip=1.0)
+    v.publish(0, 0, 0.64, False)
+    v.publish(0, 1, 0.36, False)
+    d = v.decide(0)
+    assert d.norm == pytest.approx(1.0) and not d.overflow
+    assert d.coef == pytest.approx(clip_coefficient(1.0, 1.0)) and d.coef < 1.0  # 1 / (1 + 1e-6)
+    v.publish(1, 0, 0.25, False)
+    v.publish(1, 1, 0.0, False)
+    assert v.decide(1).speculation_holds
+
+
+def test_speculation_stops_after_a_clipped_step_and_resumes_after_an_unclipped_one():
+    v, _ = _validator(clip=1.0)
+    assert v.should_speculate(0.1, False)  # nothing known yet
+    assert not v.should_speculate(1.5, False)  # this stage's share alone exceeds the limit
+    for i, sq in enumerate((4.0, 0.01)):
+        v.publish(i, 0, sq, False)
+        v.publish(i, 1, 0.0, False)
+        v.decide(i)
+        assert v.should_speculate(0.0, False) == (sq < 1.0)
+
+
+def test_fp16_overflow_anywhere_skips_everywhere_and_a_nan_norm_is_an_overflow():
+    v, _ = _validator(clip=0.0, fp16=True)
+    assert v.active and not v.should_speculate(0.0, True)
+    v.publish(0, 0, 0.5, False)
+    v.publish(0, 1, math.nan, False)
+    d = v.decide(0)
+    assert d.overflow and not d.speculation_holds
+    v2, _ = _validator(clip=0.0, fp16=False)
+    assert not v2.active
+
+
+def test_counts_per_100_steps_and_old_keys_are_deleted():
+    v, store = _validator()
+    for i in range(10):
+        v.publish(i, 0, 0.0, False)
+        v.record(i, "rolled back" if i in (3, 7) else "waited" if i == 5 else "speculated")
+    assert v.rollbacks_per_100() == pytest.approx(20.0)
+    assert v.waits_per_100() == pytest.approx(10.0)
+    assert (v.speculated, v.rollbacks, v.waited) == (7, 2, 1)
+    assert sorted(store) == ["7/0", "8/0", "9/0"]  # three iterations kept: every stage validated the rest
