@@ -296,9 +296,7 @@ def main() -> None:
         rows.append(row)
         det = ",".join(f"{d['latency_s']:.3f}" for d in row["detections"])
         rec = ",".join(f"{r:.3f}" for r in row["recovery_s"])
-        faults = "; ".join(f"{f['kind']} r{f['rank']} s{f['step']} {f['point']}" for f in trial["faults"][:2])
-        if len(trial["faults"]) > 2:
-            faults += f" (+{len(trial['faults']) - 2} armed)"
+        faults = "fired " + ", ".join(f"r{r} {v}" for r, v in sorted(row["fired"].items()))
         print(f"trial {i:3d} {row['scenario']:<11} {'survived' if row['survived'] else 'FAILED':<8} "
               f"{row['wall_s']:5.1f}s param {row['max_param_diff'] or 0:.1e} master {row['max_master_diff'] or 0:.1e} "
               f"det {det} rec {rec} | {faults}"
