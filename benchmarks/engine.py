@@ -226,6 +226,9 @@ def main() -> None:
             {"name": "vanilla-clip", "engine": "vanilla", "clip": 1.0},  # DeepSpeed's default (first stage's norm)
             {"name": "vanilla-bf16", "engine": "vanilla", "precision": "bf16"},
             {"name": "bf16", "engine": "resilient", "precision": "bf16"},
+            # ZeRO-1: the optimizer state sharded over the stage's replicas, the updated ranges gathered
+            {"name": "zero1", "engine": "resilient", "zero": 1},
+            {"name": "zero1-bf16", "engine": "resilient", "zero": 1, "precision": "bf16"},
         ]
     opts = {"pp": 2, "microbatches": args.microbatches, "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
             "d_model": args.d_model, "layers": args.layers, "seq_len": args.seq_len, "scenarios": scenarios}

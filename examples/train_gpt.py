@@ -188,6 +188,10 @@ def main(argv=None) -> int:
             "times_s": times,
             "recovery": engine.recovery_log,
             "stopped": stopped,
+            # ZeRO-1: the replicas this worker's optimizer state is sharded over, and its shard's size
+            "zero": None if getattr(engine, "sharded_optimizer", None) is None else {
+                "members": list(engine.sharded_optimizer.members), "shard": engine.sharded_optimizer.shard_numel,
+                "total": sum(engine.sharded_optimizer.numels)},
             "heartbeat_interval_s": engine.coordinator.heartbeat_interval_s if engine.coordinator else None,
             "evals": evals,
             "allreduce": reduced,

@@ -4,7 +4,8 @@ same processes, exactly as a DeepSpeed user would drive each (``engine.train_bat
 A case is a dict: ``model`` ("gpt" or "tied"), ``pp``, ``microbatches``, ``steps``, ``module``
 (PipelineModule kwargs), ``pipeline`` (the DeepSpeed config's ``pipeline`` section), ``dynamic``
 (variable sequence lengths), ``mbs``, ``eval`` (also run ``eval_batch``), ``failed`` (ds_resilience
-only: ``simulate_failed``, with ``batch_source``), ``resilience`` (extra section keys).
+only: ``simulate_failed``, with ``batch_source``), ``resilience`` (extra section keys), ``zero``
+(``zero_optimization.stage``), ``clip``, ``precision`` ("bf16", "fp16").
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def ds_config(case: dict, dp: int) -> dict[str, Any]:
         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 3}},
         "gradient_clipping": 0.0,
         "steps_per_print": 10**6,
-        "zero_optimization": {"stage": 0},
+        "zero_optimization": {"stage": case.get("zero", 0)},
     }
     if case.get("pipeline"):
         cfg["pipeline"] = dict(case["pipeline"])
@@ -132,6 +133,12 @@ def train(kind: str, case: dict, world: int, *, start: int = 0, steps: int | Non
     out["validation"] = (None if validator is None else
                          {"speculated": validator.speculated, "rolled back": validator.rollbacks, "waited": validator.waited})
     out["grad_norm"] = engine.get_global_grad_norm()
+    sharded = getattr(engine, "sharded_optimizer", None)
+    if sharded is not None:
+        out["zero"] = {"shard": sharded.shard_numel, "total": sum(sharded.numels), "members": list(sharded.members),
+                       "state_bytes": sharded.state_bytes()}
+    if hasattr(opt, "masters"):
+        out["masters"] = [m.detach().clone() for m in opt.masters]
     if getattr(engine, "persistent_engine", None) is not None:
         engine.persistent_engine.flush()  # what the end of a job does (atexit): its saves are complete
     del engine
@@ -166,11 +173,12 @@ def round_trip(rank: int, world: int, case: dict, root: str) -> dict:
     deepspeed.init_distributed(dist_backend="gloo")
     steps, save_after = case.get("steps", 4), case.get("save_after", 2)
     out: dict = {}
-    for saver in ENGINES:
+    engines = case.get("engines", ENGINES)
+    for saver in engines:
         save_dir = os.path.join(root, saver)
         full = train(saver, case, world, steps=steps, save_to=save_dir, save_after=save_after)
         out[f"{saver}-uninterrupted"] = full
-        for loader in ENGINES:
+        for loader in engines:
             engine = make_engine(loader, case, world)
             out[f"{saver}->{loader}"] = train(loader, case, world, start=save_after, steps=steps - save_after,
                                                engine=engine, load_from=save_dir)

@@ -329,6 +329,45 @@ class InMemoryCheckpointer:
         t3 = time.perf_counter()
         return state, plan, {"plan_s": t1 - t0, "transfer_s": t2 - t1, "load_s": t3 - t2, "total_s": t3 - t0}
 
+    def holds(self, owner: int, step: int) -> bool:
+        """Whether this machine's host memory holds ``owner``'s committed version ``step``."""
+        return step in self.store.holdings(verify=False).get(owner_name(owner), [])
+
+    def load_peer(self, owner: int, step: int) -> Any:
+        """``owner``'s version ``step`` from this machine's host memory (a replica, verified)."""
+        return self.store.load(owner_name(owner), step)
+
+    def send_peer(self, owner: int, to: int, step: int, group: Group) -> None:
+        """Send ``owner``'s version ``step`` (held here) to rank ``to`` (see :meth:`receive_peer`)."""
+        self._send_snapshot(owner, to, step, group)
+
+    def receive_peer(self, owner: int, holder: int, step: int, group: Group) -> Any | None:
+        """Receive ``owner``'s version ``step`` from ``holder`` into this machine's host memory and
+        load it; ``None`` when the holder's copy was missing or failed its checksum."""
+        message = recv_header(group, holder, tag=_XFER_TAG)
+        if message.kind == "missing":
+            return None
+        layout = message.fields.get("layout")
+        if message.fields.get("step") != step or not isinstance(layout, str):
+            raise CheckpointError(f"rank {self.rank}: snapshot message from rank {holder} is not step {step}'s")
+
+        def fill(buf: torch.Tensor) -> None:
+            recv_payload(group, message, buf, tag=_XFER_TAG, verify=False)  # the store verifies
+
+        try:
+            self.store.receive(owner_name(owner), step, message.nbytes, layout.encode("utf-8"), message.checksum or 0,
+                               fill)
+        except CheckpointError as exc:
+            logger.warning("rank %d: snapshot of rank %d from rank %d rejected: %s", self.rank, owner, holder, exc)
+            return None
+        return self.store.load(owner_name(owner), step)
+
+    def forget_captures(self) -> None:
+        """The live state changed shape (a ZeRO-1 re-shard): the held versions no longer match it,
+        so a rollback keeps a pre-step copy instead of loading one of them."""
+        with self._cond:
+            self.last_captured = None
+
     def _send_snapshot(self, owner: int, to: int, step: int, group: Group) -> None:
         try:
             info, layout, payload = self.store.open_version(owner_name(owner), step, verify=False)

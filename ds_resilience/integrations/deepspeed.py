@@ -64,8 +64,10 @@ def _split_config(config: Any) -> tuple[dict[str, Any], ResilienceConfig, Path |
     if not resilience.enabled:
         return data, resilience, base_dir
     zero = data.get("zero_optimization", {})
-    if isinstance(zero, dict) and int(zero.get("stage", 0)) > 0:
-        raise ConfigError("zero_optimization.stage", f"{zero.get('stage')}: only stage 0 is supported with the resilient engine")
+    if isinstance(zero, dict) and int(zero.get("stage", 0)) > 1:
+        raise ConfigError("zero_optimization.stage", f"{zero.get('stage')}: the resilient engine supports stages 0 and 1 "
+                          f"(1: the optimizer state sharded over a stage's surviving replicas); stages 2 and 3 "
+                          f"shard gradients and parameters, which DeepSpeed's pipeline engine does not support either")
     return data, resilience, base_dir
 
 

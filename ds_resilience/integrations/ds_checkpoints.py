@@ -71,9 +71,18 @@ def save_layers(engine: Any, path: str, exclude_frozen: bool) -> None:
         ce.save(state_dict=state, path=module.ckpt_layer_path(path, idx))
 
 
-def export_stage(engine: Any, ckpt_dir: str, step: int) -> None:
-    """This stage's layers (DeepSpeed's file names) and optimizer state, written atomically."""
+def export_stage(engine: Any, ckpt_dir: str, step: int, *, writer: bool = True) -> None:
+    """This stage's layers (DeepSpeed's file names) and optimizer state, written atomically.
+
+    Under ZeRO-1 each replica holds a shard of the optimizer state: every replica writes its own
+    ``stage<S>-pipeline<P>-optim_states.pt`` (the writer, ``writer=True``, the layers too)."""
     Path(ckpt_dir).mkdir(parents=True, exist_ok=True)
+    sharded = getattr(engine, "sharded_optimizer", None)
+    if not writer:
+        if sharded is not None:
+            _save_optimizer(engine, os.path.join(ckpt_dir, f"stage{engine.stage_id}-pipeline{engine.me.pipeline}-"
+                                                           f"optim_states.pt"), step)
+        return
     for idx, layer in enumerate(engine.module.forward_funcs):
         if not hasattr(layer, "state_dict"):
             continue
@@ -81,7 +90,12 @@ def export_stage(engine: Any, ckpt_dir: str, step: int) -> None:
         tmp = f"{path}.tmp{os.getpid()}"
         torch.save({k: v.detach().clone() for k, v in layer.state_dict().items()}, tmp)
         os.replace(tmp, path)
-    optim_path = os.path.join(ckpt_dir, f"stage{engine.stage_id}-optim_states.pt")
+    name = (f"stage{engine.stage_id}-pipeline{engine.me.pipeline}-optim_states.pt" if sharded is not None
+            else f"stage{engine.stage_id}-optim_states.pt")
+    _save_optimizer(engine, os.path.join(ckpt_dir, name), step)
+
+
+def _save_optimizer(engine: Any, optim_path: str, step: int) -> None:
     tmp = f"{optim_path}.tmp{os.getpid()}"
     torch.save({"step": step, "optimizer": engine.optimizer.state_dict(),
                 "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None}, tmp)

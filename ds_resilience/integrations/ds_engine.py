@@ -43,6 +43,7 @@ from ..runtime.faults import FaultInjector
 from ..runtime.precision import DynamicLossScaler, MixedPrecisionOptimizer
 from ..runtime.recovery import Generation, LiveRecovery, is_failure
 from ..runtime.validation import StepValidator
+from ..runtime.zero import ShardedOptimizer
 from ..topology import Topology, Worker
 from .ds_checkpoint_engine import install as install_checkpoint_engine
 from .ds_instructions import ActionSchedule, IRAction
@@ -143,11 +144,13 @@ class ResilientPipelineEngine(PipelineEngine):
             self.recovery = LiveRecovery(
                 topology=self.topology, me=self.me, coordinator=self.coordinator, executor=self.executor,
                 tier=self.tier, provider=self.provider, session=self.session, timeout_s=resilience.detector.pg_timeout_s,
-                grace_s=resilience.detector.heartbeat_timeout_s + 5.0, adopt=self._adopt, export=lambda directory, step: export_stage(self, directory, step),
+                grace_s=resilience.detector.heartbeat_timeout_s + 5.0, adopt=self._adopt, export=lambda directory, step, writer=True: export_stage(self, directory, step, writer=writer),
                 persistent_dir=resilience.checkpoint.persistent_dir, fault_hook=self.faults.maybe_fire,
+                on_membership=self._on_membership,
             )
             self.recovery.log = self.recovery_log
         self.generation = self._first_generation(failed, live=live, rejoin=rejoin)
+        self._bind_zero()
         self.persistent_engine = None
         if resilience.checkpoint.enabled:  # save_checkpoint / load_checkpoint: asynchronous, atomic, keep_last
             self.persistent_engine = install_checkpoint_engine(self, keep_last=resilience.checkpoint.keep_last)
@@ -164,13 +167,22 @@ class ResilientPipelineEngine(PipelineEngine):
 
     # --- construction ----------------------------------------------------------------------------------
     def _configure_optimizer(self, client_optimizer, model_parameters):
-        """bf16 / fp16 without ZeRO: our own :class:`MixedPrecisionOptimizer` (fp32 masters, fp32
-        gradient accumulation, fp16 dynamic loss scaling) instead of DeepSpeed's BF16/FP16
-        optimizers, whose steps and overflow checks run collectives over DeepSpeed's groups; the
-        executor does those over the survivors. fp32 (and ZeRO) is DeepSpeed's own."""
+        """bf16 / fp16 and ZeRO-1: our own optimizers instead of DeepSpeed's BF16/FP16/ZeRO ones, whose
+        steps, overflow checks and partitions run collectives over DeepSpeed's fixed groups; the
+        executor reduces, clips and validates over the survivors instead.
+
+        * bf16 / fp16: :class:`MixedPrecisionOptimizer` (fp32 masters, fp32 gradient accumulation,
+          fp16 dynamic loss scaling);
+        * ZeRO-1: :class:`ShardedOptimizer` (``runtime/zero.py``): the optimizer state sharded over
+          the stage's surviving replicas (under mixed precision, inside the fp32 masters' wrapper).
+
+        fp32 without ZeRO is DeepSpeed's own."""
         model_dtype, _ = self.get_data_types()
-        if model_dtype == torch.float32 or self.zero_optimization():
+        zero = self.zero_optimization_stage()
+        if model_dtype == torch.float32 and not zero:
             return super()._configure_optimizer(client_optimizer, model_parameters)
+        if zero > 1:
+            raise ConfigError("zero_optimization.stage", f"{zero}: the resilient engine supports stages 0 and 1")
         if client_optimizer is None:
             basic = self._configure_basic_optimizer(model_parameters)
         elif isinstance(client_optimizer, tuple(self._supported_optims())):
@@ -179,11 +191,98 @@ class ResilientPipelineEngine(PipelineEngine):
             basic = client_optimizer(model_parameters)
         basic.param_groups[:] = [pg for pg in basic.param_groups if len(pg["params"]) != 0]
         self.basic_optimizer = basic
-        scaler = None
-        if model_dtype == torch.float16:
-            scaler = DynamicLossScaler.from_config(self._config._param_dict.get("fp16", {}))
-        self.optimizer = MixedPrecisionOptimizer(basic, [p for p in self.module.parameters() if p.requires_grad],
-                                                 scaler=scaler)
+        optimizer: Any = basic
+        if model_dtype != torch.float32:
+            scaler = None
+            if model_dtype == torch.float16:
+                scaler = DynamicLossScaler.from_config(self._config._param_dict.get("fp16", {}))
+            optimizer = MixedPrecisionOptimizer(basic, [p for p in self.module.parameters() if p.requires_grad],
+                                                scaler=scaler)
+        if zero == 1:  # bound to this replica's stage group once the topology is known (__init__)
+            sharded = ShardedOptimizer(basic)
+            if isinstance(optimizer, MixedPrecisionOptimizer):
+                optimizer.shard(sharded)
+            else:
+                optimizer = sharded
+        self.optimizer = optimizer
+
+    @property
+    def sharded_optimizer(self) -> ShardedOptimizer | None:
+        """The ZeRO-1 optimizer (``None`` without ZeRO)."""
+        opt = self.optimizer
+        inner = opt.stepper if isinstance(opt, MixedPrecisionOptimizer) else opt
+        return inner if isinstance(inner, ShardedOptimizer) else None
+
+    def _stage_members(self, topology: Topology) -> list[int]:
+        return sorted(w.pipeline for w in topology.stage_peers(self.stage_id))
+
+    def _bind_zero(self) -> None:
+        sharded = self.sharded_optimizer
+        if sharded is None or not self.alive:  # a worker simulated failed never steps
+            return
+        sharded.bind(me=self.me.pipeline, members=self._stage_members(self.generation.topology),
+                     group=lambda: self.executor.groups.stage if self.executor.groups is not None else None)
+
+    def _on_membership(self, record, plan, previous: Topology | None, generation, *, joining: bool) -> None:
+        """ZeRO-1 after a membership change: the dead replicas' shards come back from the snapshot
+        tier (a collective over every survivor), then each changed stage re-shards over its new
+        replicas (a collective over the stage). Without a shard anywhere: a restart from the
+        in-memory snapshots (every rank restores its own newest common version)."""
+        sharded = self.sharded_optimizer
+        if sharded is None:
+            return
+        new = generation.topology
+        dead: list[int] = []
+        if previous is not None:
+            alive_now = {new.rank(w) for w in new.alive_workers()}
+            dead = sorted({previous.rank(w) for w in previous.alive_workers()} - alive_now)
+        extra = self._fetch_shards(dead, plan.resume_step, generation) if dead else []
+        if extra is None:
+            stages = sorted({self.topology.coord(d)[0].stage for d in dead})
+            self.recovery._beyond_tolerance(record, replace(plan, action="restart", lost_stages=tuple(stages)))
+        members = self._stage_members(new)
+        if tuple(members) == sharded.members and not sharded.stale and not extra:
+            return
+        started = time.perf_counter()
+        moved = sharded.reshard(members, generation.groups.stage, extra)
+        if self.tier.memory is not None:
+            self.tier.memory.forget_captures()  # the held versions are of the old partition
+        self.recovery_log.append({"kind": "zero_reshard", "epoch": record.epoch, "resume_step": self.global_steps,
+                                  "from_snapshots": [d for d in dead if self.topology.coord(d)[0].stage == self.stage_id],
+                                  "seconds": time.perf_counter() - started, **moved})
+
+    def _fetch_shards(self, dead: list[int], step: int, generation) -> list[dict[str, Any]] | None:
+        """The optimizer shards of step ``step`` of the ``dead`` ranks of this stage, from the
+        snapshot tier: collective over every survivor. Returns the shards this rank brings to its
+        stage's re-shard (it is the stage's lowest surviving rank), or ``None`` when some dead
+        rank's version ``step`` is held nowhere (every survivor gets ``None``)."""
+        mem = self.tier.memory
+        new = generation.topology
+        world = generation.groups.world
+        held = [d for d in dead if mem is not None and mem.holds(d, step)]
+        gathered = world.all_gather_json(held)
+        holders = {d: [world.ranks[i] for i, h in enumerate(gathered) if d in h] for d in dead}
+        if any(not hs for hs in holders.values()):
+            return None
+        extra = []
+        for d in dead:  # every survivor walks the same list: the transfers pair up in order
+            stage = self.topology.coord(d)[0].stage
+            assembler = min(new.rank(w) for w in new.stage_peers(stage))
+            holder = assembler if assembler in holders[d] else holders[d][0]
+            tree = None
+            if self.rank == assembler and holder == assembler:
+                tree = mem.load_peer(d, step)
+            elif self.rank == holder:
+                mem.send_peer(d, assembler, step, world)
+            elif self.rank == assembler:
+                tree = mem.receive_peer(d, holder, step, world)
+                if tree is None:
+                    raise ResilienceError(f"rank {self.rank}: rank {d}'s snapshot of step {step} from rank {holder} "
+                                          f"failed its checks; its ZeRO-1 shard cannot be rebuilt")
+            if tree is not None:
+                opt = tree["optimizer"]
+                extra.append(opt["optimizer"] if isinstance(self.optimizer, MixedPrecisionOptimizer) else opt)
+        return extra
 
     def _validator(self) -> StepValidator | None:
         """Clipping and fp16 overflow agreed without a barrier (``runtime/validation.py``)."""
@@ -205,7 +304,11 @@ class ResilientPipelineEngine(PipelineEngine):
         return StepValidator(clip=clip, check_overflow=fp16, num_stages=self.num_stages,
                              key=lambda iteration, stage: f"dsr/{self.session}/val/{iteration}/{stage}",
                              publish=lambda key, value: self._store().set(key, value), wait=wait,
-                             delete=lambda key: self._store().delete_key(key))
+                             delete=lambda key: self._store().delete_key(key), peek=self._peek_store)
+
+    def _peek_store(self, key: str) -> bytes | None:
+        store = self._store()
+        return store.get(key) if store.check([key]) else None
 
     def _schedule_provider(self, base_dir: Path | None) -> ScheduleProvider:
         cfg = self.resilience
@@ -286,9 +389,15 @@ class ResilientPipelineEngine(PipelineEngine):
         # ZeRO-0: the data-parallel replicas of a stage hold identical states, so any of them
         # restores the others (a stage stays covered while one of its snapshots survives)
         world = self.launch.world_size
+        # ZeRO-1: every rank restores its own shard, then the stage re-shards from what they hold
         stage_of = ({r: self.topology.coord(r)[0].stage for r in range(world)}
                     if self.zero_optimization_stage() == 0 else None)
         self.recovery_log.append(self.tier.restore(stage_of))
+        sharded = self.sharded_optimizer
+        if sharded is not None and sharded.stale:
+            moved = sharded.reshard(self._stage_members(self.generation.topology), self.generation.groups.stage)
+            self.tier.memory.forget_captures()
+            self.recovery_log.append({"kind": "zero_reshard", "epoch": 0, "resume_step": self.global_steps, **moved})
 
     # --- what the rest of the code reads ----------------------------------------------------------------
     @property
@@ -435,13 +544,37 @@ class ResilientPipelineEngine(PipelineEngine):
         if not save_dir:
             raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
         self._resilient(self.executor.resolve)
-        if not self._world_unsafe():
-            return super().save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
-                                           exclude_frozen_parameters=exclude_frozen_parameters)
-        if not self.alive:
-            return True  # a worker left idle holds no state worth saving
-        return self._resilient(lambda: save_on_survivors(self, save_dir, tag, client_state, save_latest,
-                                                         exclude_frozen_parameters))
+        sharded = self.sharded_optimizer
+        if sharded is not None and self.alive:  # ZeRO-1: the files hold the stage's whole optimizer state
+            sharded.saving = self._resilient(lambda: sharded.consolidated_state_dict(self.executor.groups.stage))
+        try:
+            if not self._world_unsafe():
+                return super().save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
+                                               exclude_frozen_parameters=exclude_frozen_parameters)
+            if not self.alive:
+                return True  # a worker left idle holds no state worth saving
+            return self._resilient(lambda: save_on_survivors(self, save_dir, tag, client_state, save_latest,
+                                                             exclude_frozen_parameters))
+        finally:
+            if sharded is not None:
+                sharded.saving = None
+
+    def _reshard_loaded(self) -> None:
+        """ZeRO-1 after a checkpoint load: every replica read the whole state; keep its own range."""
+        sharded = self.sharded_optimizer
+        if sharded is None or not self.alive or not sharded.stale:
+            return
+        sharded.reshard(self._stage_members(self.current), self.executor.groups.stage)
+        if self.tier.memory is not None:
+            self.tier.memory.forget_captures()
+
+    def zero_optimization(self) -> bool:
+        """ZeRO-1 is ours (``runtime/zero.py``): DeepSpeed sees a plain optimizer, so its checkpoint
+        files are the ZeRO-0 layout with the stage's optimizer state consolidated into one shard,
+        loadable by a ZeRO-1 job of any data-parallel size (each replica keeps its range)."""
+        if self.zero_optimization_stage() == 1:
+            return False
+        return super().zero_optimization()
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
@@ -453,10 +586,12 @@ class ResilientPipelineEngine(PipelineEngine):
         if self.persistent_engine is not None and self.checkpoint_engine is self.persistent_engine:
             self.persistent_engine.flush()  # this job's own saves are complete and `latest` is current
         if not self._world_unsafe():
-            return super().load_checkpoint(load_dir, tag=tag, load_module_strict=load_module_strict,
-                                           load_optimizer_states=load_optimizer_states,
-                                           load_lr_scheduler_states=load_lr_scheduler_states,
-                                           load_module_only=load_module_only, custom_load_fn=custom_load_fn)
+            result = super().load_checkpoint(load_dir, tag=tag, load_module_strict=load_module_strict,
+                                             load_optimizer_states=load_optimizer_states,
+                                             load_lr_scheduler_states=load_lr_scheduler_states,
+                                             load_module_only=load_module_only, custom_load_fn=custom_load_fn)
+            self._reshard_loaded()
+            return result
         if not self.alive:
             return None, None
         sync = self.module._synchronize_tied_weights
@@ -468,6 +603,7 @@ class ResilientPipelineEngine(PipelineEngine):
                                              load_module_only=load_module_only, custom_load_fn=custom_load_fn)
         finally:
             self.module._synchronize_tied_weights = sync
+        self._reshard_loaded()
         self._survivor_barrier()
         return result
 

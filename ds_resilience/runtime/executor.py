@@ -543,7 +543,7 @@ class Executor:
         sq = sum(float(g.double().pow(2).sum()) for g in self._grads(self.counted))
         overflow = self.precision.overflow() if self.precision is not None else False
         v.publish(self.iteration, self.stage, sq, overflow)
-        if v.should_speculate(sq, overflow):
+        if v.should_speculate(sq, overflow, self.iteration):
             self.hooks.before_step()
             self.step_fn(zero_grad=False)  # the gradients stay until the step is validated
             self.pending = self.iteration

@@ -97,6 +97,7 @@ class MixedPrecisionOptimizer:
                                   f"parameters; mixed precision needs the optimizer built over the stage's parameters")
             group["params"] = [master_of[id(p)] for p in group["params"]]
         optimizer.state.clear()
+        self.stepper: Any = optimizer  # what steps and holds the state: the optimizer, or its ZeRO-1 shard
         self.scaler = scaler
         self.master_of = master_of
         self.skipped_steps = 0
@@ -144,8 +145,13 @@ class MixedPrecisionOptimizer:
         """Whether any master gradient is inf or nan (fp16's overflow test)."""
         return any(m.grad is not None and not bool(torch.isfinite(m.grad).all()) for m in self.masters)
 
+    def shard(self, sharded: Any) -> None:
+        """Step through ``sharded`` (``runtime.zero.ShardedOptimizer`` over this optimizer's masters);
+        ``optimizer`` stays the torch optimizer the LR scheduler drives."""
+        self.stepper = sharded
+
     def step(self, closure=None) -> None:
-        self.optimizer.step()
+        self.stepper.step()
         with torch.no_grad():
             for p, m in zip(self.lp_params, self.masters):
                 p.copy_(m.to(p.dtype))
@@ -156,11 +162,12 @@ class MixedPrecisionOptimizer:
 
     # --- state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(), "masters": [m.detach() for m in self.masters],
+        return {"optimizer": self.stepper.state_dict(), "masters": [m.detach() for m in self.masters],
                 "scaler": asdict(self.scaler) if self.scaler is not None else None, "skipped_steps": self.skipped_steps}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+    def load_state_dict(self, state: dict[str, Any], load_optimizer_states: bool = True) -> None:
+        """``load_optimizer_states``: DeepSpeed's keyword (it calls this only to load them)."""
+        self.stepper.load_state_dict(state["optimizer"])
         with torch.no_grad():
             for m, saved in zip(self.masters, state["masters"]):
                 m.copy_(saved)

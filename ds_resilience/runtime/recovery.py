@@ -106,16 +106,22 @@ class LiveRecovery:
         session: names the process groups; ``timeout_s`` bounds their operations.
         grace_s: how long an in-band error may wait for the agent's epoch before it is a real error.
         adopt: installs a new :class:`Generation` in the engine.
-        export: ``export(directory, step)`` writes this stage in the engine's own checkpoint layout
-            (when the job stops beyond tolerance without a restart).
+        export: ``export(directory, step, writer=True)`` writes this stage in the engine's own
+            checkpoint layout (when the job stops beyond tolerance without a restart); the other
+            replicas of the stage call it with ``writer=False`` (their ZeRO-1 optimizer shards).
         persistent_dir: where that export goes (default ``./checkpoints``).
         fault_hook: ``fault_hook(point, step)`` at ``in_recovery`` and ``in_rejoin`` (tests).
+        on_membership: ``on_membership(record, plan, previous, generation, joining=...)`` after the
+            new groups are installed and the handovers done: state that depends on the membership
+            (ZeRO-1's optimizer shards) moves here. ``previous`` is the topology before the epoch
+            (``None`` for a re-joining worker).
     """
 
     def __init__(self, *, topology: Topology, me: Worker, coordinator: Coordinator, executor: Executor,
                  tier: CheckpointTier, provider: ScheduleProvider, session: str, timeout_s: float, grace_s: float,
                  adopt: Callable[[Generation], None], export: Callable[[str, int], None],
-                 persistent_dir: str | None, fault_hook: Callable[[str, int], None] | None = None) -> None:
+                 persistent_dir: str | None, fault_hook: Callable[[str, int], None] | None = None,
+                 on_membership: Callable[..., None] | None = None) -> None:
         self.topology, self.me = topology, me
         self.rank = topology.rank(me)
         self.coordinator = coordinator
@@ -129,6 +135,8 @@ class LiveRecovery:
         self.export = export
         self.persistent_dir = persistent_dir
         self.fault_hook = fault_hook or (lambda point, step: None)
+        self.on_membership = on_membership
+        self.current: Topology = topology  # the membership applied last
         self.log: list[dict[str, Any]] = []
 
     # --- the generation for a set of failed workers -------------------------------------------------
@@ -193,6 +201,9 @@ class LiveRecovery:
         if self.rank in plan.rollbacks:
             self.tier.rollback(plan.resume_step)
             self.executor.forget_pending()  # the speculative step, if any, is undone with it
+        if self.executor.validator is not None and plan.action == "continue":
+            # the replayed iterations' gradient norms are published again (before the arrival barrier)
+            self.executor.validator.forget_from(plan.resume_step, self.me.stage)
         if plan.action != "continue":
             self._beyond_tolerance(record, plan)
         failed = frozenset(self.topology.coord(r)[0] for r in plan.failed)
@@ -203,6 +214,9 @@ class LiveRecovery:
             if donor == self.rank:
                 self.fault_hook("in_rejoin", plan.resume_step)
                 send_state(generation.groups.world, joiner, self.tier.state(), timeout_s=self.timeout_s)
+        if self.on_membership is not None:
+            self.on_membership(record, plan, self.current, generation, joining=False)
+        self.current = generation.topology
         self.coordinator.mark_applied(record)
         self.log.append({
             "epoch": record.epoch,
@@ -240,6 +254,9 @@ class LiveRecovery:
         self.adopt(generation)
         state = recv_state(generation.groups.world, donor, timeout_s=self.timeout_s)
         apply(state, self.tier.host, stage=self.me.stage)
+        if self.on_membership is not None:
+            self.on_membership(record, plan, None, generation, joining=True)
+        self.current = generation.topology
         self.coordinator.mark_applied(record)
         self.log.append({"epoch": record.epoch, "kind": "joined", "resume_step": state.steps, "donor": donor,
                          "schedule_source": generation.source, "lookup_s": generation.lookup_s,
@@ -268,6 +285,8 @@ class LiveRecovery:
         if writers.get(self.me.stage) == self.me:
             self.export(ckpt_dir, step)
             store.set(f"dsr/saved/{record.epoch}/{self.me.stage}", "1")
+        elif self.me.stage not in lost:
+            self.export(ckpt_dir, step, writer=False)  # ZeRO-1: every replica's optimizer shard
         if self.me == min(target.alive_workers()):
             for s in writers:
                 self.coordinator.wait_key(f"dsr/saved/{record.epoch}/{s}")
@@ -278,7 +297,8 @@ class LiveRecovery:
                 "reason": record.reason or f"stage {lost} lost every replica",
                 "dp": self.topology.dp,
                 "pp": self.topology.pp,
-                "format": "deepspeed layer files (layer_XX-model_states.pt) + stageN-optim_states.pt",
+                "format": "deepspeed layer files (layer_XX-model_states.pt) + stageN-optim_states.pt (ZeRO-1: "
+                          "stageN-pipelineP-optim_states.pt, each replica's shard)",
             }
             Path(ckpt_dir).mkdir(parents=True, exist_ok=True)
             tmp = Path(ckpt_dir) / "manifest.json.tmp"

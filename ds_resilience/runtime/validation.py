@@ -65,16 +65,18 @@ class StepValidator:
         wait: ``wait(key) -> bytes`` blocks (bounded) until a key is set.
         delete: ``delete(key)`` drops a key no one reads any more (a stage's value of three
             iterations ago: every stage has validated it).
+        peek: ``peek(key) -> bytes | None`` reads a key without waiting (``None``: not set).
     """
 
     def __init__(self, *, clip: float, check_overflow: bool, num_stages: int, key: Callable[[int, int], str],
                  publish: Callable[[str, str], None], wait: Callable[[str], bytes],
-                 delete: Callable[[str], None] | None = None) -> None:
+                 delete: Callable[[str], None] | None = None, peek: Callable[[str], bytes | None] | None = None) -> None:
         self.clip = clip
         self.check_overflow = check_overflow
         self.num_stages = num_stages
-        self.key, self._publish, self._wait, self._delete = key, publish, wait, delete
+        self.key, self._publish, self._wait, self._delete, self._peek = key, publish, wait, delete, peek
         self.last: Decision | None = None
+        self.last_iteration: int | None = None  # the iteration ``last`` decided
         self.speculated = 0
         self.rollbacks = 0
         self.waited = 0
@@ -92,27 +94,66 @@ class StepValidator:
         if self._delete is not None and iteration >= 3:
             self._delete(self.key(iteration - 3, stage))
 
-    def should_speculate(self, own_sq_norm: float, own_overflow: bool) -> bool:
-        """Speculate when the last step needed neither clipping nor a skip and this stage's own
-        share cannot already decide against it."""
+    def should_speculate(self, own_sq_norm: float, own_overflow: bool, iteration: int | None = None) -> bool:
+        """Speculate when the previous step needed neither clipping nor a skip and this stage's own
+        share cannot already decide against it.
+
+        With ``iteration``, "the previous step" is iteration ``iteration - 1``'s decision, read from
+        the store when this worker did not decide it itself (it re-joined, or a recovery moved it):
+        every replica of a stage then makes the same choice, which ZeRO-1 needs (a speculative
+        step that is rolled back gathers the shards twice)."""
         if own_overflow and self.check_overflow:
             return False
         if self.clip > 0 and own_sq_norm > self.clip ** 2:
             return False
+        if iteration is not None and iteration >= 1 and self.last_iteration != iteration - 1:
+            previous = self._published(iteration - 1)
+            if previous is not None:
+                self.last, self.last_iteration = previous, iteration - 1
+            elif self.last_iteration is not None:
+                self.decide(iteration - 1)
+            else:  # a fresh process and a fresh store (a restart): every worker alike, no history
+                self.last = None
         return self.last is None or self.last.speculation_holds
+
+    def _published(self, iteration: int) -> Decision | None:
+        """``iteration``'s decision if every stage's value is in the store now, else ``None``."""
+        if self._peek is None:
+            return None
+        values = []
+        for s in range(self.num_stages):
+            raw = self._peek(self.key(iteration, s))
+            if raw is None:
+                return None
+            values.append(json.loads(raw))
+        return self._combine(values)
+
+    def forget_from(self, iteration: int, stage: int, span: int = 3) -> None:
+        """Drop ``stage``'s values of iterations ``iteration`` .. ``iteration + span - 1``: a recovery
+        replays them, and a value published before it (another schedule, other rounding) must
+        not be read for the replay. Called by every survivor of the stage before the new
+        generation's arrival barrier, so no replayed value is published yet."""
+        if self._delete is None:
+            return
+        for i in range(iteration, iteration + span):
+            self._delete(self.key(i, stage))
 
     def decide(self, iteration: int, stages: Sequence[int] | None = None) -> Decision:
         """Every stage's value of ``iteration`` (waiting for the missing ones) -> the exact step."""
+        values = [json.loads(self._wait(self.key(iteration, s)))
+                  for s in (range(self.num_stages) if stages is None else stages)]
+        decision = self._combine(values)
+        self.last, self.last_iteration = decision, iteration
+        return decision
+
+    def _combine(self, values: Sequence[dict]) -> Decision:
         total, overflow = 0.0, False
-        for s in range(self.num_stages) if stages is None else stages:
-            value = json.loads(self._wait(self.key(iteration, s)))
+        for value in values:
             overflow = overflow or bool(value["overflow"])
             total += float(value["sq"]) if value["sq"] is not None else math.inf
         overflow = self.check_overflow and (overflow or not math.isfinite(total))
         norm = math.sqrt(total) if math.isfinite(total) else math.inf
-        decision = Decision(norm=norm, overflow=overflow, coef=clip_coefficient(norm, self.clip))
-        self.last = decision
-        return decision
+        return Decision(norm=norm, overflow=overflow, coef=clip_coefficient(norm, self.clip))
 
     def record(self, iteration: int, what: str) -> None:
         if what == "speculated":
