@@ -66,7 +66,7 @@ DP = 2
 SCENARIOS = ("single", "in_recovery", "in_snapshot", "in_rejoin", "two_stages")
 CAMPAIGN_KINDS = ("sigkill", "hang")
 RTOL, ATOL = 1e-5, 1e-6
-REJOIN_PACE_S = 2.0  # a relaunched worker needs ~10-15 s on the shared 2-core machine to start
+REJOIN_PACE_S = 3.5  # a relaunched worker needs 10-20 s to start on the shared 2-core machine
 
 
 def stage_of(rank: int) -> int:
