@@ -171,3 +171,26 @@ def gated_replication(rank: int, world: int, cfg_dict: dict, job: str) -> dict:
     dist.barrier()
     dist.destroy_process_group()
     return out
+
+
+def fetch_peer(rank: int, world: int, cfg_dict: dict, job: str, owner: int, holder: int, to: int, step: int) -> dict:
+    """``to`` fetches ``owner``'s version ``step`` from ``holder``'s machine (a ZeRO-1 dead shard)."""
+    from ds_resilience.comm.groups import world_group
+
+    _init(rank, world)
+    cfg = CheckpointConfig.from_dict(cfg_dict)
+    ck = InMemoryCheckpointer(cfg, rank=rank, world=world, job_id=job, local_world_size=1, name=f"{job}/a1",
+                              replicate=False)
+    group = world_group(60.0)
+    out = {"holds": ck.holds(owner, step)}
+    if rank == holder:
+        ck.send_peer(owner, to, step, group)
+    elif rank == to:
+        tree = ck.receive_peer(owner, holder, step, group)
+        out["params"] = [p.clone() for p in tree["params"]]
+        out["steps"] = tree["steps"]
+        out["now_holds"] = ck.holds(owner, step)
+    ck.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    return out

@@ -344,21 +344,7 @@ class InMemoryCheckpointer:
     def receive_peer(self, owner: int, holder: int, step: int, group: Group) -> Any | None:
         """Receive ``owner``'s version ``step`` from ``holder`` into this machine's host memory and
         load it; ``None`` when the holder's copy was missing or failed its checksum."""
-        message = recv_header(group, holder, tag=_XFER_TAG)
-        if message.kind == "missing":
-            return None
-        layout = message.fields.get("layout")
-        if message.fields.get("step") != step or not isinstance(layout, str):
-            raise CheckpointError(f"rank {self.rank}: snapshot message from rank {holder} is not step {step}'s")
-
-        def fill(buf: torch.Tensor) -> None:
-            recv_payload(group, message, buf, tag=_XFER_TAG, verify=False)  # the store verifies
-
-        try:
-            self.store.receive(owner_name(owner), step, message.nbytes, layout.encode("utf-8"), message.checksum or 0,
-                               fill)
-        except CheckpointError as exc:
-            logger.warning("rank %d: snapshot of rank %d from rank %d rejected: %s", self.rank, owner, holder, exc)
+        if not self._receive(owner_name(owner), holder, step, group):
             return None
         return self.store.load(owner_name(owner), step)
 
@@ -383,19 +369,23 @@ class InMemoryCheckpointer:
 
     def _recv_snapshot(self, holder: int, step: int, group: Group) -> bool:
         """Receive this rank's snapshot from ``holder``; ``False`` if it was missing or corrupt."""
+        return self._receive(self.owner, holder, step, group)
+
+    def _receive(self, owner: str, holder: int, step: int, group: Group) -> bool:
+        """Receive ``owner``'s version ``step`` from ``holder`` into this machine's store."""
         message = recv_header(group, holder, tag=_XFER_TAG)
         if message.kind == "missing":
             return False
         layout = message.fields.get("layout")
         if message.fields.get("step") != step or not isinstance(layout, str):
-            raise CheckpointError(f"rank {self.rank}: restore message from rank {holder} is not step {step}'s snapshot")
+            raise CheckpointError(f"rank {self.rank}: snapshot message from rank {holder} is not step {step}'s snapshot")
 
         def fill(buf: torch.Tensor) -> None:
             recv_payload(group, message, buf, tag=_XFER_TAG, verify=False)  # the store verifies
 
         try:
-            self.store.receive(self.owner, step, message.nbytes, layout.encode("utf-8"), message.checksum or 0, fill)
+            self.store.receive(owner, step, message.nbytes, layout.encode("utf-8"), message.checksum or 0, fill)
         except CheckpointError as exc:  # every byte was received first: the protocol stays in step
-            logger.warning("rank %d: snapshot from rank %d rejected: %s", self.rank, holder, exc)
+            logger.warning("rank %d: snapshot %s from rank %d rejected: %s", self.rank, owner, holder, exc)
             return False
         return True

@@ -102,6 +102,10 @@ class ResilientPipelineEngine(PipelineEngine):
         if live and failed:
             raise ConfigError("resilience.simulate_failed", "simulated failures and the live agent do not mix")
         self.alive = self.me not in failed
+        if live and self.zero_optimization_stage() == 1 and not resilience.checkpoint.enabled:
+            raise ConfigError("resilience.checkpoint.enabled", "false with zero_optimization.stage 1 under the agent: "
+                              "a dead replica's optimizer shard comes back from the in-memory snapshots; enable "
+                              "them, or use stage 0")
         self.iteration_log: list[dict[str, Any]] = []
         self.recovery_log: list[dict[str, Any]] = []
         self._idle_iteration = 0
