@@ -173,8 +173,9 @@ def gated_replication(rank: int, world: int, cfg_dict: dict, job: str) -> dict:
     return out
 
 
-def fetch_peer(rank: int, world: int, cfg_dict: dict, job: str, owner: int, holder: int, to: int, step: int) -> dict:
-    """``to`` fetches ``owner``'s version ``step`` from ``holder``'s machine (a ZeRO-1 dead shard)."""
+def fetch_peer(rank: int, world: int, cfg_dict: dict, job: str, owner: int, to: int, step: int) -> dict:
+    """Every rank joins ``fetch_versions``: ``to`` gets ``owner``'s version ``step`` from a holder."""
+    from ds_resilience.checkpoint.fetch import fetch_versions
     from ds_resilience.comm.groups import world_group
 
     _init(rank, world)
@@ -183,13 +184,13 @@ def fetch_peer(rank: int, world: int, cfg_dict: dict, job: str, owner: int, hold
                               replicate=False)
     group = world_group(60.0)
     out = {"holds": ck.holds(owner, step)}
-    if rank == holder:
-        ck.send_peer(owner, to, step, group)
-    elif rank == to:
-        tree = ck.receive_peer(owner, holder, step, group)
-        out["params"] = [p.clone() for p in tree["params"]]
-        out["steps"] = tree["steps"]
+    trees = fetch_versions(ck, [owner], step, group, receiver_of=lambda o: to)
+    out["received"] = sorted(trees)
+    if owner in trees:
+        out["params"] = [p.clone() for p in trees[owner]["params"]]
+        out["steps"] = trees[owner]["steps"]
         out["now_holds"] = ck.holds(owner, step)
+    out["missing"] = fetch_versions(ck, [owner], step + 10, group, receiver_of=lambda o: to)
     ck.close()
     dist.barrier()
     dist.destroy_process_group()

@@ -267,11 +267,14 @@ def test_machine_key_groups_machines_across_stages(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_a_dead_ranks_snapshot_is_fetched_from_the_machine_that_holds_its_replica(tmp_path):
-    """ZeRO-1's dead shard: rank 2's machine lacks rank 1's snapshot; rank 0's machine holds its
-    replica and sends it; rank 2 receives it verified into its own machine's memory."""
+    """ZeRO-1's dead shard (``fetch_versions``): rank 2's machine lacks rank 1's snapshot; rank 0's
+    machine holds its replica and sends it; rank 2 receives it verified into its own machine's
+    memory. A version nobody holds is ``None`` on every rank."""
     cfg, job = _cfg(tmp_path), _job()
     trained = _train(tmp_path, 4, cfg, job)
-    out = run_workers(prog.fetch_peer, 4, args=(cfg, job, 1, 0, 2, STEPS), timeout_s=120)
+    out = run_workers(prog.fetch_peer, 4, args=(cfg, job, 1, 2, STEPS), timeout_s=120)
     assert [r["holds"] for r in out] == [True, True, False, False]
+    assert [r["received"] for r in out] == [[], [], [1], []]
     assert out[2]["steps"] == STEPS and out[2]["now_holds"]
+    assert all(r["missing"] is None for r in out)
     assert all(torch.equal(a, b) for a, b in zip(out[2]["params"], trained[1]["digest"]["params"]))

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
+from ..checkpoint.fetch import fetch_versions
 from ..checkpoint.inmemory import InMemoryCheckpointer
 from ..checkpoint.tier import CheckpointTier
 from ..comm.groups import build_groups, world_group
@@ -228,10 +229,11 @@ class ResilientPipelineEngine(PipelineEngine):
                      group=lambda: self.executor.groups.stage if self.executor.groups is not None else None)
 
     def _on_membership(self, record, plan, previous: Topology | None, generation, *, joining: bool) -> None:
-        """ZeRO-1 after a membership change: the dead replicas' shards come back from the snapshot
-        tier (a collective over every survivor), then each changed stage re-shards over its new
-        replicas (a collective over the stage). Without a shard anywhere: a restart from the
-        in-memory snapshots (every rank restores its own newest common version)."""
+        """ZeRO-1 after a membership change: the dead replicas' shards of the resume step come back
+        from the snapshot tier to their stage's lowest survivor (``checkpoint/fetch.py``, a
+        collective over every survivor), then each changed stage re-shards over its new replicas
+        (a collective over the stage). A shard held nowhere: a restart from the in-memory snapshots
+        (every rank restores its own newest common version)."""
         sharded = self.sharded_optimizer
         if sharded is None:
             return
@@ -240,10 +242,16 @@ class ResilientPipelineEngine(PipelineEngine):
         if previous is not None:
             alive_now = {new.rank(w) for w in new.alive_workers()}
             dead = sorted({previous.rank(w) for w in previous.alive_workers()} - alive_now)
-        extra = self._fetch_shards(dead, plan.resume_step, generation) if dead else []
-        if extra is None:
+        trees: dict[int, Any] | None = {}
+        if dead:
+            trees = fetch_versions(self.tier.memory, dead, plan.resume_step, generation.groups.world,
+                                   receiver_of=lambda d: min(new.rank(w) for w in new.stage_peers(
+                                       self.topology.coord(d)[0].stage)))
+        if trees is None:
             stages = sorted({self.topology.coord(d)[0].stage for d in dead})
             self.recovery._beyond_tolerance(record, replace(plan, action="restart", lost_stages=tuple(stages)))
+        mixed = isinstance(self.optimizer, MixedPrecisionOptimizer)
+        extra = [t["optimizer"]["optimizer"] if mixed else t["optimizer"] for t in trees.values()]
         members = self._stage_members(new)
         if tuple(members) == sharded.members and not sharded.stale and not extra:
             return
@@ -254,39 +262,6 @@ class ResilientPipelineEngine(PipelineEngine):
         self.recovery_log.append({"kind": "zero_reshard", "epoch": record.epoch, "resume_step": self.global_steps,
                                   "from_snapshots": [d for d in dead if self.topology.coord(d)[0].stage == self.stage_id],
                                   "seconds": time.perf_counter() - started, **moved})
-
-    def _fetch_shards(self, dead: list[int], step: int, generation) -> list[dict[str, Any]] | None:
-        """The optimizer shards of step ``step`` of the ``dead`` ranks of this stage, from the
-        snapshot tier: collective over every survivor. Returns the shards this rank brings to its
-        stage's re-shard (it is the stage's lowest surviving rank), or ``None`` when some dead
-        rank's version ``step`` is held nowhere (every survivor gets ``None``)."""
-        mem = self.tier.memory
-        new = generation.topology
-        world = generation.groups.world
-        held = [d for d in dead if mem is not None and mem.holds(d, step)]
-        gathered = world.all_gather_json(held)
-        holders = {d: [world.ranks[i] for i, h in enumerate(gathered) if d in h] for d in dead}
-        if any(not hs for hs in holders.values()):
-            return None
-        extra = []
-        for d in dead:  # every survivor walks the same list: the transfers pair up in order
-            stage = self.topology.coord(d)[0].stage
-            assembler = min(new.rank(w) for w in new.stage_peers(stage))
-            holder = assembler if assembler in holders[d] else holders[d][0]
-            tree = None
-            if self.rank == assembler and holder == assembler:
-                tree = mem.load_peer(d, step)
-            elif self.rank == holder:
-                mem.send_peer(d, assembler, step, world)
-            elif self.rank == assembler:
-                tree = mem.receive_peer(d, holder, step, world)
-                if tree is None:
-                    raise ResilienceError(f"rank {self.rank}: rank {d}'s snapshot of step {step} from rank {holder} "
-                                          f"failed its checks; its ZeRO-1 shard cannot be rebuilt")
-            if tree is not None:
-                opt = tree["optimizer"]
-                extra.append(opt["optimizer"] if isinstance(self.optimizer, MixedPrecisionOptimizer) else opt)
-        return extra
 
     def _validator(self) -> StepValidator | None:
         """Clipping and fp16 overflow agreed without a barrier (``runtime/validation.py``)."""
