@@ -346,6 +346,30 @@ def test_relaunches_that_die_before_rejoining_are_retried_then_given_up(tmp_path
     assert [e.kind for e in agent.events if e.rank == 1] == ["crash", "relaunch", "exit", "relaunch", "exit", "giveup"]
 
 
+@pytest.mark.timeout(60)
+def test_a_relaunch_due_after_training_ended_is_dropped(tmp_path):
+    """Rank 0 finishes its 6 steps before rank 1's relaunch is due: the relaunch is dropped, the
+    job exits 0 (a late joiner would wait for a donor that has left)."""
+    agent, code, logs = run_agent(tmp_path, 2, [fault(1, 1, "before_forward", "sigkill")], args=("--steps", "6"),
+                                  rejoin_after_s=5.0)
+    assert code == 0, worker_output(tmp_path)
+    assert [e.kind for e in agent.events if e.rank == 1] == ["crash", "cancel"]
+    assert "rank1.1" not in logs and first(logs["rank0.0"], "done")["steps"] == 6
+
+
+@pytest.mark.timeout(60)
+def test_a_relaunched_worker_still_starting_when_training_ends_is_stopped(tmp_path):
+    """The relaunch happens, but rank 0 finishes while the new rank 1 is still starting (it never
+    registers): it is stopped, not retried, and the job exits 0."""
+    agent, code, logs = run_agent(tmp_path, 2, [fault(1, 1, "before_forward", "sigkill")],
+                                  args=("--steps", "20", "--step_s", "0.1"), rejoin_after_s=0.1,
+                                  extra_env={"DSR_TEST_START_DELAY_IF_REJOIN": "30"})
+    assert code == 0, worker_output(tmp_path)
+    assert [e.kind for e in agent.events if e.rank == 1] == ["crash", "relaunch", "cancel"]
+    assert [r.kind for r in agent.epochs] == ["start", "crash"]
+    assert first(logs["rank0.0"], "done")["steps"] == 20
+
+
 # --- the CLI and the agent's own death -----------------------------------------------------------
 def _free_port() -> int:
     with socket.socket() as s:

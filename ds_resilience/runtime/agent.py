@@ -65,7 +65,7 @@ class AgentEvent:
     from the relaunch to the registration."""
 
     time: float  # time.time()
-    kind: str  # start | crash | hang | stop | relaunch | rejoin | exit | killed | giveup
+    kind: str  # start | crash | hang | stop | relaunch | rejoin | exit | killed | giveup | cancel
     rank: int | None = None
     epoch: int | None = None
     latency_s: float | None = None
@@ -177,6 +177,7 @@ class Agent:
         self._failed: set[int] = set()
         self._rejoin_due: dict[int, float] = {}  # rank -> monotonic time of its relaunch
         self._join_attempts: dict[int, int] = {}  # rank -> relaunches that died before re-joining
+        self._finished = False  # a member exited 0: training is over, nobody re-joins any more
         self._t0 = time.time()
 
     # --- public ---------------------------------------------------------------------------------
@@ -232,6 +233,7 @@ class Agent:
         self._rejoin_due.clear()
         self._join_attempts.clear()
         self._restart_pending = False
+        self._finished = False
         self.exit_code, self.message = None, ""
         self._start_attempt()
 
@@ -318,8 +320,11 @@ class Agent:
                 continue
             self._close(w)
             if code == 0:
+                member = w.state == "running"
                 w.state = "done"
                 self._event("exit", w.rank, detail="exit code 0")
+                if member and not stopping:
+                    self._training_over(w.rank)
             elif w.state == "joining" or stopping:
                 self._event("exit", w.rank, detail=f"{w.state} worker {_signal_text(code)}")
                 if w.state == "joining" and not stopping:
@@ -362,8 +367,32 @@ class Agent:
             failures.append(_Failure(w.rank, "hang", reason, now - silence))
         return failures
 
+    def _training_over(self, rank: int) -> None:
+        """A member finished training: relaunches still due are dropped and relaunched workers
+        that have not registered yet are stopped (there is no step left for them to join; they
+        would wait for a donor that is leaving). Not a failure: the job still exits 0."""
+        if self._finished:
+            return
+        self._finished = True
+        for r in sorted(self._rejoin_due):
+            self._event("cancel", r, detail=f"relaunch dropped: rank {rank} finished training")
+        self._rejoin_due.clear()
+        for w in self._workers.values():
+            if w.state == "joining":
+                w.proc.kill()
+                try:
+                    w.proc.wait(timeout=10.0)
+                except subprocess.TimeoutExpired:
+                    pass
+                self._close(w)
+                w.state = "failed"
+                self._event("cancel", w.rank, detail=f"relaunched worker stopped before it re-joined: rank {rank} "
+                                                     f"finished training")
+
     def _join_failed(self, w: _Child) -> None:
         """A relaunched worker died before it re-joined: try again, a few times."""
+        if self._finished:
+            return
         self._join_attempts[w.rank] = self._join_attempts.get(w.rank, 0) + 1
         if self._join_attempts[w.rank] < self.max_join_attempts:
             self._rejoin_due[w.rank] = time.monotonic() + (self.rejoin_after_s or 0.0)
@@ -390,7 +419,7 @@ class Agent:
             return time.monotonic() + grace
         kind = "crash" if any(f.kind == "crash" for f in failures) else "hang"
         self._record_failures(failures, self._publish(kind, reason))
-        if self.rejoin_after_s is not None:
+        if self.rejoin_after_s is not None and not self._finished:
             for f in failures:
                 self._rejoin_due[f.rank] = self._workers[f.rank].failed_at + self.rejoin_after_s
         return None

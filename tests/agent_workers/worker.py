@@ -8,7 +8,8 @@ goes as one JSON line to ``$DSR_TEST_OUT/rank{r}.{incarnation}.jsonl``.
 On a stop epoch it writes ``saved.{r}`` into ``$DSR_TEST_OUT`` (a stand-in checkpoint) and exits 0.
 With ``--until_epoch K`` it keeps stepping past ``--steps`` until it has seen epoch K.
 ``DSR_TEST_DIE_EARLY=r`` makes rank r exit with code 5 before registering;
-``DSR_TEST_DIE_IF_REJOIN=1`` makes every relaunched worker exit with code 5 at once.
+``DSR_TEST_DIE_IF_REJOIN=1`` makes every relaunched worker exit with code 5 at once;
+``DSR_TEST_START_DELAY_IF_REJOIN=S`` makes it sleep S seconds before it starts (a slow start-up).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import time
 
 if os.environ.get("DSR_TEST_DIE_IF_REJOIN") == "1" and os.environ.get("DSR_REJOIN") == "1":
     sys.exit(5)
+if os.environ.get("DSR_REJOIN") == "1":
+    time.sleep(float(os.environ.get("DSR_TEST_START_DELAY_IF_REJOIN", "0")))
 
 from ds_resilience.vocab import ITERATION_POINTS
 from ds_resilience.runtime import membership as mb
