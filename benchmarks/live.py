@@ -271,7 +271,13 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=240, help="seconds one trial may take")
     parser.add_argument("--keep", metavar="DIR", help="copy failed trials' logs here")
     parser.add_argument("--json", metavar="FILE")
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="report the trials of earlier --json files together (campaigns run side by side with "
+                             "different seeds) and run nothing; with --json, write the merged result there")
     args = parser.parse_args()
+    if args.merge:
+        merge(args)
+        return
     import test_live
 
     test_live.STEPS = args.steps
@@ -315,6 +321,24 @@ def main() -> None:
     if args.json:
         write_json(args, rows, reference, ref_times, time.perf_counter() - t0, summary)
     shutil.rmtree(tmp, ignore_errors=True)
+
+
+def merge(args) -> None:
+    """One report over several campaigns' JSON files (each keeps its own seed's trials)."""
+    runs = [json.loads(Path(f).read_text()) for f in args.merge]
+    rows, ref_times, wall = [], [], 0.0
+    for f, run in zip(args.merge, runs):
+        print(f"{f}: config {run['config']}, {run['steps']} steps, seed {run['seed']}, {run['trials']} trials, "
+              f"{run['wall_s']:.0f}s")
+        rows += [{**r, "trial": f"{run['seed']}.{r['trial']}"} for r in run["rows"]]
+        wall = max(wall, run["wall_s"])
+    # the fault-free rate of each run, as per-step times for report()
+    rate = statistics.mean(run["fault_free_samples_per_s"] for run in runs)
+    ref_times = [SAMPLES / rate]
+    summary = report(rows, ref_times, wall)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"merged": args.merge, "trials": len(rows), "summary": summary,
+                                               "rows": rows}, indent=1, default=str))
 
 
 def write_json(args, rows, reference, ref_times, wall, summary=None) -> None:
@@ -365,6 +389,17 @@ def report(rows, ref_times, wall) -> dict:
         line += ("; single-failure runs: before {before:.1f}, during (the step with the failure) {during:.1f}, "
                  "after {after:.1f} (medians)").format(**summary["samples_per_s"])
     print(line)
+    by_kind: dict[str, int] = {}
+    by_point: dict[str, int] = {}
+    for r in rows:
+        for v in r["fired"].values():  # "kind@step:point"
+            kind, point = v.split("@")[0], v.split(":")[1]
+            by_kind[kind] = by_kind.get(kind, 0) + 1
+            by_point[point] = by_point.get(point, 0) + 1
+    if by_kind:
+        order = lambda d: ", ".join(f"{k} {n}" for k, n in sorted(d.items(), key=lambda kv: (-kv[1], kv[0])))
+        print(f"  faults fired: {sum(by_kind.values())} ({order(by_kind)}); at {order(by_point)}")
+        summary["fired"] = {"by_kind": by_kind, "by_point": by_point}
     failed = [r for r in rows if not r["survived"]]
     for r in failed:
         print(f"  FAILED trial {r['trial']} ({r['scenario']}): {'; '.join(r['problems'])}")
