@@ -11,8 +11,9 @@ same processes, interleaved over several rounds so drift hits them alike:
   variant; measured iteration time against the simulator's prediction for the schedule the engine
   ran, under a cost model calibrated from that run's own action timings, and against vanilla's
   fault-free time;
-* ``--config-rows``, the DeepSpeed user's configuration: clipping 1.0 with the failure's staggered
-  optimizer, once with the barrier and once speculative (validated after the step; its parameters
+* ``--config-rows``, the DeepSpeed user's configuration: clipping 1.0 (and 100, a limit the norm
+  stays under, so speculation holds) with the failure's staggered optimizer, once with the
+  barrier and once speculative (validated after the step; its parameters
   must equal the barrier's), predicted with the step check in the cost model (measured scalar
   all-reduce / store round trip, the counted waits and rollbacks, OPT_STEP from the row without
   clipping); vanilla with its default clipping; bf16 against vanilla bf16; ZeRO-1.
@@ -223,6 +224,11 @@ def main() -> None:
             {"name": "clip-barrier", "engine": "resilient", "variant": "recycle", "failed": ["1:1"], "clip": 1.0,
              "clipping": "barrier"},
             {"name": "clip-speculative", "engine": "resilient", "variant": "recycle", "failed": ["1:1"], "clip": 1.0},
+            # a limit the norm stays under (later in training, or a larger limit): speculation holds
+            {"name": "clip100-barrier", "engine": "resilient", "variant": "recycle", "failed": ["1:1"], "clip": 100.0,
+             "clipping": "barrier"},
+            {"name": "clip100-speculative", "engine": "resilient", "variant": "recycle", "failed": ["1:1"],
+             "clip": 100.0},
             {"name": "vanilla-clip", "engine": "vanilla", "clip": 1.0},  # DeepSpeed's default (first stage's norm)
             {"name": "vanilla-bf16", "engine": "vanilla", "precision": "bf16"},
             {"name": "bf16", "engine": "resilient", "precision": "bf16"},
@@ -274,14 +280,13 @@ def main() -> None:
         report[name] = row
         print(f"{name:<16} {t:12.4f} {t / vanilla:11.2f} {vanilla / t:17.3f} {pred}")
     # post-validation: speculation must give exactly the barrier's (the global) clipped steps
-    by_stage_spec = {r["clip-speculative"]["stage"]: r["clip-speculative"]["params"] for r in results
-                     if "params" in r.get("clip-speculative", {})}
-    by_stage_bar = {r["clip-barrier"]["stage"]: r["clip-barrier"]["params"] for r in results
-                    if "params" in r.get("clip-barrier", {})}
-    if by_stage_spec and by_stage_bar:
-        diff = max(float((by_stage_spec[s] - by_stage_bar[s]).abs().max()) for s in by_stage_spec)
-        report["speculative_vs_barrier_max_param_diff"] = diff
-        print(f"\nclip-speculative against clip-barrier after the same steps: largest parameter difference {diff:.3g}")
+    for spec, bar in (("clip-speculative", "clip-barrier"), ("clip100-speculative", "clip100-barrier")):
+        by_stage_spec = {r[spec]["stage"]: r[spec]["params"] for r in results if "params" in r.get(spec, {})}
+        by_stage_bar = {r[bar]["stage"]: r[bar]["params"] for r in results if "params" in r.get(bar, {})}
+        if by_stage_spec and by_stage_bar:
+            diff = max(float((by_stage_spec[s] - by_stage_bar[s]).abs().max()) for s in by_stage_spec)
+            report[f"{spec}_vs_barrier_max_param_diff"] = diff
+            print(f"{spec} against {bar} after the same steps: largest parameter difference {diff:.3g}")
     print(f"agreement messages: scalar all-reduce {1e3 * statistics.median(r['allreduce_s'] for r in results):.3f} ms, "
           f"store round trip {1e3 * statistics.median(r['store_s'] for r in results) / 2:.3f} ms")
     if args.json:
