@@ -14,7 +14,13 @@ stage: B has nothing to send, W is the whole parameter backward); ``"recompute"`
 the split cannot be used (a non-leaf input, an input that is also a parameter, or a torch without
 ``GradientEdge``): B is ``autograd.grad(..., retain_graph=True)`` and W re-runs the backward
 restricted to the parameters; ``"empty"`` when nothing needs a gradient. W always accumulates through
-autograd's ``AccumulateGrad``: ``.grad`` semantics and grad hooks are those of ``loss.backward()``.
+autograd's ``AccumulateGrad``: ``.grad`` semantics and grad hooks are those of ``loss.backward()``,
+with one exception, the fast path for linear layers: in "split" mode a group that is exactly one
+``nn.Linear``'s weight (and bias) behind one ``AddmmBackward0``/``MmBackward0`` boundary node, with
+plain saved tensors and parameters without tensor hooks, gets its W as ``grad_out^T @ input`` (and
+``grad_out`` summed for the bias) from the gradient captured in B and the input autograd saved,
+with no second trip through autograd: the same kernels autograd runs, so the same bits (a test holds
+it), minus the engine's per-call overhead that made B + W cost more than a fused backward.
 Callers should drop the stage outputs after B; in "split" mode W then frees the whole graph.
 """
 
@@ -72,6 +78,7 @@ class PendingW:
                  outputs: Iterable[Tensor] = (), grads: Iterable[Tensor] = (), keep: Any = None) -> None:
         self._mode, self._params, self._done = mode, params, mode == "empty"
         self._groups = list(groups)  # (params, seed edges, seed grads, clamps [(node, grads)])
+        self._linear: list[_LinearW] = []  # "split" mode's fast-path groups
         self._outputs, self._grads = list(outputs), list(grads)  # "full"/"recompute" modes
         self._keep = keep  # output edges owning Python-function boundary nodes (older torch)
         self._nbytes: int | None = None
@@ -103,6 +110,8 @@ class PendingW:
         for _, edges, seeds, clamps in self._groups:
             nodes += [e.node for e in edges] + [n for n, _ in clamps]
             tensors += list(_tensors_in(seeds))
+        for lw in self._linear:
+            tensors += [lw.grad, lw.inp]
         seen: set[Node] = set()
         queue = deque(n for n in nodes if n is not None)
         while queue:
@@ -241,8 +250,73 @@ def _split(outs: list[Tensor], grads: list[Tensor], inputs: list[Tensor], params
     return dinputs, packed, (out_edges if python_nodes else None)
 
 
+class _LinearW:
+    """One linear layer's W: ``weight.grad += grad^T @ inp``, ``bias.grad += grad.sum(0)``."""
+
+    __slots__ = ("weight", "bias", "grad", "inp")
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, grad: Tensor, inp: Tensor) -> None:
+        self.weight, self.bias, self.grad, self.inp = weight, bias, grad, inp
+
+    def run(self) -> None:
+        with torch.no_grad():
+            # AddmmBackward0/MmBackward0 for mat2 = weight.t() (column-major): (grad^T @ mat1)^T,
+            # then TBackward0 transposes back: the same product, the same kernel
+            _accumulate(self.weight, self.grad.t().mm(self.inp))
+            if self.bias is not None:  # the engine's sum_to of addmm's broadcast self
+                _accumulate(self.bias, self.grad.sum(0, keepdim=True).view(self.bias.shape))
+
+
+def _accumulate(param: Tensor, grad: Tensor) -> None:
+    """What ``AccumulateGrad`` does outside grad mode: adopt the first gradient, add in place after."""
+    if param.grad is None:
+        param.grad = grad if grad.stride() == param.stride() else grad.contiguous()
+    else:
+        param.grad += grad
+
+
+_LINEAR_NODES = {"AddmmBackward0": ("_raw_saved_mat1", 2), "MmBackward0": ("_raw_saved_self", 1)}
+
+
+def _variable(node: Node | None) -> Tensor | None:
+    return getattr(node, "variable", None) if node is not None and node.name().endswith("AccumulateGrad") else None
+
+
+def _as_linear(params: list[Tensor], edges: list, clamps: list) -> _LinearW | None:
+    """The group as one linear layer's fast W, or ``None`` when it is anything else."""
+    if len(clamps) != 1 or len(edges) != 1 or not 1 <= len(params) <= 2:
+        return None
+    node, grads = clamps[0]
+    spec = _LINEAR_NODES.get(node.name())
+    if spec is None or len(grads) != 1 or grads[0] is None or grads[0].dim() != 2:
+        return None
+    raw_inp, mat2_at = spec
+    nxt = node.next_functions
+    t_node = nxt[mat2_at][0]
+    if t_node is None or t_node.name() != "TBackward0":
+        return None
+    weight = _variable(t_node.next_functions[0][0])
+    bias = _variable(nxt[0][0]) if mat2_at == 2 else None
+    if weight is None or {id(p) for p in params} != {id(weight)} | ({id(bias)} if bias is not None else set()):
+        return None
+    if mat2_at == 2 and (bias is None or bias.dim() != 1 or getattr(node, "_saved_beta", None) != 1):
+        return None
+    if getattr(node, "_saved_alpha", 1) != 1:
+        return None
+    saved = getattr(node, raw_inp, None)
+    if saved is None or saved.unpack_hook is not None or not isinstance(saved.data, Tensor):
+        return None  # behind saved-tensor hooks (offload, checkpointing): autograd unpacks it
+    for p in params:
+        if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None):
+            return None
+    inp = saved.data
+    if inp.dim() != 2 or inp.dtype != weight.dtype or grads[0].dtype != weight.dtype:
+        return None
+    return _LinearW(weight, bias, grads[0], inp)
+
+
 def backward_input(outputs: Any, grad_outputs: Any, inputs: Any, params: Iterable[Tensor], *,
-                   strategy: Strategy = "auto") -> tuple[tuple[Tensor | None, ...], PendingW]:
+                   strategy: Strategy = "auto", fast_linear: bool = True) -> tuple[tuple[Tensor | None, ...], PendingW]:
     """B: gradients of ``outputs`` w.r.t. ``inputs``, touching no ``.grad``, and the state for W.
 
     Args:
@@ -252,6 +326,8 @@ def backward_input(outputs: Any, grad_outputs: Any, inputs: Any, params: Iterabl
         params: the stage's parameters (duplicates and frozen ones are skipped).
         strategy: ``"auto"`` (split when possible, else recompute), ``"split"`` (raise if it
             cannot be used) or ``"recompute"`` (the simple, slower fallback).
+        fast_linear: in "split" mode, linear layers' W without autograd (module docstring);
+            ``False`` sends every group through autograd.
 
     Returns:
         One gradient per input (``None`` where the input needs none or is unused) and the
@@ -275,7 +351,9 @@ def backward_input(outputs: Any, grad_outputs: Any, inputs: Any, params: Iterabl
         pending = PendingW("recompute", plist, outputs=outs, grads=grads)
     else:
         dins, groups, keep = _split(outs, grads, req, plist)
-        pending = PendingW("split", plist, groups=groups, keep=keep)
+        linear = [_as_linear(*g[:2], g[3]) if fast_linear else None for g in groups]
+        pending = PendingW("split", plist, groups=[g for g, lw in zip(groups, linear) if lw is None], keep=keep)
+        pending._linear = [lw for lw in linear if lw is not None]
     if _grad_state(plist) != before:
         raise BackwardSplitError(
             "B accumulated into parameters' .grad (a custom Function that runs backward itself, "
@@ -295,6 +373,8 @@ def backward_weight(pending: PendingW) -> None:
         if pending._mode != "split":
             if pending._params:
                 torch.autograd.backward(pending._outputs, pending._grads, inputs=pending._params)
+        for lw in pending._linear:
+            lw.run()
         for k, (params, edges, seeds, clamps) in enumerate(pending._groups):
             # a boundary node's gradient is the one captured in B, whatever reaches it again here
             handles = [n.register_prehook(lambda _g, s=s: s) for n, s in clamps]
@@ -307,6 +387,7 @@ def backward_weight(pending: PendingW) -> None:
     finally:
         pending._done = True
         pending._groups, pending._outputs, pending._grads, pending._keep = [], [], [], None
+        pending._linear = []
 
 
 def backward_fused(outputs: Any, grad_outputs: Any, inputs: Any,
