@@ -134,6 +134,46 @@ def test_epoch_watcher_sees_epochs_in_order_and_survives_callback_errors(store):
     assert seen == [2, 3, 4, 5, 6]
 
 
+def _bare_coordinator(store):
+    """A Coordinator's main-thread side without registration, heartbeat or watcher threads."""
+    from ds_resilience.runtime.coordinator import Coordinator
+
+    c = Coordinator.__new__(Coordinator)
+    c.store, c.rank, c.store_timeout_s, c.applied, c.applying = store, 0, 5.0, 1, 0
+    c._latched, c._disruptive, c._lock, c.on_epoch = None, 0, threading.Lock(), lambda record: None
+    return c
+
+
+def test_a_rejoin_epoch_does_not_interrupt_a_store_wait_but_a_failure_does(store):
+    """A re-join is applied at the next iteration boundary and poisons nothing, so a store wait in
+    the iteration must go on (giving up would leave peers blocked in a collective this worker
+    walked out of); a crash after it, or alone, interrupts the wait."""
+    from ds_resilience.runtime.coordinator import Reconfigure
+
+    c = _bare_coordinator(store)
+    rejoin = mb.EpochRecord(epoch=2, failed=(), alive=(0, 1), joining=(1,), stop=False, reason="r", detected_at=0.0,
+                            kind="rejoin")
+    c._latch(rejoin)
+    assert c.pending() is rejoin and c.interrupting() is None
+    threading.Timer(0.3, lambda: store.set("k/late", "v")).start()
+    assert c.wait_key("k/late") == b"v"  # waited through the latched re-join
+    with pytest.raises(Reconfigure):
+        c.check()  # the iteration boundary applies it
+    crash = mb.EpochRecord(epoch=3, failed=(1,), alive=(0,), joining=(), stop=False, reason="c", detected_at=0.0,
+                           kind="crash")
+    c._latch(crash)
+    with pytest.raises(Reconfigure) as err:
+        c.wait_key("k/never")
+    assert err.value.record is crash
+    c.applied = 3
+    c._latch(mb.EpochRecord(epoch=4, failed=(), alive=(0, 1), joining=(1,), stop=False, reason="r",
+                            detected_at=0.0, kind="rejoin"))
+    c.begin(c.pending())  # applying the re-join itself: a newer failure still interrupts its waits
+    c._latch(mb.EpochRecord(epoch=5, failed=(1,), alive=(0,), joining=(), stop=False, reason="c",
+                            detected_at=0.0, kind="crash"))
+    assert c.interrupting().epoch == 5
+
+
 def test_heartbeat_bumps_counter_and_marks_a_deliberate_stop(store):
     hb = mb.Heartbeat(store, 3, 0.02)
     hb.start()

@@ -63,6 +63,7 @@ class Coordinator:
         self.applied = membership.latest_epoch(store)
         self.applying = 0  # the epoch being applied: only a newer one interrupts it
         self._latched = None
+        self._disruptive = 0  # the newest latched epoch that is not a re-join
         self._lock = threading.Lock()
         interval = launch.heartbeat_interval_s or heartbeat_interval_s
         self.heartbeat_interval_s = interval
@@ -79,6 +80,8 @@ class Coordinator:
         """Watcher thread: remember the newest epoch, then let the engine release blocked work."""
         with self._lock:
             self._latched = record
+            if getattr(record, "kind", None) != "rejoin":
+                self._disruptive = max(self._disruptive, record.epoch)
         self.on_epoch(record)
 
     def close(self) -> None:
@@ -92,6 +95,18 @@ class Coordinator:
         with self._lock:
             record = self._latched
         if record is not None and record.epoch > max(self.applied, self.applying):
+            return record
+        return None
+
+    def interrupting(self):
+        """The pending epoch when it must interrupt the work in flight, else ``None``.
+
+        A failure or a stop interrupts (the engine poisons the groups, store waits give up). A
+        re-join alone does not: nothing in flight involves the joining worker, the engine leaves
+        the groups alone and applies it at the next iteration boundary, so a store wait that gave
+        up for it would leave its peers blocked in a collective it walked out of."""
+        record = self.pending()
+        if record is not None and self._disruptive > max(self.applied, self.applying):
             return record
         return None
 
@@ -120,13 +135,16 @@ class Coordinator:
         return None
 
     def wait_key(self, key: str, *, store=None) -> bytes:
-        """Wait for ``key`` in the store, polling, and give up at once if a newer epoch is latched."""
+        """Wait for ``key`` in the store, polling; give up at once if a newer epoch that interrupts
+        work in flight is latched (:meth:`interrupting`)."""
         store = store or self.store
         deadline = time.monotonic() + self.store_timeout_s
         while True:
             if store.check([key]):
                 return store.get(key)
-            self.check()
+            record = self.interrupting()
+            if record is not None:
+                raise Reconfigure(record)
             if time.monotonic() > deadline:
                 raise ResilienceError(f"timed out after {self.store_timeout_s:.0f}s waiting for store key {key}")
             time.sleep(0.001)
