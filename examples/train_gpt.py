@@ -15,6 +15,7 @@ summary; ``--dump PATH`` saves losses, times and rank 0's view of the plan.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import sys
@@ -119,8 +120,11 @@ def main(argv=None) -> int:
     stopped = None
     # Driven by the engine's step count, not a local counter: after a failure the engine replays the
     # interrupted iteration, and a re-joined worker starts at the survivors' step.
+    stall_s = float(os.environ.get("DSR_STALL_DUMP_S", "0"))  # diagnostics: stacks of a step this slow
     while engine.global_steps < args.steps:
         t0 = time.perf_counter()
+        if stall_s > 0:
+            faulthandler.dump_traceback_later(stall_s, exit=False)  # re-armed every step
         step = engine.global_steps
         try:
             loss = engine.train_batch()
