@@ -598,21 +598,21 @@ def _w_grads(stage, xs, gs, fast):
         x = x.detach().requires_grad_()
         out = stage(x)
         (dx,), pw = backward_input(out, g, (x,), stage.parameters(), strategy="split", fast_linear=fast)
-        pendings.append((pw, dx, len(pw._linear)))
+        pendings.append((pw, dx, len(pw._fast)))
     for pw, _, _ in reversed(pendings):  # W in another order than B, as a schedule may run them
         backward_weight(pw)
     return [p.grad.clone() for p in stage.parameters()], [dx for _, dx, _ in pendings], [n for _, _, n in pendings]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fast_linear_w_equals_autograd_w_bit_for_bit(dtype):
+def test_fast_linear_and_layernorm_w_equal_autograd_w_bit_for_bit(dtype):
     torch.manual_seed(3)
     stage = nn.Sequential(_NoBiasMix(dtype), _NoBiasMix(dtype))
     xs = [torch.randn(3, 5, H, dtype=dtype) for _ in range(2)]
     gs = [torch.randn(3, 5, H, dtype=dtype) for _ in range(2)]
     fast, dx_fast, n_fast = _w_grads(stage, xs, gs, True)
     slow, dx_slow, n_slow = _w_grads(stage, xs, gs, False)
-    assert n_fast == [4, 4] and n_slow == [0, 0]  # every linear took the fast path, only with it on
+    assert n_fast == [6, 6] and n_slow == [0, 0]  # every linear and LayerNorm skipped autograd, only with it on
     assert all(torch.equal(a, b) for a, b in zip(fast, slow))
     assert all(torch.equal(a, b) for a, b in zip(dx_fast, dx_slow))
     # and equal to one fused loss.backward() per micro-batch
@@ -630,11 +630,11 @@ def test_fast_linear_w_leaves_hooked_parameters_and_hooked_saved_tensors_to_auto
     stage[0].a.weight.register_hook(lambda g: seen.append(g.shape))
     x = torch.randn(3, 5, H, dtype=D, requires_grad=True)
     _, pw = backward_input(stage(x), torch.ones(3, 5, H, dtype=D), (x,), stage.parameters(), strategy="split")
-    assert len(pw._linear) == 1  # b only: a's weight has a hook, which must fire in W
+    assert len(pw._fast) == 2  # b and the LayerNorm: a's weight has a hook, which must fire in W
     backward_weight(pw)
     assert seen == [stage[0].a.weight.shape]
     with torch.autograd.graph.save_on_cpu():
         out = stage(x)
     _, pw = backward_input(out, torch.ones(3, 5, H, dtype=D), (x,), stage.parameters(), strategy="split")
-    assert pw._linear == []  # saved behind pack/unpack hooks: autograd unpacks them
+    assert pw._fast == []  # saved behind pack/unpack hooks: autograd unpacks them
     backward_weight(pw)

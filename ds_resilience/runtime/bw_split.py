@@ -20,7 +20,10 @@ with one exception, the fast path for linear layers: in "split" mode a group tha
 plain saved tensors and parameters without tensor hooks, gets its W as ``grad_out^T @ input`` (and
 ``grad_out`` summed for the bias) from the gradient captured in B and the input autograd saved,
 with no second trip through autograd: the same kernels autograd runs, so the same bits (a test holds
-it), minus the engine's per-call overhead that made B + W cost more than a fused backward.
+it). A LayerNorm's weight and bias (an allowlisted node whose parameters are its direct inputs)
+get theirs by calling that node on the captured gradient: ``autograd.backward`` from a boundary
+node walks the whole graph below it to find what to run, once per group, and that walk, not the
+arithmetic, was most of what made B + W cost more than a fused backward.
 Callers should drop the stage outputs after B; in "split" mode W then frees the whole graph.
 """
 
@@ -78,7 +81,7 @@ class PendingW:
                  outputs: Iterable[Tensor] = (), grads: Iterable[Tensor] = (), keep: Any = None) -> None:
         self._mode, self._params, self._done = mode, params, mode == "empty"
         self._groups = list(groups)  # (params, seed edges, seed grads, clamps [(node, grads)])
-        self._linear: list[_LinearW] = []  # "split" mode's fast-path groups
+        self._fast: list[_LinearW | _NodeW] = []  # "split" mode's groups that skip autograd
         self._outputs, self._grads = list(outputs), list(grads)  # "full"/"recompute" modes
         self._keep = keep  # output edges owning Python-function boundary nodes (older torch)
         self._nbytes: int | None = None
@@ -110,8 +113,12 @@ class PendingW:
         for _, edges, seeds, clamps in self._groups:
             nodes += [e.node for e in edges] + [n for n, _ in clamps]
             tensors += list(_tensors_in(seeds))
-        for lw in self._linear:
-            tensors += [lw.grad, lw.inp]
+        for lw in self._fast:
+            if isinstance(lw, _LinearW):
+                tensors += [lw.grad, lw.inp]
+            else:
+                nodes.append(lw.node)
+                tensors += list(_tensors_in(lw.grads))
         seen: set[Node] = set()
         queue = deque(n for n in nodes if n is not None)
         while queue:
@@ -275,6 +282,45 @@ def _accumulate(param: Tensor, grad: Tensor) -> None:
         param.grad += grad
 
 
+class _NodeW:
+    """A group whose parameters are direct inputs of its one boundary node (a LayerNorm's weight
+    and bias): W calls that node on the gradient captured in B and keeps the parameters' outputs.
+    The node's kernel also returns its input gradient, which is dropped: for the allowlisted nodes
+    that is cheap, where ``autograd.backward`` from the node would walk the whole graph below it."""
+
+    __slots__ = ("node", "grads", "targets")
+
+    def __init__(self, node: Node, grads: tuple, targets: list[tuple[int, Tensor]]) -> None:
+        self.node, self.grads, self.targets = node, grads, targets
+
+    def run(self) -> None:
+        with torch.no_grad():
+            out = self.node(*self.grads)
+            for i, param in self.targets:
+                _accumulate(param, out[i])
+
+
+_DIRECT_NODES = frozenset({"NativeLayerNormBackward0"})
+
+
+def _as_direct(params: list[Tensor], clamps: list) -> _NodeW | None:
+    """The group as a :class:`_NodeW`, or ``None``."""
+    node, grads = clamps[0]
+    if node.name() not in _DIRECT_NODES or any(g is None for g in grads):
+        return None
+    for name in dir(node):  # called outside the engine, the node must not unpack through hooks
+        if name.startswith("_raw_saved_"):
+            raw = getattr(node, name)
+            if any(getattr(r, "unpack_hook", None) is not None for r in (raw if isinstance(raw, (list, tuple)) else (raw,))):
+                return None
+    ids = {id(p) for p in params}  # a leaf stage input is an AccumulateGrad too: its output is dropped
+    targets = [(i, v) for i, (nxt, _) in enumerate(node.next_functions)
+               if (v := _variable(nxt)) is not None and id(v) in ids]
+    if {id(v) for _, v in targets} != ids or len(targets) != len(params):
+        return None
+    return _NodeW(node, tuple(grads), targets)
+
+
 _LINEAR_NODES = {"AddmmBackward0": ("_raw_saved_mat1", 2), "MmBackward0": ("_raw_saved_self", 1)}
 
 
@@ -282,10 +328,19 @@ def _variable(node: Node | None) -> Tensor | None:
     return getattr(node, "variable", None) if node is not None and node.name().endswith("AccumulateGrad") else None
 
 
-def _as_linear(params: list[Tensor], edges: list, clamps: list) -> _LinearW | None:
-    """The group as one linear layer's fast W, or ``None`` when it is anything else."""
+def _fast_w(params: list[Tensor], edges: list, clamps: list) -> _LinearW | _NodeW | None:
+    """The group's W without autograd (a linear layer, or an allowlisted node whose parameters
+    are its direct inputs), or ``None`` when it needs autograd."""
     if len(clamps) != 1 or len(edges) != 1 or not 1 <= len(params) <= 2:
         return None
+    for p in params:
+        if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None):
+            return None  # a hook on the parameter fires only through AccumulateGrad
+    return _as_linear(params, clamps) or _as_direct(params, clamps)
+
+
+def _as_linear(params: list[Tensor], clamps: list) -> _LinearW | None:
+    """The group as one linear layer's fast W, or ``None`` when it is anything else."""
     node, grads = clamps[0]
     spec = _LINEAR_NODES.get(node.name())
     if spec is None or len(grads) != 1 or grads[0] is None or grads[0].dim() != 2:
@@ -306,9 +361,6 @@ def _as_linear(params: list[Tensor], edges: list, clamps: list) -> _LinearW | No
     saved = getattr(node, raw_inp, None)
     if saved is None or saved.unpack_hook is not None or not isinstance(saved.data, Tensor):
         return None  # behind saved-tensor hooks (offload, checkpointing): autograd unpacks it
-    for p in params:
-        if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None):
-            return None
     inp = saved.data
     if inp.dim() != 2 or inp.dtype != weight.dtype or grads[0].dtype != weight.dtype:
         return None
@@ -351,9 +403,9 @@ def backward_input(outputs: Any, grad_outputs: Any, inputs: Any, params: Iterabl
         pending = PendingW("recompute", plist, outputs=outs, grads=grads)
     else:
         dins, groups, keep = _split(outs, grads, req, plist)
-        linear = [_as_linear(*g[:2], g[3]) if fast_linear else None for g in groups]
+        linear = [_fast_w(*g[:2], g[3]) if fast_linear else None for g in groups]
         pending = PendingW("split", plist, groups=[g for g, lw in zip(groups, linear) if lw is None], keep=keep)
-        pending._linear = [lw for lw in linear if lw is not None]
+        pending._fast = [lw for lw in linear if lw is not None]
     if _grad_state(plist) != before:
         raise BackwardSplitError(
             "B accumulated into parameters' .grad (a custom Function that runs backward itself, "
@@ -373,7 +425,7 @@ def backward_weight(pending: PendingW) -> None:
         if pending._mode != "split":
             if pending._params:
                 torch.autograd.backward(pending._outputs, pending._grads, inputs=pending._params)
-        for lw in pending._linear:
+        for lw in pending._fast:
             lw.run()
         for k, (params, edges, seeds, clamps) in enumerate(pending._groups):
             # a boundary node's gradient is the one captured in B, whatever reaches it again here
@@ -387,7 +439,7 @@ def backward_weight(pending: PendingW) -> None:
     finally:
         pending._done = True
         pending._groups, pending._outputs, pending._grads, pending._keep = [], [], [], None
-        pending._linear = []
+        pending._fast = []
 
 
 def backward_fused(outputs: Any, grad_outputs: Any, inputs: Any,
