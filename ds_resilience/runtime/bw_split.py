@@ -125,11 +125,10 @@ class PendingW:
             node = queue.popleft()
             if node not in seen:
                 seen.add(node)
-                for name in dir(node):
-                    if name.startswith("_raw_saved_"):
-                        raw = getattr(node, name, None)
-                        for saved in raw if isinstance(raw, (tuple, list)) else (raw,):
-                            tensors += list(_tensors_in(getattr(saved, "data", None)))
+                for name in _saved_names(node):
+                    raw = getattr(node, name, None)
+                    for saved in raw if isinstance(raw, (tuple, list)) else (raw,):
+                        tensors += list(_tensors_in(getattr(saved, "data", None)))
                 queue.extend(n for n, _ in node.next_functions if n is not None)
         for t in tensors:
             st = t.untyped_storage()
@@ -139,6 +138,18 @@ class PendingW:
 
     def __repr__(self) -> str:
         return f"PendingW(mode={self._mode!r}, done={self._done}, params={len(self._params)})"
+
+
+_SAVED_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _saved_names(node: Node) -> tuple[str, ...]:
+    """The ``_raw_saved_*`` attributes of ``node``'s type (``dir`` once per type: it costs about
+    20 us a call, and a stage's graph has hundreds of nodes per micro-batch)."""
+    names = _SAVED_NAMES.get(type(node))
+    if names is None:
+        names = _SAVED_NAMES[type(node)] = tuple(n for n in dir(node) if n.startswith("_raw_saved_"))
+    return names
 
 
 def _output_pairs(outputs: Any, grad_outputs: Any) -> tuple[list[Tensor], list[Tensor]]:
@@ -308,11 +319,10 @@ def _as_direct(params: list[Tensor], clamps: list) -> _NodeW | None:
     node, grads = clamps[0]
     if node.name() not in _DIRECT_NODES or any(g is None for g in grads):
         return None
-    for name in dir(node):  # called outside the engine, the node must not unpack through hooks
-        if name.startswith("_raw_saved_"):
-            raw = getattr(node, name)
-            if any(getattr(r, "unpack_hook", None) is not None for r in (raw if isinstance(raw, (list, tuple)) else (raw,))):
-                return None
+    for name in _saved_names(node):  # called outside the engine, the node must not unpack through hooks
+        raw = getattr(node, name)
+        if any(getattr(r, "unpack_hook", None) is not None for r in (raw if isinstance(raw, (list, tuple)) else (raw,))):
+            return None
     ids = {id(p) for p in params}  # a leaf stage input is an AccumulateGrad too: its output is dropped
     targets = [(i, v) for i, (nxt, _) in enumerate(node.next_functions)
                if (v := _variable(nxt)) is not None and id(v) in ids]
