@@ -279,6 +279,14 @@ def main() -> None:
             pred += f"   steps speculated/rolled back/waited {counts['speculated']}/{counts['rolled back']}/{counts['waited']}"
         report[name] = row
         print(f"{name:<16} {t:12.4f} {t / vanilla:11.2f} {vanilla / t:17.3f} {pred}")
+    # the decoupled backward's price: B + W of the decoupled run against the fused BW of the 1F1B run
+    split = _calibrated_cost(results, "decoupled", 2)
+    fused = _calibrated_cost(results, "1f1b", 2)
+    ratios = [(b + w) / f if f else float("nan") for b, w, f in zip(split.t_b, split.t_w, [x + y for x, y in zip(fused.t_b, fused.t_w)])]
+    report["b_plus_w_over_fused"] = ratios
+    print("\nB + W against the fused backward, per stage (medians of the runs' own actions): " + ", ".join(
+        f"stage {s}: B {1e3 * b:.2f} ms + W {1e3 * w:.2f} ms = {r:.2f}x fused {1e3 * (fb + fw):.2f} ms"
+        for s, (b, w, fb, fw, r) in enumerate(zip(split.t_b, split.t_w, fused.t_b, fused.t_w, ratios))))
     # post-validation: speculation must give exactly the barrier's (the global) clipped steps
     for spec, bar in (("clip-speculative", "clip-barrier"), ("clip100-speculative", "clip100-barrier")):
         by_stage_spec = {r[spec]["stage"]: r[spec]["params"] for r in results if "params" in r.get(spec, {})}
