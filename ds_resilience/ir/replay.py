@@ -292,10 +292,13 @@ def replay(
                 if len(waiting) < len(members):
                     return
                 begin = max(waiting.values())
-                end = begin + op[2]
                 for m in members:
                     occurrence[m, gid] += 1
                     j = pcs[m]
+                    # each member's own duration: the same within a stage's or a tied group's
+                    # reduce; a global OPT_STEP's members step their own stage after the barrier
+                    mops = program[m]
+                    end = begin + mops[j % len(mops)][2]
                     starts[m][j] = begin
                     ends[m][j] = end
                     clock[m] = end
