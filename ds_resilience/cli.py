@@ -27,6 +27,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _memory_cap(text: str) -> float | str:
+    """A plain number (the cost model's unit) or a size with a unit (bytes), checked now."""
+    from .costs import parse_size
+
+    try:
+        value, in_bytes = parse_size(text, what="--memory-cap")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text if in_bytes else value
+
+
 def _tied_group(text: str) -> tuple[int, ...]:
     """``--tied 0,3``: one tied group, the stages holding copies of one tied module (sorted here)."""
     try:
@@ -66,7 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--solver", choices=SOLVERS, default="cpsat", help="with --fail (default cpsat)")
     plan.add_argument("--time-limit", type=float, default=10.0, help="solver time limit in seconds (default 10)")
-    plan.add_argument("--memory-cap", type=_positive_int, help="micro-batch states per worker (default 2*pp)")
+    plan.add_argument("--memory-cap", type=_memory_cap, metavar="CAP",
+                      help="memory per worker for micro-batch states: a number in the cost model's unit (bytes "
+                           "with memory figures, else states) or a size such as 24GiB (default: fault-free "
+                           "1F1B's peak)")
     plan.add_argument(
         "--tied",
         metavar="S,S[,S]",
@@ -84,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     table.add_argument("--variant", choices=VARIANTS, default="recycle")
     table.add_argument("--solver", choices=SOLVERS, default="heuristic")
     table.add_argument("--time-limit", type=float, default=10.0)
-    table.add_argument("--memory-cap", type=_positive_int)
+    table.add_argument("--memory-cap", type=_memory_cap, metavar="CAP", help="as for plan")
     table.add_argument("--workers", type=int, default=0, help="parallel processes (default: CPU count)")
     table.add_argument("--out", metavar="DIR", default=".plan_cache", help="cache directory (default .plan_cache)")
     table.add_argument("--json", action="store_true")
@@ -170,6 +184,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report))
         return 0
+    from .costs import format_memory
     from .ir import format_grid, format_tied
 
     print(format_grid(schedule, timeline.starts, timeline.ends))
@@ -189,7 +204,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             f"best fault-free {plan_report['best_fault_free_iteration_time']:g})\n"
             f"degradation={plan_report['degradation']:.1%} degradation_vs_best={plan_report['degradation_vs_best']:.1%} "
             f"lower_bound={plan_report['lower_bound']:g} gap_to_bound={plan_report['gap_to_bound']:.1%} "
-            f"solver={solver['name']} status={solver['status']} gap={gap} seconds={solver['seconds']:.2f}"
+            f"solver={solver['name']} status={solver['status']} gap={gap} seconds={solver['seconds']:.2f}\n"
+            f"memory_cap={format_memory(plan_report['memory_cap'], plan_report['memory_unit'])} "
+            f"peak per worker: {', '.join(format_memory(x, plan_report['memory_unit']) for x in plan_report['peak_memory'])}"
         )
     if args.png:
         print(f"wrote {args.png}")

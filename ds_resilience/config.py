@@ -21,7 +21,7 @@ Keys (under ``"resilience"``), defaults in brackets::
     planner.time_limit_s            number > 0                            [10.0]
     planner.cache_dir               string                                [".plan_cache"]
     planner.workers                 int >= 0 (0 = cpu count)              [0]
-    planner.memory_cap              int >= 1 | null                       [null]
+    planner.memory_cap              number > 0 | size ("24GiB") | null    [null: 1F1B's peak]
     planner.all_coverable           bool                                  [false]
     detector.heartbeat_interval_s   number > 0                            [0.5]
     detector.heartbeat_timeout_s    number > heartbeat_interval_s         [5.0]
@@ -63,7 +63,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, ClassVar
 
-from .costs import CostModel
+from .costs import CostModel, parse_size
 from .errors import ConfigError, CostModelError, TopologyError
 from .topology import Worker, format_worker, parse_worker
 from .vocab import FAULT_KINDS, FAULT_POINTS, SCHEDULES, SOLVERS, VARIANTS
@@ -242,6 +242,14 @@ def _to_cost_model(value: Any, path: str) -> str | CostModel:
 
 
 # --- the schema -------------------------------------------------------------------------------
+def _memory_cap(value: Any, path: str) -> Any:
+    try:
+        parse_size(value, what="memory_cap")
+    except ValueError as exc:
+        raise ConfigError(path, str(exc).removeprefix("memory_cap ").removeprefix("memory_cap: ")) from None
+    return value
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PlannerConfig(_Section):
     """How the plan table (one schedule per failure set) is computed and cached."""
@@ -252,8 +260,10 @@ class PlannerConfig(_Section):
                                default=10.0, exclusive_minimum=0)
     cache_dir: str = _opt(str, "directory of the on-disk plan cache", default=".plan_cache")
     workers: int = _opt(int, "parallel processes for the plan table; 0 = cpu count", default=0, minimum=0)
-    memory_cap: int | None = _opt(int, "max micro-batches of activation state per worker; "
-                                  "null = 1F1B's own bound per stage", default=None, nullable=True, minimum=1)
+    memory_cap: float | str | None = _opt(
+        (float, str), "memory a worker's micro-batch states may take: bytes with a profiled cost model, else "
+        "micro-batch states; a size such as '24GiB' is bytes; null = fault-free 1F1B's peak",
+        default=None, nullable=True, what="a number or a size such as '24GiB'", convert=_memory_cap)
     all_coverable: bool = _opt(bool, "also precompute every failure set that leaves each stage a replica",
                                default=False)
 

@@ -15,8 +15,16 @@ JSON fields (all optional, defaults in brackets)::
     t_recompute        the forward B recomputes under activation checkpointing (the runtime
                        recomputes the whole stage before its B or fused BW)  [0]
     activation_bytes   bytes of one micro-batch's activation (or gradient) crossing a stage boundary [0]
+    state_bytes        memory a worker holds for one micro-batch between its F and its B (the
+                       saved activations; under activation checkpointing, the stage's input)  [0]
+    pending_w_bytes    memory held for one micro-batch between its B and its deferred W (the
+                       saved layer inputs and output gradients W needs)                     [0]
     p2p_latency        per-message latency                            [0]
     p2p_bandwidth      bytes per time unit, null = infinite           [null]
+
+Memory: with ``state_bytes`` (and ``pending_w_bytes``) given, plans count a worker's memory in
+bytes; without them every micro-batch state (an activation held from F to B, or a pending W from B
+to W) weighs 1, and the memory cap is a number of states (:meth:`CostModel.memory_weights`).
 
 How each step agrees on the global gradient norm (clipping) and fp16 overflow, and what that costs
 (see ``runtime/validation.py`` and :mod:`ds_resilience.ir.replay`)::
@@ -37,19 +45,66 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Sequence
 
 from .errors import CostModelError
 
-__all__ = ["CostModel", "StageCosts"]
+__all__ = ["CostModel", "StageCosts", "parse_size", "format_memory"]
 
 _PER_STAGE = ("t_f", "t_b", "t_w", "t_opt", "t_reduce", "t_tied_reduce", "t_recompute", "activation_bytes",
-              "t_undo")
+              "t_undo", "state_bytes", "pending_w_bytes")
+_OPTIONAL = ("t_undo", "state_bytes", "pending_w_bytes")
+"""Per-stage fields left out of ``to_dict`` when all zero (older models keep their form and cache key)."""
 _SCALAR = ("p2p_latency", "p2p_bandwidth", "t_sync", "check_waits", "check_rollbacks")
 STEP_CHECKS = ("none", "barrier", "speculative")
 """How a step agrees on the global gradient norm / overflow (``step_check``)."""
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_size(value: object, *, what: str = "memory_cap") -> tuple[float, bool]:
+    """Read a cap: a number (in the cost model's memory unit) or a size string (``"24GiB"``).
+
+    Returns ``(value, in_bytes)``: ``in_bytes`` is true for a size string, which only a cost model
+    with memory figures can honour.
+
+    Raises:
+        ValueError: not a positive number or a size with a known unit (callers re-raise it as
+            their own error: ``ConfigError``, ``PlanningError``).
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"{what} must be a number or a size such as '24GiB', got {value!r}")
+    if isinstance(value, (int, float)):
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{what} must be > 0, got {value!r}")
+        return float(value), False
+    if isinstance(value, str):
+        match = _SIZE.match(value)
+        unit = match.group(2).upper() if match else None
+        if match and unit in _UNITS:
+            number = float(match.group(1)) * _UNITS[unit]
+            if number <= 0:
+                raise ValueError(f"{what} must be > 0, got {value!r}")
+            return number, unit != ""
+        raise ValueError(f"{what}: cannot read {value!r}; give a number or a size with a unit "
+                            f"({', '.join(u for u in _UNITS if u)}), e.g. '24GiB'")
+    raise ValueError(f"{what} must be a number or a size such as '24GiB', got {type(value).__name__}")
+
+
+def format_memory(value: float, unit: str) -> str:
+    """``3.2 GiB`` for bytes, ``4 states`` for states."""
+    if unit != "bytes":
+        return f"{value:g} states"
+    for name, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if value >= size:
+            return f"{value / size:.2f} {name}"
+    return f"{value:g} B"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -66,6 +121,8 @@ class StageCosts:
     t_recompute: float
     activation_bytes: float
     t_undo: float = 0.0
+    state_bytes: float = 0.0
+    pending_w_bytes: float = 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -87,6 +144,8 @@ class CostModel:
     p2p_latency: float = 0.0
     p2p_bandwidth: float | None = None
     t_undo: tuple[float, ...] = (0.0,)
+    state_bytes: tuple[float, ...] = (0.0,)
+    pending_w_bytes: tuple[float, ...] = (0.0,)
     step_check: str = "none"
     t_sync: float = 0.0
     check_waits: float = 0.0
@@ -120,6 +179,9 @@ class CostModel:
         if self.check_waits + self.check_rollbacks > 1.0 + 1e-12:
             raise CostModelError(f"cost model {self.name!r}: check_waits + check_rollbacks are fractions of the "
                                  f"steps and must sum to at most 1, got {self.check_waits} + {self.check_rollbacks}")
+        if any(self.pending_w_bytes) and not any(self.state_bytes):
+            raise CostModelError(f"cost model {self.name!r}: pending_w_bytes needs state_bytes (memory is counted in "
+                                 "bytes only when a held activation's size is known)")
         if self.t_f and all(f == 0 for f in self.t_f):
             raise CostModelError(f"cost model {self.name!r}: t_f must be > 0 for some stage")
 
@@ -162,7 +224,7 @@ class CostModel:
         out: dict[str, Any] = {"name": self.name}
         for name in _PER_STAGE:
             values = getattr(self, name)
-            if name == "t_undo" and not any(values):
+            if name in _OPTIONAL and not any(values):
                 continue
             out[name] = values[0] if len(values) == 1 else list(values)
         out["p2p_latency"] = self.p2p_latency
@@ -214,6 +276,23 @@ class CostModel:
         picked = {name: pick(getattr(self, name)) for name in _PER_STAGE}
         picked["t_b"] += picked["t_recompute"]  # B recomputes the stage's forward first
         return StageCosts(**picked)
+
+    @property
+    def has_memory(self) -> bool:
+        """Whether the model gives memory in bytes (``state_bytes``); else memory counts states."""
+        return any(self.state_bytes)
+
+    @property
+    def memory_unit(self) -> str:
+        """``"bytes"`` or ``"states"`` (micro-batch states): the unit of memory caps and peaks."""
+        return "bytes" if self.has_memory else "states"
+
+    def memory_weights(self, pp: int) -> tuple[tuple[float, float], ...]:
+        """Per stage, what one held activation and one pending W weigh in :attr:`memory_unit`:
+        ``(state_bytes, pending_w_bytes)``, or ``(1, 1)`` for a model without memory figures."""
+        if not self.has_memory:
+            return tuple((1.0, 1.0) for _ in range(pp))
+        return tuple((c.state_bytes, c.pending_w_bytes) for c in self.stages(pp))
 
     def tied_reduce_time(self, group: Sequence[int]) -> float:
         """Duration of one TIED_REDUCE of the tied group holding ``group``'s stages: the slowest

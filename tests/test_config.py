@@ -216,7 +216,7 @@ def test_int_accepted_where_number_expected():
         ({"max_failures": -1}, "resilience.max_failures", ">= 0"),
         ({"microbatches": 0}, "resilience.microbatches", ">= 1"),
         ({"planner": {"workers": -2}}, "resilience.planner.workers", ">= 0"),
-        ({"planner": {"memory_cap": 0}}, "resilience.planner.memory_cap", ">= 1"),
+        ({"planner": {"memory_cap": 0}}, "resilience.planner.memory_cap", "> 0"),
         ({"planner": {"time_limit_s": 0}}, "resilience.planner.time_limit_s", "> 0"),
         ({"detector": {"heartbeat_interval_s": -0.5}}, "resilience.detector.heartbeat_interval_s", "> 0"),
         ({"detector": {"store_timeout_s": 0.0}}, "resilience.detector.store_timeout_s", "> 0"),
@@ -235,6 +235,12 @@ def test_out_of_range(section, path, allowed):
     assert f"must be {allowed}" in str(exc)
 
 
+def test_memory_cap_sizes_are_read_at_load():
+    exc = error({"planner": {"memory_cap": "-2GiB"}})
+    assert exc.path == "resilience.planner.memory_cap"
+    assert "cannot read '-2GiB'" in str(exc) and "GIB" in str(exc)
+
+
 @pytest.mark.parametrize(
     "section",
     [
@@ -243,6 +249,8 @@ def test_out_of_range(section, path, allowed):
         {"checkpoint": {"stall_budget": 1.0}},
         {"checkpoint": {"stall_budget": 1e-9}},
         {"planner": {"memory_cap": 1}},
+        {"planner": {"memory_cap": 2.5}},
+        {"planner": {"memory_cap": "24GiB"}},
     ],
 )
 def test_boundaries_accepted(section):

@@ -24,8 +24,9 @@ BASE = CostModel(t_f=(1.0,), t_b=(1.0,), t_w=(1.0,), t_opt=(0.5,), t_reduce=(0.3
 
 
 def _staggered():
-    """A recycle plan (staggered optimizer) for one failure in a 2 x 4 grid."""
-    p = plan(2, 4, 8, [Worker(pipeline=1, stage=1)], cost=BASE)
+    """A recycle plan (staggered optimizer) for one failure in a 2 x 4 grid, with twice 1F1B's memory
+    so that its iterations overlap (at 1F1B's own cap this plan does not overlap them)."""
+    p = plan(2, 4, 8, [Worker(pipeline=1, stage=1)], cost=BASE, memory_cap=8)
     assert p.schedule.optimizer == "staggered"
     return p.schedule
 

@@ -7,8 +7,10 @@ passes run on the same peer). Constraints:
 * precedence along the pipeline with the link time (latency + activation transfer): F(s) -> F(s+1),
   F(last) -> B(last), B(s+1) -> B(s), and B -> W on the same worker;
 * no overlap of two tasks on one worker;
-* memory: on each worker, at most ``memory_cap`` micro-batches between their F's start and their
-  W's end (activations, then pending W state), a cumulative constraint;
+* memory: on each worker, the micro-batches between their F's start and their W's end (activations,
+  then pending W state) fit ``memory_cap``, a cumulative constraint in which each weighs the larger
+  of its stage's activation and pending-W memory (states or bytes, as the cost model counts; byte
+  demands are rounded up and the capacity down, so the solver never overshoots the cap);
 * the objective is the makespan of the compute (the reduce, tied-reduce and optimizer tail is
   added after it by lowering, with the incumbent's tied groups, and measured by the replay).
 
@@ -61,7 +63,7 @@ def improve(
     *,
     variant: str,
     incumbent: Schedule,
-    memory_cap: int,
+    memory_cap: float,
     time_limit_s: float,
 ) -> Improved:
     """Search for a schedule with a shorter makespan than ``incumbent`` (see the module docstring)."""
@@ -145,9 +147,13 @@ def improve(
     for w, intervals in per_worker.items():
         if intervals:
             model.AddNoOverlap(intervals)
+    weights = cost.memory_weights(pp)
+    grain = 1.0 if not cost.has_memory else memory_cap / 10_000  # bytes in 10,000ths of the cap
+    capacity = int(memory_cap / grain + 1e-9)
     for w, intervals in memory.items():
         if intervals:
-            model.AddCumulative(intervals, [1] * len(intervals), memory_cap)
+            demand = int(-(-max(weights[w // dp]) // grain))
+            model.AddCumulative(intervals, [demand] * len(intervals), capacity)
     makespan = model.NewIntVar(0, horizon, "makespan")
     model.AddMaxEquality(makespan, ends)
     model.Minimize(makespan)

@@ -44,8 +44,9 @@ def list_schedule(
     split_backward: bool,
     act_caps: Sequence[int],
     w_caps: Sequence[int | None],
-    mem_caps: Sequence[int | None] | None = None,
+    mem_caps: Sequence[float | None] | None = None,
     start_times: Sequence[float] | None = None,
+    mem_weights: Sequence[tuple[float, float]] | None = None,
 ) -> ListResult:
     """Order every worker's F/B/W for the given placement.
 
@@ -56,9 +57,11 @@ def list_schedule(
         split_backward: emit B and W separately (decoupled backward); else fused BW.
         act_caps: per worker, the most micro-batches between F and B (activation memory).
         w_caps: per worker, the most B's whose W is still pending (``None``: no cap).
-        mem_caps: per worker, the most micro-batch states held at once, activations (F to B) and
-            pending W (B to W) together (``None``: no cap beyond the two above).
+        mem_caps: per worker, the most memory its micro-batch states take at once, activations (F to
+            B) and pending W (B to W) together (``None``: no cap beyond the two above).
         start_times: per worker, the earliest time it may start (default 0).
+        mem_weights: per worker, what one held activation and one pending W weigh against
+            ``mem_caps`` (default 1 each: the caps count states).
 
     Returns:
         The orders and predicted makespan.
@@ -88,6 +91,8 @@ def list_schedule(
     events: list[tuple[float, int]] = [(free_at[w], w) for w in range(n) if todo[w]]
     heapq.heapify(events)
     last = pp - 1
+    weights = list(mem_weights) if mem_weights is not None else [(1.0, 1.0)] * n
+    held = [0.0] * n  # memory of the states each worker holds now, in the caps' unit
 
     stage_costs = cost.stages(pp)
     links = [comm + cost.transfer_time(c.activation_bytes) for c in stage_costs]
@@ -121,7 +126,11 @@ def list_schedule(
             w_cap = w_caps[w]
             must_w = split_backward and w_pending[w] and w_cap is not None and len(w_pending[w]) >= w_cap
             mem_cap = mem_caps[w] if mem_caps is not None else None
-            mem_full = mem_cap is not None and in_flight[w] + len(w_pending[w]) >= mem_cap
+            act_w, w_w = weights[w]
+            # an activation reserves what its pending W will need if that is more, so a B never
+            # raises the memory held
+            act_w = max(act_w, w_w) if split_backward else act_w
+            mem_full = mem_cap is not None and held[w] + act_w > mem_cap + 1e-9
             if ready_b and not must_w:
                 key = min(ready_b, key=lambda k: (grad_arrival.get(k, 0.0), k[2], k[0]))
                 b_ready_set[w].remove(key)
@@ -129,8 +138,10 @@ def list_schedule(
                 if split_backward:
                     end = emit(w, ActionKind.B, key, t, c.t_b)
                     w_pending[w].append(key)
+                    held[w] += w_w - act_w
                 else:
                     end = emit(w, ActionKind.BW, key, t, c.t_b + c.t_w)
+                    held[w] -= act_w
                 remaining -= 1
                 if key[1] > 0:
                     prev = (key[0], key[1] - 1, key[2])
@@ -140,6 +151,7 @@ def list_schedule(
                 key = min(ready_f, key=lambda k: (act_arrival[k], k[2], k[0]))
                 f_pending[w].remove(key)
                 in_flight[w] += 1
+                held[w] += act_w
                 end = emit(w, ActionKind.F, key, t, c.t_f)
                 b_ready_set[w].append(key)
                 remaining -= 1
@@ -149,6 +161,7 @@ def list_schedule(
                     heapq.heappush(events, (act_arrival[nxt], assignment[nxt]))
             elif w_pending[w]:
                 key = w_pending[w].pop(0)
+                held[w] -= w_w
                 end = emit(w, ActionKind.W, key, t, c.t_w)
                 remaining -= 1
             else:

@@ -13,16 +13,7 @@ from typing import Any
 from ..ir import Schedule
 from ..topology import Worker, format_worker, parse_worker
 
-__all__ = ["SolverReport", "Plan", "default_memory_cap"]
-
-
-def default_memory_cap(pp: int) -> int:
-    """Micro-batch states (activations between F and B, plus pending W) a worker may hold.
-
-    ``2 * pp``: twice what 1F1B holds on its first stage. The fault-free decoupled schedule holds
-    at most ``pp + 1``; re-routed micro-batches and deferred W need the rest.
-    """
-    return 2 * pp
+__all__ = ["SolverReport", "Plan"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -43,7 +34,9 @@ class Plan:
     """A validated schedule for one failure set, with its figures.
 
     Times are in the cost model's unit. ``schedule`` covers one iteration; for ``recycle`` it is
-    meant to be repeated with the staggered optimizer.
+    meant to be repeated with the staggered optimizer. ``memory_cap`` and ``peak_memory`` (per
+    worker) are in ``memory_unit``: ``"bytes"`` with a profiled cost model, else ``"states"``
+    (micro-batch states, each activation or pending W counting 1).
     """
 
     dp: int
@@ -56,12 +49,14 @@ class Plan:
     fault_free_iteration_time: float
     best_fault_free_iteration_time: float
     lower_bound: float
-    memory_cap: int
+    memory_cap: float
     peak_activations: tuple[int, ...]
     peak_pending_w: tuple[int, ...]
     peak_state: tuple[int, ...]
     solver: SolverReport
     cost_name: str = "unit"
+    memory_unit: str = "states"
+    peak_memory: tuple[float, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -95,6 +90,8 @@ class Plan:
             "lower_bound": self.lower_bound,
             "gap_to_bound": self.gap_to_bound,
             "memory_cap": self.memory_cap,
+            "memory_unit": self.memory_unit,
+            "peak_memory": list(self.peak_memory),
             "peak_activations": list(self.peak_activations),
             "peak_pending_w": list(self.peak_pending_w),
             "peak_state": list(self.peak_state),
@@ -110,7 +107,7 @@ class Plan:
         known = {
             "dp", "pp", "microbatches", "failed", "variant", "cost_model", "fault_free_iteration_time",
             "best_fault_free_iteration_time", "iteration_time", "degradation", "degradation_vs_best",
-            "lower_bound", "gap_to_bound", "memory_cap", "peak_activations", "peak_pending_w", "peak_state", "solver",
+            "lower_bound", "gap_to_bound", "memory_cap", "memory_unit", "peak_memory", "peak_activations", "peak_pending_w", "peak_state", "solver",
             "schedule",
         }
         return cls(
@@ -130,5 +127,7 @@ class Plan:
             peak_state=tuple(data["peak_state"]),
             solver=SolverReport(**data["solver"]),
             cost_name=data.get("cost_model", "unit"),
+            memory_unit=data.get("memory_unit", "states"),
+            peak_memory=tuple(data.get("peak_memory", data["peak_state"])),
             extra={k: v for k, v in data.items() if k not in known},
         )

@@ -43,7 +43,8 @@ from .bounds import lower_bound
 from .generators import decoupled, one_f_one_b
 from .list_scheduler import list_schedule
 from .lowering import lower
-from .plan import Plan, SolverReport, default_memory_cap
+from .memory import fault_free_peak, resolve_cap, worker_peaks
+from .plan import Plan, SolverReport
 from .reroute import reroute_assignment
 
 __all__ = [
@@ -55,7 +56,7 @@ __all__ = [
     "plan",
     "iteration_time",
     "one_f_one_b_time",
-    "default_memory_cap",
+    "resolve_cap",
 ]
 
 _LARGE_GRID = 2048
@@ -81,41 +82,56 @@ def one_f_one_b_time(dp: int, pp: int, microbatches: int, cost: CostModel, *, ti
 
 @lru_cache(maxsize=64)
 def _best_fault_free_time(
-    dp: int, pp: int, microbatches: int, cost: CostModel, variant: str, tied: TiedGroups = ()
+    dp: int, pp: int, microbatches: int, cost: CostModel, variant: str, tied: TiedGroups, memory_cap: float
 ) -> float:
-    """Iteration time of the fault-free decoupled schedule (staggered optimizer for ``recycle``)."""
-    best = decoupled(dp, pp, microbatches, cost, tied=tied)
+    """The best fault-free schedule under ``variant``'s rules and ``memory_cap``: the fault-free
+    decoupled generator's (staggered optimizer for ``recycle``) if it fits the cap, the heuristic's
+    own schedule for the empty failure set, and 1F1B if it fits. The same rules as the plans it is
+    compared with (steady state for ``recycle``), so a degradation against it is a real one."""
+    times = []
+    generated = decoupled(dp, pp, microbatches, cost, tied=tied)
     if variant == "recycle":
-        best = replace(best, optimizer="staggered")
-    return iteration_time(best, cost, variant)
-
-
-def _fault_free_times(
-    dp: int, pp: int, microbatches: int, cost: CostModel, variant: str, tied: TiedGroups = ()
-) -> tuple[float, float]:
-    """Fault-free 1F1B's iteration time and the best fault-free schedule's (never worse than 1F1B)."""
-    base = one_f_one_b_time(dp, pp, microbatches, cost, tied=tied)
-    return base, min(base, _best_fault_free_time(dp, pp, microbatches, cost, variant, tied))
+        generated = replace(generated, optimizer="staggered")
+    if max(worker_peaks(generated, cost)) <= memory_cap + 1e-9:
+        times.append(iteration_time(generated, cost, variant))
+    if fault_free_peak(dp, pp, microbatches, cost, tied) <= memory_cap + 1e-9:
+        times.append(one_f_one_b_time(dp, pp, microbatches, cost, tied=tied))
+    _, heuristic = _heuristic(Topology(dp=dp, pp=pp), microbatches, cost, variant, memory_cap, tied)
+    times.append(heuristic)
+    return min(times)
 
 
 def _heuristic(
-    topology: Topology, microbatches: int, cost: CostModel, variant: str, memory_cap: int, tied: TiedGroups = ()
+    topology: Topology, microbatches: int, cost: CostModel, variant: str, memory_cap: float, tied: TiedGroups = ()
 ) -> tuple[Schedule, float]:
-    """Best list schedule over a few splits of the memory cap between activations and pending W."""
+    """Best list schedule over a few splits of the memory cap between activations and pending W
+    (as fractions of the pending W's that fit: all, three quarters, half, and at most ``pp``)."""
     dp, pp = topology.dp, topology.pp
     n = dp * pp
     assignment = reroute_assignment(topology, microbatches)
     failed = frozenset(topology.worker_index(w) for w in topology.failed)
     split = variant != "adaptive"
     optimizer = "staggered" if variant == "recycle" else "global"
+    weights = [cost.memory_weights(pp)[w // dp] for w in range(n)]
+    act_caps = [max(1, int(memory_cap // max(a, 1e-300) + 1e-9)) for a, _ in weights]
+    fit_w = [max(1, int(memory_cap // w_w + 1e-9)) if w_w > 0 else microbatches * dp for _, w_w in weights]
+    fractions: list[tuple[str, float] | None]
     if not split:
-        candidates: list[int | None] = [None]
+        fractions = [None]
     elif dp * pp * microbatches > _LARGE_GRID:
-        candidates = [memory_cap]  # one list schedule: large tables stay fast
+        fractions = [("all", 1.0)]  # one list schedule: large tables stay fast
     else:
-        candidates = sorted({memory_cap, max(1, memory_cap // 2), max(1, (3 * memory_cap) // 4), min(pp, memory_cap)})
+        fractions = [("all", 1.0), ("3/4", 0.75), ("1/2", 0.5), ("pp", 0.0)]
+    candidates: dict[tuple[int | None, ...], None] = {}
+    for fraction in fractions:
+        if fraction is None:
+            candidates[(None,) * n] = None
+        elif fraction[0] == "pp":
+            candidates[tuple(min(pp, f) for f in fit_w)] = None
+        else:
+            candidates[tuple(max(1, int(f * fraction[1])) for f in fit_w)] = None
     best: tuple[Schedule, float] | None = None
-    for w_cap in candidates:
+    for w_caps in candidates:
         result = list_schedule(
             dp=dp,
             pp=pp,
@@ -123,9 +139,10 @@ def _heuristic(
             cost=cost,
             assignment=assignment,
             split_backward=split,
-            act_caps=[memory_cap] * n,
-            w_caps=[w_cap] * n,
+            act_caps=act_caps,
+            w_caps=list(w_caps),
             mem_caps=[memory_cap] * n,
+            mem_weights=weights,
         )
         schedule = lower(
             result.orders,
@@ -154,7 +171,7 @@ def plan(
     variant: str = "recycle",
     solver: str = "heuristic",
     time_limit_s: float = 10.0,
-    memory_cap: int | None = None,
+    memory_cap: float | str | None = None,
     tied: TiedGroups = (),
 ) -> Plan:
     """Plan one failure set.
@@ -166,7 +183,9 @@ def plan(
         variant: one of :data:`VARIANTS`.
         solver: ``heuristic`` (list scheduling only) or ``cpsat`` (warm-started optimization).
         time_limit_s: the solver's time limit.
-        memory_cap: micro-batch states per worker (default :func:`default_memory_cap`).
+        memory_cap: the memory a worker's micro-batch states may take, in the cost model's memory
+            unit (bytes with a profiled model, else states), or a size such as ``"24GiB"``;
+            default: fault-free 1F1B's peak (:func:`~.memory.resolve_cap`).
         tied: the model's tied groups (sorted stage tuples, e.g. ``((0, 3),)``): every surviving
             worker of a group's stages runs its TIED_REDUCE after REDUCE_GRAD, before OPT_STEP
             (see the module docstring for what it costs the staggered optimizer).
@@ -186,12 +205,10 @@ def plan(
         topology = Topology(dp=dp, pp=pp).without(failed)
     except Exception as exc:  # TopologyError names the pipeline or stage
         raise PlanningError(f"bad failure set: {exc}") from exc
-    cap = memory_cap if memory_cap is not None else default_memory_cap(pp)
-    if cap < 1:
-        raise PlanningError(f"memory_cap must be >= 1, got {cap}")
+    cap = resolve_cap(dp, pp, microbatches, cost, memory_cap, tied, split_backward=variant != "adaptive")
     started = time.perf_counter()
     schedule, value = _heuristic(topology, microbatches, cost, variant, cap, tied)
-    bound = lower_bound(topology, microbatches, cost, variant=variant, tied=tied)
+    bound = lower_bound(topology, microbatches, cost, variant=variant, tied=tied, memory_cap=cap)
     report = SolverReport(name="heuristic", status="feasible", gap=None, seconds=0.0)
     if solver == "cpsat" and value > bound + 1e-9:
         from .cpsat import improve
@@ -199,7 +216,7 @@ def plan(
         improved = improve(
             topology, microbatches, cost, variant=variant, incumbent=schedule, memory_cap=cap, time_limit_s=time_limit_s
         )
-        if improved.schedule is not None:
+        if improved.schedule is not None and max(worker_peaks(improved.schedule, cost)) <= cap + 1e-9:
             v2 = iteration_time(improved.schedule, cost, variant)
             if v2 < value - 1e-9:
                 schedule, value = improved.schedule, v2
@@ -209,7 +226,13 @@ def plan(
     report = replace(report, seconds=time.perf_counter() - started)
     validate(schedule, replayed=True)  # iteration_time() replayed it to completion
     acts, pending, state = memory_peaks(schedule)
-    base, best = _fault_free_times(dp, pp, microbatches, cost, variant, tied)
+    peaks = worker_peaks(schedule, cost)
+    if max(peaks) > cap + 1e-9:  # the list scheduler and the solver both hold the cap: a bug if not
+        raise PlanningError(f"internal error: plan peaks at {max(peaks)} over the memory cap {cap}")
+    base = one_f_one_b_time(dp, pp, microbatches, cost, tied=tied)
+    # a re-routed schedule is also a valid fault-free one (the failed worker idles), so the best
+    # fault-free figure is never above the plan itself: degradation_vs_best is never negative
+    best = min(_best_fault_free_time(dp, pp, microbatches, cost, variant, tied, cap), value)
     return Plan(
         dp=dp,
         pp=pp,
@@ -222,6 +245,8 @@ def plan(
         best_fault_free_iteration_time=best,
         lower_bound=bound,
         memory_cap=cap,
+        memory_unit=cost.memory_unit,
+        peak_memory=peaks,
         peak_activations=acts,
         peak_pending_w=pending,
         peak_state=state,

@@ -38,7 +38,8 @@ from .planner import plan
 
 __all__ = ["TableSpec", "PlanView", "PlanTable", "enumerate_keys", "build_table", "FORMAT_VERSION"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: the default memory cap became fault-free 1F1B's peak (was 2 x pp states); plans carry peak_memory."""
 _MAX_KEYS = 200_000
 
 
@@ -57,7 +58,7 @@ class TableSpec:
     variant: str = "recycle"
     solver: str = "heuristic"
     time_limit_s: float = 10.0
-    memory_cap: int | None = None
+    memory_cap: float | str | None = None
     max_failures: int = 1
     all_coverable: bool = False
     tied: TiedGroups = ()
