@@ -203,3 +203,14 @@ def test_memory_bounds_bind_on_the_reference_case():
         assert lower_bound(topology, 6, CostModel.unit(), variant="recycle", memory_cap=8) == 27
         p = plan(3, 4, 6, [W(pipeline=0, stage=s)], variant="recycle")
         assert p.lower_bound == expected and p.iteration_time >= expected
+
+
+def test_both_tie_rules_balance_the_survivors_and_the_planner_takes_the_better():
+    topology = Topology(dp=3, pp=4).without([W(pipeline=1, stage=0)])
+    first, last = reroute_assignment(topology, 6), reroute_assignment(topology, 6, ties="last")
+    assert first != last
+    for assignment in (first, last):
+        loads = [sum(1 for (p, s, m), w in assignment.items() if w == x) for x in (0, 2)]
+        assert loads == [9, 9]
+    # the reference case's stage-0 failure in pipeline 1: 33 with the first rule alone, 31 with both
+    assert plan(3, 4, 6, [W(pipeline=1, stage=0)], solver="heuristic").iteration_time <= 31

@@ -15,6 +15,7 @@ fault-free job was sized for, so more is only used when the user raises the cap
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from typing import Sequence
 
 from ..costs import CostModel, format_memory, parse_size
@@ -59,8 +60,10 @@ def worker_peaks(schedule: Schedule, cost: CostModel) -> tuple[float, ...]:
     )
 
 
+@lru_cache(maxsize=64)
 def fault_free_peak(dp: int, pp: int, microbatches: int, cost: CostModel, tied: TiedGroups = ()) -> float:
-    """The largest per-worker peak of fault-free 1F1B: the memory the job is known to fit in."""
+    """The largest per-worker peak of fault-free 1F1B: the memory the job is known to fit in (cached:
+    every plan of a table asks for it)."""
     return max(worker_peaks(one_f_one_b(dp, pp, microbatches, tied=tied), cost))
 
 

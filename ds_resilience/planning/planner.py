@@ -108,7 +108,11 @@ def _heuristic(
     (as fractions of the pending W's that fit: all, three quarters, half, and at most ``pp``)."""
     dp, pp = topology.dp, topology.pp
     n = dp * pp
-    assignment = reroute_assignment(topology, microbatches)
+    assignments = [reroute_assignment(topology, microbatches)]
+    if topology.failed and dp * pp * microbatches <= _LARGE_GRID:
+        other = reroute_assignment(topology, microbatches, ties="last")
+        if other != assignments[0]:
+            assignments.append(other)
     failed = frozenset(topology.worker_index(w) for w in topology.failed)
     split = variant != "adaptive"
     optimizer = "staggered" if variant == "recycle" else "global"
@@ -131,7 +135,7 @@ def _heuristic(
         else:
             candidates[tuple(max(1, int(f * fraction[1])) for f in fit_w)] = None
     best: tuple[Schedule, float] | None = None
-    for w_caps in candidates:
+    for assignment, w_caps in ((a, c) for a in assignments for c in candidates):
         result = list_schedule(
             dp=dp,
             pp=pp,

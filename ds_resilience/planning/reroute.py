@@ -29,13 +29,14 @@ def check_coverable(topology: Topology) -> None:
         )
 
 
-def reroute_assignment(topology: Topology, microbatches: int) -> dict[Key, int]:
+def reroute_assignment(topology: Topology, microbatches: int, *, ties: str = "first") -> dict[Key, int]:
     """Map every (pipeline, stage, micro-batch) to the worker index that runs it.
 
     Healthy workers keep their own micro-batches. For each stage, the failed workers' micro-batches
     (taken in micro-batch order, interleaving failed pipelines) go to the survivor with the least
-    load so far, ties to the one whose own work comes latest in pipeline order; this balances the
-    counts exactly and alternates between survivors.
+    load so far, ties to the lowest pipeline (``ties="first"``) or the highest (``"last"``); this
+    balances the counts exactly and alternates between survivors. The planner tries both: which
+    survivor takes the first re-routed micro-batch changes how the stages around it line up.
 
     Raises:
         PlanningError: a stage has no survivor.
@@ -52,7 +53,7 @@ def reroute_assignment(topology: Topology, microbatches: int) -> dict[Key, int]:
                 assignment[(p, s, m)] = s * dp + p
         for m in range(microbatches):
             for p in failed:
-                target = min(survivors, key=lambda q: (load[q], q))
+                target = min(survivors, key=lambda q: (load[q], q if ties == "first" else -q))
                 load[target] += 1
                 assignment[(p, s, m)] = s * dp + target
     return assignment
