@@ -163,7 +163,9 @@ def _compile(schedule: Schedule, cost: CostModel, ckpt_chunk_bytes: float, mode:
             kind = a.kind
             if kind.is_send:
                 kid = key_ids.setdefault(message_key(w, a), len(key_ids))
-                busy = ckpt_busy if kind is ActionKind.CKPT_SEND else act_busy[a.stage]
+                # a gradient crosses the boundary below its sender: the previous stage's output size
+                busy = (ckpt_busy if kind is ActionKind.CKPT_SEND else
+                        act_busy[a.stage - 1] if kind is ActionKind.SEND_GRAD else act_busy[a.stage])
                 ops.append((_SEND, a.peer, kid, busy))
             elif kind.is_recv:
                 ops.append((_RECV, key_ids.setdefault(message_key(w, a), len(key_ids))))

@@ -143,7 +143,7 @@ def improve(
             for s in range(pp - 1):
                 model.Add(tasks[("F", (p, s + 1, m))] >= tasks[("F", (p, s, m))] + dur[s][0] + link[s])
                 tb_total = dur[s + 1][1] if split else dur[s + 1][1] + dur[s + 1][2]
-                model.Add(tasks[("B", (p, s, m))] >= tasks[("B", (p, s + 1, m))] + tb_total + link[s + 1])
+                model.Add(tasks[("B", (p, s, m))] >= tasks[("B", (p, s + 1, m))] + tb_total + link[s])
     for w, intervals in per_worker.items():
         if intervals:
             model.AddNoOverlap(intervals)

@@ -145,7 +145,7 @@ def list_schedule(
                 remaining -= 1
                 if key[1] > 0:
                     prev = (key[0], key[1] - 1, key[2])
-                    grad_arrival[prev] = end + transfer(key[1])
+                    grad_arrival[prev] = end + transfer(key[1] - 1)  # the boundary below this stage
                     heapq.heappush(events, (grad_arrival[prev], assignment[prev]))
             elif ready_f and in_flight[w] < act_caps[w] and not mem_full:
                 key = min(ready_f, key=lambda k: (act_arrival[k], k[2], k[0]))
