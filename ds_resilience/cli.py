@@ -7,6 +7,7 @@ in well under a second.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 import json
 import sys
 from typing import Sequence
@@ -112,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim_cli.add_parser(sub)
     placement_cli.add_parser(sub)
     sub.add_parser("run", help="launch workers under the failure-handling agent (deepspeed launcher arguments)")
+    sub.add_parser("profile", help="measure the job's costs on its own ranks and write the cost-model JSON "
+                                   "(--out FILE [--steps K] then the run arguments)")
     sub.add_parser("demo", help="train the example GPT, kill a worker mid-run, keep training, compare")
     return parser
 
@@ -245,6 +248,37 @@ def _cmd_plan_table(args: argparse.Namespace) -> int:
     return 0
 
 
+def _profile(argv: list[str]) -> int:
+    """``ds-resilience profile --out FILE [--profile-steps K] <run arguments>``: run the job under the
+    agent for its profile iterations (``integrations/ds_profile.py``), write the cost model, and stop.
+    The profile's own options come first; everything after them goes to ``ds-resilience run``."""
+    import os
+
+    parser = argparse.ArgumentParser(prog="ds-resilience profile", description=_profile.__doc__)
+    parser.add_argument("--out", required=True, metavar="FILE", help="where the cost-model JSON goes")
+    parser.add_argument("--profile-steps", type=_positive_int, default=3,
+                        help="iterations of each kind, fused 1F1B and decoupled (default 3; one more with the memory hook)")
+    own = []
+    while argv and argv[0] in ("--out", "--profile-steps") and len(argv) >= 2:
+        own, argv = own + argv[:2], argv[2:]
+    args = parser.parse_args(own)
+    if not argv:
+        parser.error("the run arguments are missing, e.g. --num_gpus 4 train.py --deepspeed_config ds.json")
+    out = Path(args.out).resolve()
+    steps = args.profile_steps
+    os.environ.update({"DSR_PROFILE_OUT": str(out), "DSR_PROFILE_STEPS": str(steps), "DSR_PROFILE_EXIT": "1"})
+    from .runtime.agent import main_run
+
+    code = main_run(argv)
+    if code == 0 and not out.exists():
+        print(f"ds-resilience profile: error: the job ended without writing {out} (did it run "
+              f"{2 * steps + 1} iterations without a failure?)", file=sys.stderr)
+        return 2
+    if code == 0:
+        print(f"ds-resilience profile: wrote {out}; plan with it through resilience.cost_model or --cost")
+    return code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``ds-resilience``; returns the process exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -256,6 +290,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .demo import main as demo_main
 
         return demo_main(argv[1:])
+    if argv and argv[0] == "profile":
+        return _profile(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

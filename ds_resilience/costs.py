@@ -197,7 +197,7 @@ class CostModel:
         if not isinstance(data, dict):
             raise CostModelError(f"{source}: expected a JSON object, got {type(data).__name__}")
         allowed = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - allowed - {"comment"})
+        unknown = sorted(set(data) - allowed - {"comment", "measured"})  # a profile's report rides along
         if unknown:
             raise CostModelError(f"{source}: unknown keys {unknown}; allowed: {sorted(allowed)}")
         kwargs = {k: v for k, v in data.items() if k in allowed}

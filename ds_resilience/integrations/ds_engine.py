@@ -50,6 +50,7 @@ from .ds_checkpoint_engine import install as install_checkpoint_engine
 from .ds_instructions import ActionSchedule, IRAction
 from .ds_checkpoints import export_stage, save_on_survivors
 from .ds_evaluation import evaluate
+from .ds_profile import from_environ as profile_from_environ
 from .ds_reporting import is_reporter, report
 from .ds_data import DataIterFactory, engine_batch_source
 from .ds_stage import DeepSpeedStage, activation_checkpointing, tied_layout
@@ -169,6 +170,9 @@ class ResilientPipelineEngine(PipelineEngine):
                 self.tier.capture_due()  # the initial state, step 0
         if rejoin and self.alive:
             self.recovery.join()
+        # the profile (DSR_PROFILE_OUT, set by `ds-resilience profile`): a fresh, fault-free start only
+        fresh = not failed and not rejoin and not (launch is not None and launch.restart)
+        self.profiler = profile_from_environ(self) if fresh else None
 
     # --- construction ----------------------------------------------------------------------------------
     def _configure_optimizer(self, client_optimizer, model_parameters):
@@ -449,6 +453,8 @@ class ResilientPipelineEngine(PipelineEngine):
 
     def _train_iteration(self):
         started = time.perf_counter()
+        if self.profiler is not None:
+            self.profiler.before()  # the profile's iterations run its own schedules
         self.executor.resolve()  # the previous step is validated before this iteration's forwards
         self.executor.begin_iteration(self.global_steps)
         self.tier.begin_iteration(self.schedule, self.my_index, self.provider.cost)
@@ -460,6 +466,8 @@ class ResilientPipelineEngine(PipelineEngine):
         # next forward needs an activation that follows the first stage's step): train_batch
         # returns a final state, and no stage's step waited for another's gradients
         self.executor.resolve()
+        if self.profiler is not None:
+            self.profiler.after()
         elapsed = time.perf_counter() - started
         self.tier.end_iteration(elapsed)
         if self.persistent_engine is not None and self.checkpoint_engine is self.persistent_engine:

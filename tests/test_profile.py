@@ -1,0 +1,94 @@
+"""The profile: rows measured on the ranks -> one cost model; the engine's profile iterations are
+real training; ``ds-resilience profile`` writes a model the planner plans with."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ds_resilience.costs import CostModel
+from ds_resilience.errors import CostModelError
+from ds_resilience.planning.memory import resolve_cap
+from ds_resilience.planning.planner import plan
+from ds_resilience.planning.profile import cost_from_profile, profile_summary
+from ds_resilience.topology import Worker
+
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+from test_live import REPO, SCRIPT, assert_equal_to_reference, logs, run_job  # noqa: E402
+
+
+def _row(rank, stage, f, b, w, bw, *, state=100, pending=40, act=10, latency=None, bandwidth=None):
+    row = {"rank": rank, "stage": stage, "state_bytes": state, "pending_w_bytes": pending, "activation_bytes": act,
+           "durations": {"F": f, "B": b, "W": w, "BW": bw, "OPT": [0.5], "RD": [0.25]}}
+    if latency:
+        row.update(p2p_latency=latency, p2p_bandwidth=bandwidth)
+    return row
+
+
+def test_rows_become_per_stage_medians():
+    rows = [_row(0, 0, [1, 2, 9], [1], [2], [2.5], latency=0.1, bandwidth=100.0),
+            _row(1, 0, [2, 2], [3], [2], [3.5], state=300, latency=0.3, bandwidth=300.0),
+            _row(2, 1, [4], [5], [6], [10.0], act=0, pending=80)]
+    cost = cost_from_profile(rows, 2, name="p")
+    assert cost.t_f == (2.0, 4.0) and cost.t_b == (2.0, 5.0) and cost.t_w == (2.0, 6.0)
+    assert cost.t_opt == (0.5, 0.5) and cost.t_reduce == (0.25, 0.25)
+    assert cost.state_bytes == (200.0, 100.0) and cost.pending_w_bytes == (40.0, 80.0)
+    assert cost.p2p_latency == pytest.approx(0.2) and cost.p2p_bandwidth == pytest.approx(200.0)
+    summary = profile_summary(rows, 2, cost)
+    assert summary["measured"]["fused_backward"] == [3.0, 10.0]
+    assert summary["measured"]["split_over_fused"] == [pytest.approx(4 / 3), pytest.approx(1.1)]
+    # the file form loads back as the same model (the report rides along)
+    assert CostModel.from_dict(json.loads(json.dumps(summary))) == cost
+
+
+def test_incomplete_profiles_are_named():
+    with pytest.raises(CostModelError, match=r"no rank reported for stages \[1\]"):
+        cost_from_profile([_row(0, 0, [1], [1], [1], [2])], 2)
+    with pytest.raises(CostModelError, match=r"t_b was not measured on stages \[0\]"):
+        cost_from_profile([_row(0, 0, [1], [], [1], [2])], 1)
+
+
+@pytest.mark.timeout(600)
+def test_profile_iterations_are_training_and_write_a_model_the_planner_uses(tmp_path, monkeypatch):
+    """Under the agent, DSR_PROFILE_OUT makes the first 2 x 2 + 1 iterations the profile (fused,
+    then decoupled); training goes on, and every rank ends where a run without the profile ends."""
+    code, _, reference = run_job(tmp_path, name="ref")
+    assert code == 0, logs(tmp_path, "ref")
+    out = tmp_path / "profile.json"
+    monkeypatch.setenv("DSR_PROFILE_OUT", str(out))
+    monkeypatch.setenv("DSR_PROFILE_STEPS", "2")
+    code, _, dumps = run_job(tmp_path, name="prof")
+    assert code == 0, logs(tmp_path, "prof")
+    assert_equal_to_reference(dumps, reference)
+    data = json.loads(out.read_text())
+    cost = CostModel.load(out)
+    assert all(x > 0 for x in cost.t_f + cost.t_b + cost.t_w + cost.t_opt + cost.t_reduce)
+    assert all(x > 0 for x in cost.state_bytes + cost.pending_w_bytes) and cost.activation_bytes[0] > 0
+    assert cost.p2p_latency > 0 and cost.p2p_bandwidth > 0
+    measured = data["measured"]
+    assert all(x > 0 for x in measured["fused_backward"]) and measured["ranks"] == [0, 1, 2, 3]
+    # 4 micro-batches per pipeline, 4 ranks: fused BW in 2 iterations, B and W in 2, F in all 4
+    assert measured["samples"] == {"F": 4 * 4 * 4, "B": 4 * 2 * 4, "W": 4 * 2 * 4, "BW": 4 * 2 * 4}
+    # memory in bytes: the default cap is 1F1B's peak (stage 0 holds 2 micro-batches' activations)
+    assert resolve_cap(2, 2, 4, cost) == pytest.approx(max(2 * cost.state_bytes[0], cost.state_bytes[1]))
+    p = plan(2, 2, 4, [Worker(pipeline=0, stage=1)], cost=cost, variant="decoupled", solver="heuristic")
+    assert p.memory_unit == "bytes" and max(p.peak_memory) <= p.memory_cap
+    assert p.iteration_time >= p.lower_bound - 1e-12
+
+
+@pytest.mark.timeout(300)
+def test_the_profile_command_writes_the_model_and_stops(tmp_path):
+    out = tmp_path / "cost.json"
+    cmd = [sys.executable, "-m", "ds_resilience.cli", "profile", "--out", str(out), "--profile-steps", "1",
+           "--num_gpus", "4", "--log_dir", str(tmp_path / "logs"), str(SCRIPT), "--deepspeed_config",
+           str(REPO / "configs" / "gpt_cpu_pp2_dp2.json"), "--steps", "40"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240,
+                          env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "wrote" in proc.stdout and out.exists()
+    assert CostModel.load(out).has_memory
+    # it stopped after the profile (3 iterations), not after the script's 40 steps
+    assert "step  39" not in proc.stdout + proc.stderr
