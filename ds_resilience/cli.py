@@ -13,7 +13,7 @@ import sys
 from typing import Sequence
 
 from .errors import ResilienceError
-from .vocab import SCHEDULES, SOLVERS, VARIANTS
+from .vocab import SCHEDULES, SOLVERS, VARIANT_CHOICES, VARIANTS
 
 __all__ = ["main", "build_parser"]
 
@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--fail", metavar="P:S[,P:S]", help="failed workers: plan the re-routed schedule")
     plan.add_argument(
         "--variant",
-        choices=VARIANTS,
+        choices=VARIANT_CHOICES,
         default="recycle",
         help="with --fail: re-routing only / + decoupled backward / + staggered optimizer (default)",
     )
@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_grid(table)
     table.add_argument("--max-failures", type=int, default=1, help="tolerance: failures per set (default 1)")
     table.add_argument("--all-coverable", action="store_true", help="also every set leaving each stage a replica")
-    table.add_argument("--variant", choices=VARIANTS, default="recycle")
+    table.add_argument("--variant", choices=VARIANT_CHOICES, default="recycle")
     table.add_argument("--solver", choices=SOLVERS, default="heuristic")
     table.add_argument("--time-limit", type=float, default=10.0)
     table.add_argument("--memory-cap", type=_memory_cap, metavar="CAP", help="as for plan")

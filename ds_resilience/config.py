@@ -66,7 +66,7 @@ from typing import Any, Callable, ClassVar
 from .costs import CostModel, parse_size
 from .errors import ConfigError, CostModelError, TopologyError
 from .topology import Worker, format_worker, parse_worker
-from .vocab import FAULT_KINDS, FAULT_POINTS, SCHEDULES, SOLVERS, VARIANTS
+from .vocab import FAULT_KINDS, FAULT_POINTS, SCHEDULES, SOLVERS, VARIANT_CHOICES, VARIANTS
 
 __all__ = [
     "ResilienceConfig", "PlannerConfig", "DetectorConfig", "FaultInjection", "CheckpointConfig",
@@ -337,7 +337,8 @@ class ResilienceConfig(_Section):
     enabled: bool = _opt(bool, "turn the plugin on", default=True)
     schedule: str = _opt(str, "fault-free schedule", default="1f1b", choices=SCHEDULES)
     variant: str = _opt(str, "techniques when degraded: re-routing only; + decoupled backward; "
-                        "+ staggered optimizer", default="recycle", choices=VARIANTS)
+                        "+ staggered optimizer; auto: per failure set, the one the cost model predicts fastest",
+                        default="recycle", choices=VARIANT_CHOICES)
     max_failures: int = _opt(int, "plans are precomputed for every failure set up to this size",
                              default=1, minimum=0)
     microbatches: int | None = _opt(int, "micro-batches per pipeline; null = DeepSpeed's "

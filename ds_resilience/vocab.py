@@ -8,13 +8,17 @@ injector all take their choices from here.
 
 from __future__ import annotations
 
-__all__ = ["SCHEDULES", "VARIANTS", "SOLVERS", "FAULT_POINTS", "ITERATION_POINTS", "FAULT_KINDS"]
+__all__ = ["SCHEDULES", "VARIANTS", "VARIANT_CHOICES", "SOLVERS", "FAULT_POINTS", "ITERATION_POINTS", "FAULT_KINDS"]
 
 SCHEDULES = ("1f1b", "decoupled")
 """Fault-free schedules :func:`ds_resilience.planning.generate` builds."""
 
 VARIANTS = ("adaptive", "decoupled", "recycle")
 """Planner variants: re-routing only; + decoupled backward; + staggered optimizer."""
+
+VARIANT_CHOICES = VARIANTS + ("auto",)
+"""What a user may ask for: a variant, or ``auto``: per failure set, the variant the cost model (a
+profile) predicts fastest within the memory cap."""
 
 SOLVERS = ("heuristic", "cpsat")
 """Planner solvers: list scheduling only, or CP-SAT warm-started from it."""

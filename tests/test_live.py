@@ -24,7 +24,7 @@ STEPS = 8
 POINTS = ("before_forward", "mid_backward", "in_reduce", "in_optimizer")
 
 
-def _config(tmp: Path, *, dp: int, faults=(), name="cfg", checkpoint=None, deepspeed=None) -> Path:
+def _config(tmp: Path, *, dp: int, faults=(), name="cfg", checkpoint=None, deepspeed=None, resilience=None) -> Path:
     base = json.loads((REPO / "configs" / "gpt_cpu_pp2_dp2.json").read_text())
     base["optimizer"] = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}
     base.update(deepspeed or {})
@@ -34,6 +34,7 @@ def _config(tmp: Path, *, dp: int, faults=(), name="cfg", checkpoint=None, deeps
         "fault_injection": list(faults),
         "detector": {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 2.0, "pg_timeout_s": 60.0},
         "checkpoint": {"persistent_dir": str(tmp / "ckpt"), **(checkpoint or {})},
+        **(resilience or {}),
     }
     path = tmp / f"{name}.json"
     path.write_text(json.dumps(base))
@@ -41,9 +42,10 @@ def _config(tmp: Path, *, dp: int, faults=(), name="cfg", checkpoint=None, deeps
 
 
 def run_job(tmp: Path, *, world: int = 4, faults=(), name="job", rejoin_after=None, steps=STEPS, pace=0.0,
-            checkpoint=None, max_restarts=0, extra=(), deepspeed=None):
+            checkpoint=None, max_restarts=0, extra=(), deepspeed=None, resilience=None):
     """Run the GPT under the agent; returns (exit code, agent events, per-rank dumps)."""
-    cfg = _config(tmp, dp=world // 2, faults=faults, name=name, checkpoint=checkpoint, deepspeed=deepspeed)
+    cfg = _config(tmp, dp=world // 2, faults=faults, name=name, checkpoint=checkpoint, deepspeed=deepspeed,
+                  resilience=resilience)
     dump = tmp / name
     agent = Agent(
         SCRIPT,

@@ -218,3 +218,16 @@ def test_both_tie_rules_balance_the_survivors_and_the_planner_takes_the_better()
         assert loads == [9, 9]
     # the reference case's stage-0 failure in pipeline 1: 33 with the first rule alone, 31 with both
     assert plan(3, 4, 6, [W(pipeline=1, stage=0)], solver="heuristic").iteration_time <= 31
+
+
+def test_auto_takes_the_fastest_variant_that_fits():
+    p = plan(3, 4, 6, [W(pipeline=0, stage=1)], variant="auto", solver="heuristic")
+    choice = p.extra["variant_choice"]
+    assert set(choice) == {"adaptive", "decoupled", "recycle"}
+    assert p.iteration_time == min(choice.values()) and choice[p.variant] == p.iteration_time
+    assert p.variant == "decoupled"  # decoupled and recycle tie at 30 under this cap: the simpler one
+    # a pending W that does not fit the default cap rules the split variants out, not the plan
+    odd = CostModel(state_bytes=(100.0, 100.0), pending_w_bytes=(300.0, 100.0))
+    p = plan(2, 2, 4, [W(pipeline=1, stage=0)], cost=odd, variant="auto")
+    assert p.variant == "adaptive" and "not planned" in p.extra["variant_choice"]["recycle"]
+    assert "variant_choice" in p.to_dict(with_schedule=False)

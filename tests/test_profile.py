@@ -77,6 +77,20 @@ def test_profile_iterations_are_training_and_write_a_model_the_planner_uses(tmp_
     p = plan(2, 2, 4, [Worker(pipeline=0, stage=1)], cost=cost, variant="decoupled", solver="heuristic")
     assert p.memory_unit == "bytes" and max(p.peak_memory) <= p.memory_cap
     assert p.iteration_time >= p.lower_bound - 1e-12
+    # the engine plans with the profile, picks the variant it predicts fastest, and says so
+    monkeypatch.delenv("DSR_PROFILE_OUT")
+    fault = {"rank": 3, "step": 3, "point": "mid_backward", "kind": "sigkill"}
+    code, _, dumps = run_job(tmp_path, name="auto", faults=[fault],
+                             resilience={"variant": "auto", "cost_model": str(out),
+                                         "planner": {"solver": "heuristic", "cache_dir": str(tmp_path / "plans")}})
+    assert code == 0, logs(tmp_path, "auto")
+    assert_equal_to_reference(dumps, reference, dead=[3])
+    text = logs(tmp_path, "auto")
+    line = next(x for x in text.splitlines() if "plan for failed 1:1" in x)
+    assert "chosen among adaptive" in line and f"{cost.name} costs" in line
+    chosen = line.split("variant ")[1].split(",")[0]
+    times = {part.split()[0]: float(part.split()[1]) for part in line.split("chosen among ")[1].split(", ")}
+    assert chosen == min(times, key=times.get)
 
 
 @pytest.mark.timeout(300)

@@ -51,7 +51,7 @@ from .ds_instructions import ActionSchedule, IRAction
 from .ds_checkpoints import export_stage, save_on_survivors
 from .ds_evaluation import evaluate
 from .ds_profile import from_environ as profile_from_environ
-from .ds_reporting import is_reporter, report
+from .ds_reporting import is_reporter, plan_line, report
 from .ds_data import DataIterFactory, engine_batch_source
 from .ds_stage import DeepSpeedStage, activation_checkpointing, tied_layout
 
@@ -367,6 +367,10 @@ class ResilientPipelineEngine(PipelineEngine):
 
     def _adopt(self, generation: Generation) -> None:
         self.generation = generation
+        figures = generation.figures
+        if figures and generation.groups is not None and is_reporter(self):
+            failed = ",".join(sorted(str(w) for w in generation.topology.failed)) or "none"
+            print(f"[ds_resilience] {plan_line(figures, self.provider.cost.name, failed)}", flush=True)
 
     def _restore_after_restart(self) -> None:
         # ZeRO-0: the data-parallel replicas of a stage hold identical states, so any of them

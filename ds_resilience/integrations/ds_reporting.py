@@ -12,7 +12,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-__all__ = ["is_reporter", "report", "write_csv_events", "write_monitor"]
+__all__ = ["is_reporter", "plan_line", "report", "write_csv_events", "write_monitor"]
 
 
 def write_monitor(engine, events: list[tuple[str, float, int]]) -> None:
@@ -29,6 +29,20 @@ def write_monitor(engine, events: list[tuple[str, float, int]]) -> None:
         engine._monitor_warned = True
         print(f"[ds_resilience] rank {engine.rank}: rank 0 failed; the tensorboard/wandb/comet monitors lived "
               f"there and stop (csv_monitor continues from this rank)", flush=True)
+
+
+def plan_line(figures: dict, cost_name: str, failed: str) -> str:
+    """One line on the plan a recovery adopted: the failed workers (actual labels: a table's stored
+    figures carry canonical ones), the variant and its predicted iteration time (in the cost model's
+    unit), and with ``variant: auto`` what the others predicted."""
+    line = (f"plan for failed {failed}: variant {figures.get('variant')}, predicted iteration "
+            f"{figures.get('iteration_time', float('nan')):.4g} ({cost_name} costs; fault-free 1F1B "
+            f"{figures.get('fault_free_iteration_time', float('nan')):.4g})")
+    choice = figures.get("variant_choice")
+    if choice:
+        line += "; chosen among " + ", ".join(
+            f"{v} {t:.4g}" if isinstance(t, (int, float)) else f"{v} ({t})" for v, t in choice.items())
+    return line
 
 
 def is_reporter(engine) -> bool:

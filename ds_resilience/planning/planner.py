@@ -38,7 +38,7 @@ from ..errors import PlanningError, ScheduleError
 from ..ir import Schedule, TiedGroups, check_tied, validate
 from ..ir.timeline import STEADY_ITERATIONS, iteration_time, memory_peaks
 from ..topology import Topology, Worker
-from ..vocab import SOLVERS, VARIANTS
+from ..vocab import SOLVERS, VARIANT_CHOICES, VARIANTS
 from .bounds import lower_bound
 from .generators import decoupled, one_f_one_b
 from .list_scheduler import list_schedule
@@ -64,8 +64,8 @@ _LARGE_GRID = 2048
 
 
 def _check_variant(variant: str, solver: str) -> None:
-    if variant not in VARIANTS:
-        raise PlanningError(f"unknown variant {variant!r}; allowed: {', '.join(VARIANTS)}")
+    if variant not in VARIANT_CHOICES:
+        raise PlanningError(f"unknown variant {variant!r}; allowed: {', '.join(VARIANT_CHOICES)}")
     if solver not in SOLVERS:
         raise PlanningError(f"unknown solver {solver!r}; allowed: {', '.join(SOLVERS)}")
 
@@ -184,7 +184,10 @@ def plan(
         dp, pp, microbatches: the grid (micro-batches per pipeline).
         failed: failed workers; empty for the fault-free plan.
         cost: the cost model (unit costs by default).
-        variant: one of :data:`VARIANTS`.
+        variant: one of :data:`VARIANTS`, or ``"auto"``: all three, and the fastest the cost model
+            predicts within the memory cap (ties to the simpler one: fused before decoupled before
+            staggered); its ``extra["variant_choice"]`` holds every variant's predicted time (or
+            why it could not be planned).
         solver: ``heuristic`` (list scheduling only) or ``cpsat`` (warm-started optimization).
         time_limit_s: the solver's time limit.
         memory_cap: the memory a worker's micro-batch states may take, in the cost model's memory
@@ -199,6 +202,9 @@ def plan(
             or bad options.
     """
     _check_variant(variant, solver)
+    if variant == "auto":
+        return _best_variant(dp, pp, microbatches, tuple(failed), cost=cost, solver=solver, time_limit_s=time_limit_s,
+                             memory_cap=memory_cap, tied=tied)
     cost = cost or CostModel.unit()
     cost.check_stages(pp)
     try:
@@ -258,3 +264,24 @@ def plan(
         cost_name=cost.name,
     )
 
+
+def _best_variant(dp: int, pp: int, microbatches: int, failed: tuple[Worker, ...], **options) -> Plan:
+    """``variant="auto"``: every variant planned, the fastest kept (see :func:`plan`)."""
+    choice: dict[str, float | str] = {}
+    best: Plan | None = None
+    errors = []
+    for v in VARIANTS:
+        try:
+            p = plan(dp, pp, microbatches, failed, variant=v, **options)
+        except PlanningError as exc:
+            if "memory" not in str(exc):  # only the memory cap rules a variant out; the rest is the set's
+                raise
+            choice[v] = f"not planned: {exc}"
+            errors.append(str(exc))
+            continue
+        choice[v] = p.iteration_time
+        if best is None or p.iteration_time < best.iteration_time - 1e-12:
+            best = p
+    if best is None:
+        raise PlanningError("no variant fits the memory cap: " + "; ".join(errors))
+    return replace(best, extra={**best.extra, "variant_choice": choice})
