@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     placement_cli.add_parser(sub)
     sub.add_parser("run", help="launch workers under the failure-handling agent (deepspeed launcher arguments)")
     sub.add_parser("profile", help="measure the job's costs on its own ranks and write the cost-model JSON "
-                                   "(--out FILE [--steps K] then the run arguments)")
+                                   "(--out FILE [--profile-steps K] then the run arguments)")
     sub.add_parser("demo", help="train the example GPT, kill a worker mid-run, keep training, compare")
     return parser
 

@@ -106,3 +106,20 @@ def test_the_profile_command_writes_the_model_and_stops(tmp_path):
     assert CostModel.load(out).has_memory
     # it stopped after the profile (3 iterations), not after the script's 40 steps
     assert "step  39" not in proc.stdout + proc.stderr
+
+
+def test_the_simulator_reads_a_profile_through_its_ratios(tmp_path, capsys):
+    from ds_resilience.cli import main
+    from ds_resilience.sim.cli import with_measured_ratios
+    from ds_resilience.sim.models import load_model
+
+    slow_w = tmp_path / "slow_w.json"
+    slow_w.write_text(json.dumps({"name": "m", "t_f": [1.0, 3.0], "t_b": [2.0, 2.0], "t_w": [4.0, 8.0]}))
+    model = with_measured_ratios(load_model("gpt2"), str(slow_w))
+    assert model.backward_ratio == pytest.approx(1.0) and model.weight_ratio == pytest.approx(3.0)
+    figures = []
+    for extra in ([], ["--cost", str(slow_w)]):
+        assert main(["simulate", "--mtbf", "2h", "--seed", "1", "--duration", "6h", "--model", "gpt2",
+                     "--systems", "ds_resilience", "--json", *extra]) == 0
+        figures.append(json.loads(capsys.readouterr().out)["systems"]["ds_resilience"]["throughput"])
+    assert figures[0] != figures[1]

@@ -35,6 +35,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--repair", metavar="DURATION", help="with --mtbf: failed nodes return after this mean time")
     known = ", ".join(list_models()) or "see configs/models"
     p.add_argument("--model", required=True, help=f"model profile name ({known}) or a profile .json path")
+    p.add_argument("--cost", metavar="FILE",
+                   help="a cost model (e.g. from ds-resilience profile): its measured B and W to F ratios replace "
+                        "the model profile's backward_ratio and weight_ratio")
     p.add_argument("--systems", default="all", help=f"'all' or a comma list of: {', '.join(SYSTEMS)}")
     p.add_argument("--checkpoint-interval", type=int, default=10, metavar="N",
                    help="checkpoint_restart (and ReCycle's persistent checkpoint): every N iterations (default 10)")
@@ -100,6 +103,21 @@ def _table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def with_measured_ratios(model, path: str):
+    """The model profile with a cost model's B and W times relative to F (summed over its stages):
+    the simulator plans every grid in layer units, so a per-stage profile enters as these ratios."""
+    from dataclasses import replace
+
+    from ..costs import CostModel
+
+    cost = CostModel.load(path)
+    pp = max(len(cost.t_f), len(cost.t_b), len(cost.t_w))
+    stages = cost.stages(pp)
+    forward = sum(c.t_f for c in stages)
+    return replace(model, backward_ratio=sum(c.t_b for c in stages) / forward,
+                   weight_ratio=sum(c.t_w for c in stages) / forward)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the ``simulate`` subcommand; returns the exit code (errors raise :class:`SimulationError`)."""
     if args.checkpoint_interval < 1:
@@ -107,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
     if args.nodes is not None and args.nodes < 1:
         raise SimulationError(f"--nodes must be >= 1, got {args.nodes}")
     model = load_model(args.model)
+    if args.cost:
+        model = with_measured_ratios(model, args.cost)
     systems = parse_systems(args.systems)
     trace = _trace(args, model.nodes)
     cache = PlanCache(model)
