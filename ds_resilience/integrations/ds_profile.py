@@ -165,24 +165,29 @@ class Profiler:
             if peer is None:
                 continue
             small, large = torch.zeros(8), torch.zeros(size // 4)
-            rtt_small = self._round_trips(small, peer, first, 20)
-            rtt_large = self._round_trips(large, peer, first, 4)
+            rtt_small = self._round_trips(small, peer, first, 21)
+            rtt_large = self._round_trips(large, peer, first, 7)
             if first:
-                latency = rtt_small / 2
-                one_way = max(rtt_large / 2 - latency, 1e-9)
-                self.row["p2p_latency"], self.row["p2p_bandwidth"] = latency, large.numel() * 4 / one_way
+                self.row["p2p_latency"] = rtt_small / 2
+                # the size difference over the time difference; no figure when the noise hides it
+                extra = (rtt_large - rtt_small) / 2
+                if extra > 0.2 * rtt_small / 2:
+                    self.row["p2p_bandwidth"] = (large.numel() - small.numel()) * 4 / extra
 
     @staticmethod
     def _round_trips(buf: torch.Tensor, peer: int, first: bool, n: int) -> float:
-        t0 = time.perf_counter()
+        """The median of ``n`` round trips (the first rank's view; the other only echoes)."""
+        trips = []
         for _ in range(n):
+            t0 = time.perf_counter()
             if first:
                 dist.send(buf, peer)
                 dist.recv(buf, peer)
             else:
                 dist.recv(buf, peer)
                 dist.send(buf, peer)
-        return (time.perf_counter() - t0) / n
+            trips.append(time.perf_counter() - t0)
+        return statistics.median(trips)
 
     # --- the end -------------------------------------------------------------------------------------------
     def _restore(self) -> None:
