@@ -10,13 +10,14 @@ Keys (under ``"resilience"``), defaults in brackets::
 
     enabled                         bool                                  [true]
     schedule                        "1f1b" | "decoupled"                  ["1f1b"]
-    variant                         "adaptive" | "decoupled" | "recycle"  ["recycle"]
+    variant                         "adaptive" | "decoupled" | "recycle" | "auto"  ["recycle"]
     max_failures                    int >= 0                              [1]
     microbatches                    int >= 1 | null                       [null]
     seed                            int >= 0                              [1234]
     clipping                        "speculative" | "barrier"             ["speculative"]
     simulate_failed                 list of "p:s" strings, no duplicates  [[]]
-    cost_model                      null | path (string) | object         [null]
+    cost_model                      null | path (string) | object         [null: unit costs]
+                                    (a path to what `ds-resilience profile` wrote)
     planner.solver                  "heuristic" | "cpsat"                 ["cpsat"]
     planner.time_limit_s            number > 0                            [10.0]
     planner.cache_dir               string                                [".plan_cache"]
