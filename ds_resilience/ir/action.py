@@ -61,14 +61,16 @@ class ActionKind(str, Enum):
 
     @property
     def is_send(self) -> bool:
-        return self in (ActionKind.SEND_ACT, ActionKind.SEND_GRAD, ActionKind.CKPT_SEND)
+        return self in SEND_KINDS
 
     @property
     def is_recv(self) -> bool:
-        return self in (ActionKind.RECV_ACT, ActionKind.RECV_GRAD, ActionKind.CKPT_RECV)
+        return self in RECV_KINDS
 
 
 COMPUTE_KINDS = frozenset({ActionKind.F, ActionKind.B, ActionKind.W, ActionKind.BW})
+SEND_KINDS = frozenset({ActionKind.SEND_ACT, ActionKind.SEND_GRAD, ActionKind.CKPT_SEND})
+RECV_KINDS = frozenset({ActionKind.RECV_ACT, ActionKind.RECV_GRAD, ActionKind.CKPT_RECV})
 COMM_KINDS = frozenset(
     {
         ActionKind.SEND_ACT,
@@ -83,6 +85,8 @@ COLLECTIVE_KINDS = frozenset({ActionKind.REDUCE_GRAD, ActionKind.TIED_REDUCE})
 _STAGE_ONLY = frozenset({ActionKind.REDUCE_GRAD, ActionKind.OPT_STEP})
 _CKPT = frozenset({ActionKind.CKPT_SEND, ActionKind.CKPT_RECV})
 _NO_PIPELINE = _STAGE_ONLY | _CKPT | {ActionKind.TIED_REDUCE}
+_NEEDS = {k: (k not in _STAGE_ONLY, k not in _NO_PIPELINE, k in COMM_KINDS) for k in ActionKind}
+"""Per kind: whether it needs a micro-batch, a pipeline and a peer (the check of every action)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -106,8 +110,18 @@ class Action:
     peer: int | None = None
 
     def __post_init__(self) -> None:
-        kind = ActionKind(self.kind)
-        object.__setattr__(self, "kind", kind)
+        kind = self.kind
+        if type(kind) is not ActionKind:
+            kind = ActionKind(kind)
+            object.__setattr__(self, "kind", kind)
+        # fast path (schedules hold tens of thousands of actions): all fields as the kind needs
+        need_mb, need_pipeline, need_peer = _NEEDS[kind]
+        mb, pipeline, peer = self.microbatch, self.pipeline, self.peer
+        if (self.stage >= 0
+                and ((mb is not None and mb >= 0) if need_mb else mb is None)
+                and ((pipeline is not None and pipeline >= 0) if need_pipeline else pipeline is None)
+                and ((peer is not None and peer >= 0) if need_peer else peer is None)):
+            return
         if self.stage < 0:
             raise ScheduleError(f"action {kind.value}: stage must be >= 0, got {self.stage}")
         needs_mb = kind not in _STAGE_ONLY

@@ -61,8 +61,16 @@ class Replay:
 
     starts: tuple[tuple[float, ...], ...]
     ends: tuple[tuple[float, ...], ...]
-    messages: tuple[tuple[int, int, ActionKind, float, float, float], ...]
+    raw_messages: list[tuple[int, int, int, float, float, float]]  # (src, dst, action index, ...)
+    workers: tuple[tuple[Action, ...], ...]  # the replayed schedule's lists (for the kinds)
     blocked: dict[int, int]
+
+    @property
+    def messages(self) -> tuple[tuple[int, int, ActionKind, float, float, float], ...]:
+        """Every message: (src, dst, kind, start, end, arrival); built on demand (a plan's rating
+        reads only the times)."""
+        workers = self.workers
+        return tuple((src, dst, workers[src][j].kind, b, e, arr) for src, dst, j, b, e, arr in self.raw_messages)
 
     @property
     def transfers(self) -> tuple[Transfer, ...]:
@@ -72,7 +80,7 @@ class Replay:
     @property
     def makespan(self) -> float:
         last = max((ends[-1] for ends in self.ends if ends), default=0.0)
-        return max([last] + [m[5] for m in self.messages])
+        return max([last] + [m[5] for m in self.raw_messages])
 
     @property
     def deadlocked(self) -> bool:
@@ -326,8 +334,7 @@ def replay(
     return Replay(
         starts=tuple(tuple(x) for x in starts),
         ends=tuple(tuple(x) for x in ends),
-        messages=tuple(
-            (src, dst, schedule.workers[src][j].kind, b, e, arr) for src, dst, j, b, e, arr in transfers
-        ),
+        raw_messages=transfers,
+        workers=schedule.workers,
         blocked=blocked,
     )

@@ -74,16 +74,20 @@ def list_schedule(
     todo: list[list[Key]] = [[] for _ in range(n)]
     for key, w in sorted(assignment.items(), key=lambda kv: (kv[0][2], kv[0][0], kv[0][1])):
         todo[w].append(key)
-    act_arrival: dict[Key, float] = {}
-    grad_arrival: dict[Key, float] = {}
-    for key in assignment:
-        if key[1] == 0:
-            act_arrival[key] = 0.0
     free_at = list(start_times) if start_times is not None else [0.0] * n
     in_flight = [0] * n
     orders: list[list[Action]] = [[] for _ in range(n)]
-    f_pending: list[list[Key]] = [list(ks) for ks in todo]  # forwards not started
-    b_ready_set: list[list[Key]] = [[] for _ in range(n)]  # forwards done, backward not started
+    # ready work as heaps ordered like the selection rule: forwards by (input arrival, micro-batch,
+    # pipeline), backwards by (gradient arrival, micro-batch, pipeline); an entry goes in when its
+    # input is sent (its arrival time is then known) and is ready once that time has come
+    f_heap: list[list[tuple[float, int, int, Key]]] = [[] for _ in range(n)]
+    b_heap: list[list[tuple[float, int, int, Key]]] = [[] for _ in range(n)]
+    f_left = [len(ks) for ks in todo]  # forwards not started (for the error message)
+    for w, keys in enumerate(todo):
+        for key in keys:
+            if key[1] == 0:
+                f_heap[w].append((0.0, key[2], key[0], key))
+        heapq.heapify(f_heap[w])
     w_pending: list[list[Key]] = [[] for _ in range(n)]
     remaining = sum(len(ks) for ks in todo) * (3 if split_backward else 2)
     # (time, worker): the worker may have something new to do at that time (it became free, or a
@@ -111,7 +115,7 @@ def list_schedule(
     makespan = 0.0
     while remaining:
         if not events:
-            stuck = {w: (len(f_pending[w]), len(b_ready_set[w]), len(w_pending[w])) for w in range(n) if todo[w]}
+            stuck = {w: (f_left[w], in_flight[w], len(w_pending[w])) for w in range(n) if todo[w]}
             raise PlanningError(f"list scheduling cannot proceed (caps too tight?); per worker (F, B, W) left: {stuck}")
         t, first = heapq.heappop(events)
         woken = {first}
@@ -121,8 +125,9 @@ def list_schedule(
             if free_at[w] > t:
                 continue
             c = stage_costs[w // dp]
-            ready_b = [k for k in b_ready_set[w] if k[1] == last or grad_arrival.get(k, float("inf")) <= t]
-            ready_f = [k for k in f_pending[w] if act_arrival.get(k, float("inf")) <= t]
+            bh, fh = b_heap[w], f_heap[w]
+            has_b = bool(bh) and bh[0][0] <= t
+            has_f = bool(fh) and fh[0][0] <= t
             w_cap = w_caps[w]
             must_w = split_backward and w_pending[w] and w_cap is not None and len(w_pending[w]) >= w_cap
             mem_cap = mem_caps[w] if mem_caps is not None else None
@@ -131,9 +136,8 @@ def list_schedule(
             # raises the memory held
             act_w = max(act_w, w_w) if split_backward else act_w
             mem_full = mem_cap is not None and held[w] + act_w > mem_cap + 1e-9
-            if ready_b and not must_w:
-                key = min(ready_b, key=lambda k: (grad_arrival.get(k, 0.0), k[2], k[0]))
-                b_ready_set[w].remove(key)
+            if has_b and not must_w:
+                key = heapq.heappop(bh)[3]
                 in_flight[w] -= 1
                 if split_backward:
                     end = emit(w, ActionKind.B, key, t, c.t_b)
@@ -145,20 +149,25 @@ def list_schedule(
                 remaining -= 1
                 if key[1] > 0:
                     prev = (key[0], key[1] - 1, key[2])
-                    grad_arrival[prev] = end + transfer(key[1] - 1)  # the boundary below this stage
-                    heapq.heappush(events, (grad_arrival[prev], assignment[prev]))
-            elif ready_f and in_flight[w] < act_caps[w] and not mem_full:
-                key = min(ready_f, key=lambda k: (act_arrival[k], k[2], k[0]))
-                f_pending[w].remove(key)
+                    arrival = end + transfer(key[1] - 1)  # the boundary below this stage
+                    owner = assignment[prev]
+                    heapq.heappush(b_heap[owner], (arrival, prev[2], prev[0], prev))
+                    heapq.heappush(events, (arrival, owner))
+            elif has_f and in_flight[w] < act_caps[w] and not mem_full:
+                key = heapq.heappop(fh)[3]
+                f_left[w] -= 1
                 in_flight[w] += 1
                 held[w] += act_w
                 end = emit(w, ActionKind.F, key, t, c.t_f)
-                b_ready_set[w].append(key)
+                if key[1] == last:  # its backward needs no gradient: ready once this forward ends
+                    heapq.heappush(bh, (0.0, key[2], key[0], key))
                 remaining -= 1
                 if key[1] < last:
                     nxt = (key[0], key[1] + 1, key[2])
-                    act_arrival[nxt] = end + transfer(key[1])
-                    heapq.heappush(events, (act_arrival[nxt], assignment[nxt]))
+                    arrival = end + transfer(key[1])
+                    owner = assignment[nxt]
+                    heapq.heappush(f_heap[owner], (arrival, nxt[2], nxt[0], nxt))
+                    heapq.heappush(events, (arrival, owner))
             elif w_pending[w]:
                 key = w_pending[w].pop(0)
                 held[w] -= w_w
