@@ -8,6 +8,8 @@ JSON fields (all optional, defaults in brackets)::
 
     name               label                                         ["unit"]
     t_f, t_b, t_w      forward, input-gradient, weight-gradient time  [1, 1, 1]
+    t_fused            the fused backward (B and W in one pass, what 1F1B runs); 0 = t_b + t_w.
+                       A profile measures it: on real hardware B + W costs more than fused  [0]
     t_opt              optimizer step time per stage                  [0]
     t_reduce           data-parallel gradient reduce time per stage   [0]
     t_tied_reduce      tied-gradient reduce time per stage (TIED_REDUCE; a tied group's reduce lasts
@@ -55,8 +57,8 @@ from .errors import CostModelError
 __all__ = ["CostModel", "StageCosts", "parse_size", "format_memory"]
 
 _PER_STAGE = ("t_f", "t_b", "t_w", "t_opt", "t_reduce", "t_tied_reduce", "t_recompute", "activation_bytes",
-              "t_undo", "state_bytes", "pending_w_bytes")
-_OPTIONAL = ("t_undo", "state_bytes", "pending_w_bytes")
+              "t_undo", "state_bytes", "pending_w_bytes", "t_fused")
+_OPTIONAL = ("t_undo", "state_bytes", "pending_w_bytes", "t_fused")
 """Per-stage fields left out of ``to_dict`` when all zero (older models keep their form and cache key)."""
 _SCALAR = ("p2p_latency", "p2p_bandwidth", "t_sync", "check_waits", "check_rollbacks")
 STEP_CHECKS = ("none", "barrier", "speculative")
@@ -110,7 +112,8 @@ def format_memory(value: float, unit: str) -> str:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StageCosts:
     """Resolved costs of one stage. ``t_b`` is B's whole time, its ``t_recompute`` included: what
-    every planner, bound and replay uses."""
+    every planner, bound and replay uses; ``t_bw`` the fused backward's (``t_fused``, or ``t_b +
+    t_w``), recompute included too."""
 
     t_f: float
     t_b: float
@@ -123,6 +126,8 @@ class StageCosts:
     t_undo: float = 0.0
     state_bytes: float = 0.0
     pending_w_bytes: float = 0.0
+    t_fused: float = 0.0
+    t_bw: float = 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -146,6 +151,7 @@ class CostModel:
     t_undo: tuple[float, ...] = (0.0,)
     state_bytes: tuple[float, ...] = (0.0,)
     pending_w_bytes: tuple[float, ...] = (0.0,)
+    t_fused: tuple[float, ...] = (0.0,)
     step_check: str = "none"
     t_sync: float = 0.0
     check_waits: float = 0.0
@@ -274,7 +280,9 @@ class CostModel:
             return values[stage]
 
         picked = {name: pick(getattr(self, name)) for name in _PER_STAGE}
+        fused = picked["t_fused"] or picked["t_b"] + picked["t_w"]
         picked["t_b"] += picked["t_recompute"]  # B recomputes the stage's forward first
+        picked["t_bw"] = fused + picked["t_recompute"]  # and so does the fused backward
         return StageCosts(**picked)
 
     @property

@@ -69,12 +69,15 @@ def test_a_cap_in_bytes_needs_memory_figures_and_must_hold_one_microbatch():
 
 def _cost(rng: random.Random, pp: int, *, in_bytes: bool) -> CostModel:
     pick = lambda *xs: tuple(rng.choice(xs) for _ in range(pp))  # noqa: E731
+    t_b, t_w = pick(0.5, 1.0, 2.0), pick(0.5, 1.0, 2.0)
     # boundary sizes as a profile gives them (the last stage sends nothing), with or without a
     # bandwidth: a gradient crosses the boundary below its sender, at that boundary's size
     acts = pick(0.0, 100.0, 400.0)[:-1] + (0.0,)
-    kwargs = dict(t_f=pick(0.5, 1.0, 2.0), t_b=pick(0.5, 1.0, 2.0), t_w=pick(0.5, 1.0, 2.0),
+    kwargs = dict(t_f=pick(0.5, 1.0, 2.0), t_b=t_b, t_w=t_w,
                   p2p_latency=rng.choice([0.0, 0.25]), t_opt=pick(0.0, 0.5), t_reduce=pick(0.0, 0.5),
-                  activation_bytes=acts, p2p_bandwidth=rng.choice([None, 400.0]))
+                  activation_bytes=acts, p2p_bandwidth=rng.choice([None, 400.0]),
+                  # a measured fused backward, cheaper than B + W (as profiles find), or none
+                  t_fused=tuple(rng.choice([0.0, 0.75 * (b + w)]) for b, w in zip(t_b, t_w)))
     if in_bytes:  # W keeps a part of what B kept: its pending state is at most the activations'
         states = pick(100.0, 250.0, 400.0)
         kwargs.update(state_bytes=states, pending_w_bytes=tuple(x * rng.choice([0.25, 0.5, 1.0]) for x in states))

@@ -35,6 +35,7 @@ def test_rows_become_per_stage_medians():
     cost = cost_from_profile(rows, 2, name="p")
     assert cost.t_f == (2.0, 4.0) and cost.t_b == (2.0, 5.0) and cost.t_w == (2.0, 6.0)
     assert cost.t_opt == (0.5, 0.5) and cost.t_reduce == (0.25, 0.25)
+    assert cost.t_fused == (3.0, 10.0) and cost.stage(0).t_bw == 3.0  # fused plans use what was measured
     assert cost.state_bytes == (200.0, 100.0) and cost.pending_w_bytes == (40.0, 80.0)
     assert cost.p2p_latency == pytest.approx(0.2) and cost.p2p_bandwidth == pytest.approx(200.0)
     summary = profile_summary(rows, 2, cost)

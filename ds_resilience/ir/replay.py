@@ -115,7 +115,7 @@ def _duration_table(cost: CostModel, pp: int) -> dict[tuple[ActionKind, int], fl
         table[ActionKind.F, s] = c.t_f
         table[ActionKind.B, s] = c.t_b
         table[ActionKind.W, s] = c.t_w
-        table[ActionKind.BW, s] = c.t_b + c.t_w
+        table[ActionKind.BW, s] = c.t_bw
         table[ActionKind.REDUCE_GRAD, s] = c.t_reduce
         table[ActionKind.OPT_STEP, s] = c.t_opt
     return table

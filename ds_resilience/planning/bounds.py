@@ -86,13 +86,20 @@ def tied_times(pp: int, cost: CostModel, tied: TiedGroups = ()) -> list[float]:
     return out
 
 
-def work_bound(topology: Topology, microbatches: int, cost: CostModel, *, tied: TiedGroups = ()) -> float:
+def _per_mb(c, split_backward: bool) -> float:
+    """One micro-batch's compute on a stage: F, then B and W, or the fused backward."""
+    return c.t_f + (c.t_b + c.t_w if split_backward else c.t_bw)
+
+
+def work_bound(
+    topology: Topology, microbatches: int, cost: CostModel, *, tied: TiedGroups = (), split_backward: bool = True
+) -> float:
     """Busiest replica's compute per iteration (plus its reduce, tied reduces and optimizer step)."""
     best = 0.0
     extra = tied_times(topology.pp, cost, tied)
     for s, load in enumerate(_loads(topology, microbatches)):
         c = cost.stage(s)
-        best = max(best, load * (c.t_f + c.t_b + c.t_w) + c.t_reduce + extra[s] + c.t_opt)
+        best = max(best, load * _per_mb(c, split_backward) + c.t_reduce + extra[s] + c.t_opt)
     return best
 
 
@@ -112,13 +119,13 @@ def fill_bound(
             continue
         c = cost.stage(s)
         below = range(s + 1, pp)
-        trip = sum(cost.stage(j).t_f + cost.stage(j).t_b + (0.0 if split_backward else cost.stage(j).t_w) for j in below)
+        trip = sum(cost.stage(j).t_f + (cost.stage(j).t_b if split_backward else cost.stage(j).t_bw) for j in below)
         trip += 2 * sum(_link(cost, j) for j in range(s, pp - 1))
         forwards = load
         if memory_cap is not None and weights[s][0] > 0:
             forwards = min(load, max(1, int(memory_cap // weights[s][0] + 1e-9)))
         idle = max(0.0, c.t_f + trip - forwards * c.t_f)
-        best = max(best, load * (c.t_f + c.t_b + c.t_w) + idle + c.t_reduce + extra[s] + c.t_opt)
+        best = max(best, load * _per_mb(c, split_backward) + idle + c.t_reduce + extra[s] + c.t_opt)
     return best
 
 
@@ -146,7 +153,7 @@ def critical_path_bound(
     for s, load in enumerate(loads):
         c = cost.stage(s)
         head = sum(cost.stage(j).t_f + _link(cost, j) for j in range(s))
-        work = load * (c.t_f + c.t_b + c.t_w)
+        work = load * _per_mb(c, split_backward)
         if split_backward:
             chain = sum(_link(cost, j) + cost.stage(j).t_b for j in range(s))
             tail_start = head + work - deferrable[s] * c.t_w
@@ -156,7 +163,7 @@ def critical_path_bound(
                 tail_start + chain + (first.t_w if s > 0 else 0.0) + extra[0] + first.t_reduce,
             )
         else:  # the gradient chain ends on stage 0 (for s = 0 too)
-            bound = head + work + sum(_link(cost, j) + cost.stage(j).t_b + cost.stage(j).t_w for j in range(s))
+            bound = head + work + sum(_link(cost, j) + cost.stage(j).t_bw for j in range(s))
             bound += extra[0] + first.t_reduce
         best = max(best, bound + step)
     return best
@@ -203,7 +210,7 @@ def lower_bound(
     """The bound that applies to ``variant`` (``adaptive``, ``decoupled`` or ``recycle``), with
     ``tied`` groups' reduces in the tails, under ``memory_cap`` (in ``cost.memory_unit``; ``None``:
     no cap)."""
-    work = max(work_bound(topology, microbatches, cost, tied=tied),
+    work = max(work_bound(topology, microbatches, cost, tied=tied, split_backward=variant != "adaptive"),
                fill_bound(topology, microbatches, cost, split_backward=variant != "adaptive", tied=tied,
                           memory_cap=memory_cap))
     if variant == "recycle":

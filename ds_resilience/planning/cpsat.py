@@ -45,15 +45,18 @@ class Improved:
     report: SolverReport
 
 
-def _scale(cost: CostModel, pp: int) -> int:
+def _scale(cost: CostModel, pp: int) -> float:
     values = [cost.p2p_latency + cost.transfer_time(cost.stage(s).activation_bytes) for s in range(pp)]
     for s in range(pp):
         c = cost.stage(s)
-        values += [c.t_f, c.t_b, c.t_w]
+        values += [c.t_f, c.t_b, c.t_w, c.t_bw]
     for factor in (1, 10, 100, 1000):
         if all(abs(v * factor - round(v * factor)) < 1e-9 for v in values):
             return factor
-    return 1000
+    # measured times (a profile, in seconds): the shortest positive one becomes 1000 units, so
+    # rounding moves nothing by more than 0.05% of it
+    smallest = min((v for v in values if v > 0), default=1.0)
+    return max(1000, 1000 / smallest)
 
 
 def improve(
@@ -79,6 +82,7 @@ def improve(
 
     link = [q(cost.p2p_latency + cost.transfer_time(cost.stage(s).activation_bytes)) for s in range(pp)]
     dur = {s: (q(cost.stage(s).t_f), q(cost.stage(s).t_b), q(cost.stage(s).t_w)) for s in range(pp)}
+    fused = {s: q(cost.stage(s).t_bw) for s in range(pp)}  # the fused backward (t_fused, or B + W)
     horizon = q(simulate(incumbent, cost).makespan) + 1
 
     # Where the incumbent runs each micro-batch, and its start times, for the hint.
@@ -101,7 +105,7 @@ def improve(
     for p in range(dp):
         for s in range(pp):
             tf, tb, tw = dur[s]
-            tb_total = tb if split else tb + tw
+            tb_total = tb if split else fused[s]
             peers = [topology.worker_index(x) for x in topology.stage_peers(s)]
             home = s * dp + p
             choices = [home] if home in peers else peers
@@ -142,7 +146,7 @@ def improve(
         for m in range(microbatches):
             for s in range(pp - 1):
                 model.Add(tasks[("F", (p, s + 1, m))] >= tasks[("F", (p, s, m))] + dur[s][0] + link[s])
-                tb_total = dur[s + 1][1] if split else dur[s + 1][1] + dur[s + 1][2]
+                tb_total = dur[s + 1][1] if split else fused[s + 1]
                 model.Add(tasks[("B", (p, s, m))] >= tasks[("B", (p, s + 1, m))] + tb_total + link[s])
     for w, intervals in per_worker.items():
         if intervals:

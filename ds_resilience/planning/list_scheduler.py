@@ -144,7 +144,7 @@ def list_schedule(
                     w_pending[w].append(key)
                     held[w] += w_w - act_w
                 else:
-                    end = emit(w, ActionKind.BW, key, t, c.t_b + c.t_w)
+                    end = emit(w, ActionKind.BW, key, t, c.t_bw)
                     held[w] -= act_w
                 remaining -= 1
                 if key[1] > 0:

@@ -8,9 +8,10 @@ activations take from F to B and its pending W from B to W, the bytes crossing i
 and, for ranks that pinged a neighbour, a latency and a bandwidth. Per stage the figure is the
 median over the stage's ranks' samples (a re-routed job measures the same code on every replica).
 
-The fused backward is measured, not assumed: ``fused_backward`` per stage is in the profile's
-``measured`` section next to ``t_b + t_w``, and their ratio says what the B/W split costs on this
-hardware. Times are in seconds. Pure Python.
+The fused backward is measured, not assumed: it is the model's ``t_fused`` (what every plan with
+a fused backward, 1F1B's included, is rated with), and the ``measured`` section puts it next to
+``t_b + t_w``: their ratio says what the B/W split costs on this hardware. Times are in seconds.
+Pure Python.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def cost_from_profile(rows: list[Mapping[str, Any]], pp: int, *, name: str = "pr
     fields: dict[str, Any] = {}
     for field, kind in _TIMES.items():
         fields[field] = _per_stage(rows, pp, lambda r, k=kind: r.get("durations", {}).get(k, ()))
+    fields["t_fused"] = _per_stage(rows, pp, lambda r: r.get("durations", {}).get("BW", ()))
     for field in ("t_f", "t_b", "t_w"):
         zero = [s for s, v in enumerate(fields[field]) if v <= 0]
         if zero:
