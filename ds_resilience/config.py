@@ -18,6 +18,8 @@ Keys (under ``"resilience"``), defaults in brackets::
     simulate_failed                 list of "p:s" strings, no duplicates  [[]]
     cost_model                      null | path (string) | object         [null: unit costs]
                                     (a path to what `ds-resilience profile` wrote)
+    profile_steps                   int >= 0 (0 = off; with cost_model null)  [0]
+    profile_out                     string | null                         [null]
     planner.solver                  "heuristic" | "cpsat"                 ["cpsat"]
     planner.time_limit_s            number > 0                            [10.0]
     planner.cache_dir               string                                [".plan_cache"]
@@ -355,6 +357,11 @@ class ResilienceConfig(_Section):
     cost_model: str | CostModel | None = _opt(
         (str, dict, CostModel), "null = unit model; a path to a cost-model JSON file; or one inline",
         default=None, nullable=True, what="a path (string) or an object", convert=_to_cost_model)
+    profile_steps: int = _opt(int, "0 = off; k: with cost_model null, the first 2k+1 iterations profile the job "
+                              "(integrations/ds_profile.py) and the engine re-plans with what they measured",
+                              default=0, minimum=0)
+    profile_out: str | None = _opt(str, "with profile_steps: where rank 0 also writes the profiled cost model",
+                                   default=None, nullable=True)
     planner: PlannerConfig = _opt(PlannerConfig, "plan-table computation", factory=PlannerConfig)
     detector: DetectorConfig = _opt(DetectorConfig, "failure detection", factory=DetectorConfig)
     fault_injection: tuple[FaultInjection, ...] = _opt(tuple, "failures to inject", default=(),

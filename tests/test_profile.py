@@ -124,3 +124,23 @@ def test_the_simulator_reads_a_profile_through_its_ratios(tmp_path, capsys):
                      "--systems", "ds_resilience", "--json", *extra]) == 0
         figures.append(json.loads(capsys.readouterr().out)["systems"]["ds_resilience"]["throughput"])
     assert figures[0] != figures[1]
+
+
+@pytest.mark.timeout(600)
+def test_the_engine_profiles_itself_and_replans_with_what_it_measured(tmp_path):
+    """resilience.profile_steps with cost_model null: the first 3 iterations profile the job, every
+    rank derives the same model and re-plans with it; a later death is planned with the profile."""
+    code, _, reference = run_job(tmp_path, name="ref")
+    assert code == 0, logs(tmp_path, "ref")
+    fault = {"rank": 3, "step": 5, "point": "mid_backward", "kind": "sigkill"}
+    out = tmp_path / "measured.json"
+    code, _, dumps = run_job(tmp_path, name="self", faults=[fault],
+                             resilience={"profile_steps": 1, "profile_out": str(out), "variant": "auto",
+                                         "planner": {"solver": "heuristic", "cache_dir": str(tmp_path / "plans")}})
+    assert code == 0, logs(tmp_path, "self")
+    assert_equal_to_reference(dumps, reference, dead=[3])
+    text = logs(tmp_path, "self")
+    assert "plans rebuilt with the profiled costs (profile-measured)" in text
+    line = next(x for x in text.splitlines() if "plan for failed 1:1" in x)
+    assert "(profile-measured costs" in line and "chosen among adaptive" in line
+    assert CostModel.load(out).t_fused[0] > 0

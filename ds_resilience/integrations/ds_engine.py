@@ -50,7 +50,7 @@ from .ds_checkpoint_engine import install as install_checkpoint_engine
 from .ds_instructions import ActionSchedule, IRAction
 from .ds_checkpoints import export_stage, save_on_survivors
 from .ds_evaluation import evaluate
-from .ds_profile import from_environ as profile_from_environ
+from .ds_profile import from_engine as profile_from_engine
 from .ds_reporting import is_reporter, plan_line, report
 from .ds_data import DataIterFactory, engine_batch_source
 from .ds_stage import DeepSpeedStage, activation_checkpointing, tied_layout
@@ -117,6 +117,7 @@ class ResilientPipelineEngine(PipelineEngine):
         self.eval_source = eval_source
         self.stage_host = DeepSpeedStage(self)
         self.tied_groups, tied_params = tied_layout(self.module)
+        self._config_dir = config_dir
         self.provider = self._schedule_provider(config_dir)
         self.coordinator = self._coordinator() if live else None
         self.faults = FaultInjector(resilience.fault_injection, self.rank, launch=launch)
@@ -172,7 +173,7 @@ class ResilientPipelineEngine(PipelineEngine):
             self.recovery.join()
         # the profile (DSR_PROFILE_OUT, set by `ds-resilience profile`): a fresh, fault-free start only
         fresh = not failed and not rejoin and not (launch is not None and launch.restart)
-        self.profiler = profile_from_environ(self) if fresh else None
+        self.profiler = profile_from_engine(self, on_done=self._replan) if fresh else None
 
     # --- construction ----------------------------------------------------------------------------------
     def _configure_optimizer(self, client_optimizer, model_parameters):
@@ -293,10 +294,20 @@ class ResilientPipelineEngine(PipelineEngine):
         store = self._store()
         return store.get(key) if store.check([key]) else None
 
-    def _schedule_provider(self, base_dir: Path | None) -> ScheduleProvider:
+    def _replan(self, cost) -> None:
+        """The profile is in (``resilience.profile_steps``): plan every failure set with it."""
+        started = time.perf_counter()
+        self.provider = self._schedule_provider(self._config_dir, cost=cost)
+        if self.recovery is not None:
+            self.recovery.provider = self.provider
+        if is_reporter(self):
+            print(f"[ds_resilience] plans rebuilt with the profiled costs ({cost.name}) in "
+                  f"{time.perf_counter() - started:.2f}s", flush=True)
+
+    def _schedule_provider(self, base_dir: Path | None, cost=None) -> ScheduleProvider:
         cfg = self.resilience
         planner = cfg.planner
-        cost = cfg.cost(base_dir)
+        cost = cost if cost is not None else cfg.cost(base_dir)
         if float(self.gradient_clipping() or 0.0) > 0 or self.fp16_enabled():
             # plans are rated with the step check they will run: the barrier, or speculation with
             # its publish / validate traffic (and the fractions of waits and rollbacks the cost

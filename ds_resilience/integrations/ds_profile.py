@@ -40,7 +40,7 @@ from ..planning.profile import cost_from_profile, profile_summary
 from ..costs import CostModel
 from ..topology import Worker
 
-__all__ = ["Profiler", "from_environ"]
+__all__ = ["Profiler", "from_environ", "from_engine"]
 
 ENV_OUT, ENV_STEPS, ENV_EXIT = "DSR_PROFILE_OUT", "DSR_PROFILE_STEPS", "DSR_PROFILE_EXIT"
 
@@ -52,6 +52,18 @@ def from_environ(engine) -> "Profiler | None":
         return None
     steps = int(os.environ.get(ENV_STEPS, "3"))
     return Profiler(engine, out=Path(out), steps=steps, exit_after=os.environ.get(ENV_EXIT) == "1")
+
+
+def from_engine(engine, on_done=None) -> "Profiler | None":
+    """The environment's profiler, else the config's (``resilience.profile_steps`` with
+    ``cost_model`` null): then ``on_done(cost)`` runs on every rank once the model is known (the
+    engine re-plans with it)."""
+    profiler = from_environ(engine)
+    cfg = engine.resilience
+    if profiler is None and cfg.profile_steps and cfg.cost_model is None:
+        out = Path(cfg.profile_out) if cfg.profile_out else None
+        profiler = Profiler(engine, out=out, steps=cfg.profile_steps, on_done=on_done)
+    return profiler
 
 
 def _nbytes(value: Any) -> int:
@@ -67,10 +79,12 @@ def _nbytes(value: Any) -> int:
 class Profiler:
     """Drives the engine's first ``2 * steps + 1`` iterations as the profile (module docstring)."""
 
-    def __init__(self, engine, *, out: Path, steps: int = 3, exit_after: bool = False) -> None:
+    def __init__(self, engine, *, out: Path | None, steps: int = 3, exit_after: bool = False, on_done=None) -> None:
         if steps < 1:
             raise ValueError(f"{ENV_STEPS} must be >= 1, got {steps}")
         self.engine, self.out, self.steps, self.exit_after = engine, out, steps, exit_after
+        self.on_done = on_done
+        self.cost: CostModel | None = None
         self.iteration = 0
         self.done = False
         self.row: dict[str, Any] = {"rank": dist.get_rank(), "stage": engine.stage_id, "durations": {}}
@@ -211,18 +225,25 @@ class Profiler:
         rows: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(rows, row)
         pp = self.engine.topology.pp
+        # every rank holds every row, so every rank derives the same model (the engine re-plans with it)
+        name = f"profile-{self.out.stem}" if self.out is not None else "profile"
+        cost = self.cost = cost_from_profile(rows, pp, name=name)
         if dist.get_rank() == 0:
-            cost = cost_from_profile(rows, pp, name=f"profile-{self.out.stem}")
             summary = profile_summary(rows, pp, cost)
-            self.out.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.out.with_suffix(self.out.suffix + ".tmp")
-            tmp.write_text(json.dumps(summary, indent=1))
-            tmp.replace(self.out)
+            where = "kept in memory"
+            if self.out is not None:
+                self.out.parent.mkdir(parents=True, exist_ok=True)
+                tmp = self.out.with_suffix(self.out.suffix + ".tmp")
+                tmp.write_text(json.dumps(summary, indent=1))
+                tmp.replace(self.out)
+                where = f"written to {self.out}"
             ratio = ", ".join("n/a" if r is None else f"{r:.2f}" for r in summary["measured"]["split_over_fused"])
-            print(f"[ds_resilience] profile of {len(rows)} ranks ({2 * self.steps + 1} iterations) written to "
-                  f"{self.out}; per stage t_F {_ms(cost.t_f)}, t_B {_ms(cost.t_b)}, t_W {_ms(cost.t_w)}, fused "
+            print(f"[ds_resilience] profile of {len(rows)} ranks ({2 * self.steps + 1} iterations) {where}; "
+                  f"per stage t_F {_ms(cost.t_f)}, t_B {_ms(cost.t_b)}, t_W {_ms(cost.t_w)}, fused "
                   f"{_ms(summary['measured']['fused_backward'])}; (B+W)/fused {ratio}", file=sys.stderr, flush=True)
         dist.barrier()
+        if self.on_done is not None:
+            self.on_done(cost)
         if self.exit_after:
             self.engine.close_snapshots()
             sys.stdout.flush()
