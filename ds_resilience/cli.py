@@ -7,9 +7,9 @@ in well under a second.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 import json
 import sys
+from pathlib import Path
 from typing import Sequence
 
 from .errors import ResilienceError

@@ -12,6 +12,7 @@ __all__ = [
     "TopologyError",
     "ScheduleError",
     "PlanningError",
+    "MemoryCapError",
     "CostModelError",
 ]
 
@@ -56,3 +57,8 @@ class ScheduleError(ResilienceError):
 
 class PlanningError(ResilienceError, ValueError):
     """The planner cannot produce a schedule for the request (e.g. a stage lost every replica)."""
+
+
+class MemoryCapError(PlanningError):
+    """The memory cap cannot hold one micro-batch's state for the variant asked for (the planner's
+    ``auto`` variant rules that variant out instead of failing)."""

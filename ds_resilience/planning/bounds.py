@@ -108,16 +108,18 @@ def fill_bound(
     memory_cap: float | None = None,
 ) -> float:
     """The work bound plus the idle a memory cap forces before each iteration's first B (module
-    docstring); equal to :func:`work_bound` when no stage's round trip outlasts its forwards."""
+    docstring): never below :func:`work_bound`, equal to it when no stage's round trip outlasts its
+    forwards."""
     pp = topology.pp
     loads = _loads(topology, microbatches)
     extra = tied_times(pp, cost, tied)
     weights = cost.memory_weights(pp)
     best = 0.0
     for s, load in enumerate(loads):
-        if not load:
-            continue
         c = cost.stage(s)
+        if not load:  # no replica left: the work bound's term (no forwards, so no round trip to wait for)
+            best = max(best, c.t_reduce + extra[s] + c.t_opt)
+            continue
         below = range(s + 1, pp)
         trip = sum(cost.stage(j).t_f + (cost.stage(j).t_b if split_backward else cost.stage(j).t_bw) for j in below)
         trip += 2 * sum(_link(cost, j) for j in range(s, pp - 1))
@@ -210,9 +212,9 @@ def lower_bound(
     """The bound that applies to ``variant`` (``adaptive``, ``decoupled`` or ``recycle``), with
     ``tied`` groups' reduces in the tails, under ``memory_cap`` (in ``cost.memory_unit``; ``None``:
     no cap)."""
-    work = max(work_bound(topology, microbatches, cost, tied=tied, split_backward=variant != "adaptive"),
-               fill_bound(topology, microbatches, cost, split_backward=variant != "adaptive", tied=tied,
-                          memory_cap=memory_cap))
+    # the fill bound holds the work bound (its idle term is >= 0)
+    work = fill_bound(topology, microbatches, cost, split_backward=variant != "adaptive", tied=tied,
+                      memory_cap=memory_cap)
     if variant == "recycle":
         return max(work, tied_cycle_bound(topology, microbatches, cost, tied),
                    stage0_cycle_bound(topology, microbatches, cost, tied=tied, memory_cap=memory_cap))

@@ -19,11 +19,12 @@ from functools import lru_cache
 from typing import Sequence
 
 from ..costs import CostModel, format_memory, parse_size
-from ..errors import PlanningError
+from ..errors import MemoryCapError, PlanningError
 from ..ir import Action, ActionKind, Schedule, TiedGroups
 from .generators import one_f_one_b
 
 __all__ = ["parse_memory", "worker_peaks", "fault_free_peak", "resolve_cap", "max_deferred_w", "format_memory"]
+
 
 def parse_memory(value: object, *, what: str = "memory_cap") -> tuple[float, bool]:
     """:func:`~ds_resilience.costs.parse_size`, raising :class:`PlanningError`."""
@@ -79,7 +80,7 @@ def resolve_cap(
     Raises:
         PlanningError: a bad cap, a size for a model without memory figures, or a cap (given or
             default) below one micro-batch's activations, or, with ``split_backward``, below one
-            pending W, on some stage.
+            pending W, on some stage (those two: :class:`MemoryCapError`).
     """
     unit = cost.memory_unit
     if memory_cap is None:
@@ -95,11 +96,11 @@ def resolve_cap(
     weights = cost.memory_weights(pp)
     stage, act = max(enumerate(a for a, _ in weights), key=lambda x: x[1])
     if cap < act - 1e-9:
-        raise PlanningError(f"{named} cannot hold one micro-batch's activations ({format_memory(act, unit)} on "
+        raise MemoryCapError(f"{named} cannot hold one micro-batch's activations ({format_memory(act, unit)} on "
                             f"stage {stage}); allowed: a cap >= that")
     stage, pend = max(enumerate(w for _, w in weights), key=lambda x: x[1])
     if split_backward and cap < pend - 1e-9:
-        raise PlanningError(f"{named} cannot hold one micro-batch's pending W ({format_memory(pend, unit)} on "
+        raise MemoryCapError(f"{named} cannot hold one micro-batch's pending W ({format_memory(pend, unit)} on "
                             f"stage {stage}), which the decoupled backward needs: raise memory_cap to at least "
                             "that, or plan the adaptive (fused backward) variant")
     return cap

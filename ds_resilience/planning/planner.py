@@ -34,7 +34,7 @@ from functools import lru_cache
 from typing import Iterable
 
 from ..costs import CostModel
-from ..errors import PlanningError, ScheduleError
+from ..errors import MemoryCapError, PlanningError, ScheduleError
 from ..ir import Schedule, TiedGroups, check_tied, validate
 from ..ir.timeline import STEADY_ITERATIONS, iteration_time, memory_peaks
 from ..topology import Topology, Worker
@@ -116,24 +116,18 @@ def _heuristic(
     failed = frozenset(topology.worker_index(w) for w in topology.failed)
     split = variant != "adaptive"
     optimizer = "staggered" if variant == "recycle" else "global"
-    weights = [cost.memory_weights(pp)[w // dp] for w in range(n)]
+    per_stage = cost.memory_weights(pp)
+    weights = [per_stage[w // dp] for w in range(n)]
     act_caps = [max(1, int(memory_cap // max(a, 1e-300) + 1e-9)) for a, _ in weights]
     fit_w = [max(1, int(memory_cap // w_w + 1e-9)) if w_w > 0 else microbatches * dp for _, w_w in weights]
-    fractions: list[tuple[str, float] | None]
+    candidates: list[tuple[int | None, ...]]
     if not split:
-        fractions = [None]
+        candidates = [(None,) * n]
     elif dp * pp * microbatches > _LARGE_GRID:
-        fractions = [("all", 1.0)]  # one list schedule: large tables stay fast
-    else:
-        fractions = [("all", 1.0), ("3/4", 0.75), ("1/2", 0.5), ("pp", 0.0)]
-    candidates: dict[tuple[int | None, ...], None] = {}
-    for fraction in fractions:
-        if fraction is None:
-            candidates[(None,) * n] = None
-        elif fraction[0] == "pp":
-            candidates[tuple(min(pp, f) for f in fit_w)] = None
-        else:
-            candidates[tuple(max(1, int(f * fraction[1])) for f in fit_w)] = None
+        candidates = [tuple(fit_w)]  # one list schedule: large tables stay fast
+    else:  # distinct ones, in this order
+        candidates = list(dict.fromkeys([tuple(fit_w), *(tuple(max(1, int(f * x)) for f in fit_w) for x in (0.75, 0.5)),
+                                         tuple(min(pp, f) for f in fit_w)]))
     best: tuple[Schedule, float] | None = None
     for assignment, w_caps in ((a, c) for a in assignments for c in candidates):
         result = list_schedule(
@@ -273,9 +267,7 @@ def _best_variant(dp: int, pp: int, microbatches: int, failed: tuple[Worker, ...
     for v in VARIANTS:
         try:
             p = plan(dp, pp, microbatches, failed, variant=v, **options)
-        except PlanningError as exc:
-            if "memory" not in str(exc):  # only the memory cap rules a variant out; the rest is the set's
-                raise
+        except MemoryCapError as exc:  # only the memory cap rules a variant out; the rest is the set's
             choice[v] = f"not planned: {exc}"
             errors.append(str(exc))
             continue

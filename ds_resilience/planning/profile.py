@@ -24,7 +24,7 @@ from ..errors import CostModelError
 
 __all__ = ["cost_from_profile", "profile_summary"]
 
-_TIMES = {"t_f": "F", "t_b": "B", "t_w": "W", "t_opt": "OPT", "t_reduce": "RD", "t_tied_reduce": "TR"}
+_TIMES = {"t_f": "F", "t_b": "B", "t_w": "W", "t_fused": "BW", "t_opt": "OPT", "t_reduce": "RD", "t_tied_reduce": "TR"}
 
 
 def _median(values: Iterable[float]) -> float:
@@ -55,7 +55,6 @@ def cost_from_profile(rows: list[Mapping[str, Any]], pp: int, *, name: str = "pr
     fields: dict[str, Any] = {}
     for field, kind in _TIMES.items():
         fields[field] = _per_stage(rows, pp, lambda r, k=kind: r.get("durations", {}).get(k, ()))
-    fields["t_fused"] = _per_stage(rows, pp, lambda r: r.get("durations", {}).get("BW", ()))
     for field in ("t_f", "t_b", "t_w"):
         zero = [s for s, v in enumerate(fields[field]) if v <= 0]
         if zero:
@@ -75,8 +74,8 @@ def cost_from_profile(rows: list[Mapping[str, Any]], pp: int, *, name: str = "pr
 def profile_summary(rows: list[Mapping[str, Any]], pp: int, cost: CostModel) -> dict[str, Any]:
     """The cost model's JSON plus a ``measured`` section: the fused backward per stage and what the
     split costs (``(t_b + t_w) / fused``), the sample counts and the ranks that reported."""
-    fused = _per_stage(rows, pp, lambda r: r.get("durations", {}).get("BW", ()))
     stages = cost.stages(pp)
+    fused = [c.t_fused for c in stages]  # as measured (0: no fused iteration ran)
     split = [(c.t_b + c.t_w) / f if f > 0 else None for c, f in zip(stages, fused)]
     samples = {kind: sum(len(r.get("durations", {}).get(kind, ())) for r in rows) for kind in ("F", "B", "W", "BW")}
     out = cost.to_dict()
