@@ -81,7 +81,9 @@ def _program(rank: int, world: int, opts: dict) -> dict:
             else:
                 config = dict(base, resilience={"schedule": sc.get("schedule", "1f1b"), "variant": sc.get("variant", "recycle"),
                                                 "simulate_failed": sc.get("failed", []),
-                                                "clipping": sc.get("clipping", "speculative")})
+                                                "clipping": sc.get("clipping", "speculative"),
+                                                # the rows compare schedules; the profile is its own row
+                                                "cost_model": "unit"})
                 if sc.get("clip"):
                     config["gradient_clipping"] = sc["clip"]
                 if sc.get("precision") == "bf16":

@@ -59,6 +59,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
+os.environ.setdefault("DSR_SELF_PROFILE", "0")  # the campaign's jobs plan with unit costs, as in the tests
 from test_live import POINTS, TRAINING_DATA, USER_CONFIG, run_job  # noqa: E402  (the tests' job runner)
 
 SAMPLES = 2 * 4 * 2

@@ -16,9 +16,9 @@ Keys (under ``"resilience"``), defaults in brackets::
     seed                            int >= 0                              [1234]
     clipping                        "speculative" | "barrier"             ["speculative"]
     simulate_failed                 list of "p:s" strings, no duplicates  [[]]
-    cost_model                      null | path (string) | object         [null: unit costs]
+    cost_model                      null | "unit" | path (string) | object  [null: profiled at start]
                                     (a path to what `ds-resilience profile` wrote)
-    profile_steps                   int >= 0 (0 = off; with cost_model null)  [0]
+    profile_steps                   int >= 0 | null (with cost_model null)   [null: 2; 0 = unit costs]
     profile_out                     string | null                         [null]
     planner.solver                  "heuristic" | "cpsat"                 ["cpsat"]
     planner.time_limit_s            number > 0                            [10.0]
@@ -62,9 +62,10 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import os
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Mapping
 
 from .costs import CostModel, parse_size
 from .errors import ConfigError, CostModelError, TopologyError
@@ -75,6 +76,11 @@ __all__ = [
     "ResilienceConfig", "PlannerConfig", "DetectorConfig", "FaultInjection", "CheckpointConfig",
     "load_resilience_config", "SCHEDULES", "VARIANTS", "SOLVERS", "FAULT_POINTS", "FAULT_KINDS",
 ]
+
+UNIT_COSTS = "unit"
+"""``resilience.cost_model: "unit"``: unit costs, no profile."""
+DEFAULT_PROFILE_STEPS = 2
+"""Fused and decoupled iterations the engine profiles at start when no cost model is given."""
 
 _JSON_NAMES = {bool: "boolean", int: "integer", float: "number", str: "string", dict: "object",
                list: "list", tuple: "list", type(None): "null"}
@@ -355,11 +361,13 @@ class ResilienceConfig(_Section):
     simulate_failed: tuple[Worker, ...] = _opt(tuple, "workers left idle (alive, running nothing)",
                                                default=(), what="a list", items=_WORKER, unique=True)
     cost_model: str | CostModel | None = _opt(
-        (str, dict, CostModel), "null = unit model; a path to a cost-model JSON file; or one inline",
+        (str, dict, CostModel), "null = measured by the profile at start (profile_steps); \"unit\" = unit "
+        "costs; a path to a cost-model JSON file; or one inline",
         default=None, nullable=True, what="a path (string) or an object", convert=_to_cost_model)
-    profile_steps: int = _opt(int, "0 = off; k: with cost_model null, the first 2k+1 iterations profile the job "
-                              "(integrations/ds_profile.py) and the engine re-plans with what they measured",
-                              default=0, minimum=0)
+    profile_steps: int | None = _opt(
+        int, "with cost_model null: the first 2k+1 iterations profile the job (integrations/ds_profile.py) and the "
+        "engine re-plans with what they measured; null = 2 (DSR_SELF_PROFILE=0 in the environment turns this "
+        "default off), 0 = off (unit costs)", default=None, nullable=True, minimum=0)
     profile_out: str | None = _opt(str, "with profile_steps: where rank 0 also writes the profiled cost model",
                                    default=None, nullable=True)
     planner: PlannerConfig = _opt(PlannerConfig, "plan-table computation", factory=PlannerConfig)
@@ -368,13 +376,24 @@ class ResilienceConfig(_Section):
                                                        what="a list", items=_FAULT)
     checkpoint: CheckpointConfig = _opt(CheckpointConfig, "checkpointing", factory=CheckpointConfig)
 
+    def self_profile_steps(self, environ: Mapping[str, str] | None = None) -> int:
+        """How many fused and decoupled iterations the engine profiles at start (0: none): only
+        with ``cost_model`` null; ``profile_steps`` if set, else :data:`DEFAULT_PROFILE_STEPS`
+        unless ``DSR_SELF_PROFILE=0`` is in the environment."""
+        if self.cost_model is not None:
+            return 0
+        if self.profile_steps is not None:
+            return self.profile_steps
+        environ = os.environ if environ is None else environ
+        return 0 if environ.get("DSR_SELF_PROFILE", "1") == "0" else DEFAULT_PROFILE_STEPS
+
     def cost(self, base_dir: str | Path | None = None) -> CostModel:
         """The cost model: the unit model for null, the file's (relative to ``base_dir``) for a path.
 
         Raises:
             ConfigError: at ``resilience.cost_model`` if the file is missing or invalid.
         """
-        if self.cost_model is None:
+        if self.cost_model is None or self.cost_model == UNIT_COSTS:
             return CostModel.unit()
         if isinstance(self.cost_model, CostModel):
             return self.cost_model

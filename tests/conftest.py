@@ -7,6 +7,11 @@ import sys
 
 import pytest
 
+# The engine profiles itself at start when no cost model is given (resilience.profile_steps null):
+# every test job would spend its first 5 iterations on it and plan with timings of a loaded machine.
+# Tests run with unit costs unless they ask for a profile (tests/test_profile.py does, both ways).
+os.environ.setdefault("DSR_SELF_PROFILE", "0")
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)

@@ -127,15 +127,17 @@ def test_the_simulator_reads_a_profile_through_its_ratios(tmp_path, capsys):
 
 
 @pytest.mark.timeout(600)
-def test_the_engine_profiles_itself_and_replans_with_what_it_measured(tmp_path):
-    """resilience.profile_steps with cost_model null: the first 3 iterations profile the job, every
-    rank derives the same model and re-plans with it; a later death is planned with the profile."""
+def test_the_engine_profiles_itself_and_replans_with_what_it_measured(tmp_path, monkeypatch):
+    """With cost_model null the engine profiles by default (profile_steps null: 2, so the first 5
+    iterations), every rank derives the same model and re-plans with it; a later death is planned
+    with the profile. (The suite turns the default off with DSR_SELF_PROFILE=0; not here.)"""
     code, _, reference = run_job(tmp_path, name="ref")
     assert code == 0, logs(tmp_path, "ref")
-    fault = {"rank": 3, "step": 5, "point": "mid_backward", "kind": "sigkill"}
+    monkeypatch.delenv("DSR_SELF_PROFILE", raising=False)
+    fault = {"rank": 3, "step": 6, "point": "mid_backward", "kind": "sigkill"}
     out = tmp_path / "measured.json"
     code, _, dumps = run_job(tmp_path, name="self", faults=[fault],
-                             resilience={"profile_steps": 1, "profile_out": str(out), "variant": "auto",
+                             resilience={"profile_out": str(out), "variant": "auto",
                                          "planner": {"solver": "heuristic", "cache_dir": str(tmp_path / "plans")}})
     assert code == 0, logs(tmp_path, "self")
     assert_equal_to_reference(dumps, reference, dead=[3])
@@ -144,3 +146,18 @@ def test_the_engine_profiles_itself_and_replans_with_what_it_measured(tmp_path):
     line = next(x for x in text.splitlines() if "plan for failed 1:1" in x)
     assert "(profile-measured costs" in line and "chosen among adaptive" in line
     assert CostModel.load(out).t_fused[0] > 0
+
+
+def test_self_profile_default_and_opt_outs():
+    """profile_steps null profiles 2 steps when no cost model is given; a cost model (a file, an
+    inline one, or "unit"), profile_steps 0 or DSR_SELF_PROFILE=0 turn it off; an explicit
+    profile_steps is kept whatever the environment says."""
+    from ds_resilience.config import ResilienceConfig
+
+    assert ResilienceConfig().self_profile_steps({}) == 2
+    assert ResilienceConfig().self_profile_steps({"DSR_SELF_PROFILE": "0"}) == 0
+    assert ResilienceConfig(profile_steps=3).self_profile_steps({"DSR_SELF_PROFILE": "0"}) == 3
+    assert ResilienceConfig(profile_steps=0).self_profile_steps({}) == 0
+    assert ResilienceConfig(cost_model="unit").self_profile_steps({}) == 0
+    assert ResilienceConfig(cost_model="unit").cost() == CostModel.unit()
+    assert ResilienceConfig(cost_model=str(REPO / "configs" / "costs_gpt_example.json")).self_profile_steps({}) == 0

@@ -50,7 +50,7 @@ from .ds_checkpoint_engine import install as install_checkpoint_engine
 from .ds_instructions import ActionSchedule, IRAction
 from .ds_checkpoints import export_stage, save_on_survivors
 from .ds_evaluation import evaluate
-from .ds_profile import from_engine as profile_from_engine
+from .ds_profile import from_engine as profile_from_engine, requested as profile_requested
 from .ds_reporting import is_reporter, plan_line, report
 from .ds_data import DataIterFactory, engine_batch_source
 from .ds_stage import DeepSpeedStage, activation_checkpointing, tied_layout
@@ -118,7 +118,11 @@ class ResilientPipelineEngine(PipelineEngine):
         self.stage_host = DeepSpeedStage(self)
         self.tied_groups, tied_params = tied_layout(self.module)
         self._config_dir = config_dir
-        self.provider = self._schedule_provider(config_dir)
+        # a fresh start without a cost model profiles itself and re-plans: until then the unit-cost
+        # table (only used by a failure during the profile) is the heuristic's, built in seconds
+        fresh = not failed and not rejoin and not (launch is not None and launch.restart)
+        profiling = fresh and (resilience.self_profile_steps() > 0 or profile_requested())
+        self.provider = self._schedule_provider(config_dir, solver="heuristic" if profiling else None)
         self.coordinator = self._coordinator() if live else None
         self.faults = FaultInjector(resilience.fault_injection, self.rank, launch=launch)
         self.validator = self._validator()
@@ -172,7 +176,6 @@ class ResilientPipelineEngine(PipelineEngine):
         if rejoin and self.alive:
             self.recovery.join()
         # the profile (DSR_PROFILE_OUT, set by `ds-resilience profile`): a fresh, fault-free start only
-        fresh = not failed and not rejoin and not (launch is not None and launch.restart)
         self.profiler = profile_from_engine(self, on_done=self._replan) if fresh else None
 
     # --- construction ----------------------------------------------------------------------------------
@@ -304,7 +307,7 @@ class ResilientPipelineEngine(PipelineEngine):
             print(f"[ds_resilience] plans rebuilt with the profiled costs ({cost.name}) in "
                   f"{time.perf_counter() - started:.2f}s", flush=True)
 
-    def _schedule_provider(self, base_dir: Path | None, cost=None) -> ScheduleProvider:
+    def _schedule_provider(self, base_dir: Path | None, cost=None, solver: str | None = None) -> ScheduleProvider:
         cfg = self.resilience
         planner = cfg.planner
         cost = cost if cost is not None else cfg.cost(base_dir)
@@ -315,7 +318,7 @@ class ResilientPipelineEngine(PipelineEngine):
             cost = replace(cost, step_check="barrier" if cfg.clipping == "barrier" else "speculative")
         return ScheduleProvider.build(
             self.topology, self.micro_batches, cost, schedule=cfg.schedule, variant=cfg.variant,
-            solver=planner.solver, time_limit_s=planner.time_limit_s, memory_cap=planner.memory_cap,
+            solver=solver or planner.solver, time_limit_s=planner.time_limit_s, memory_cap=planner.memory_cap,
             max_failures=cfg.max_failures, all_coverable=planner.all_coverable, cache_dir=planner.cache_dir,
             workers=planner.workers, tied=self.tied_groups,
         )

@@ -17,7 +17,8 @@ Every rank sends its row to rank 0 (``all_gather_object``), which writes the cos
 ``measured`` section (:func:`~ds_resilience.planning.profile.profile_summary`). Then the job goes
 on training with its own schedule, or, under ``ds-resilience profile``, every rank exits 0. A
 failure during the profile abandons it (the job keeps training). Plans read the file through
-``resilience.cost_model``.
+``resilience.cost_model``. Without a cost model (``cost_model`` null) the engine profiles itself by
+default (``resilience.profile_steps``, 2) and re-plans with what it measured.
 """
 
 from __future__ import annotations
@@ -40,9 +41,14 @@ from ..planning.profile import cost_from_profile, profile_summary
 from ..costs import CostModel
 from ..topology import Worker
 
-__all__ = ["Profiler", "from_environ", "from_engine"]
+__all__ = ["Profiler", "from_environ", "from_engine", "requested"]
 
 ENV_OUT, ENV_STEPS, ENV_EXIT = "DSR_PROFILE_OUT", "DSR_PROFILE_STEPS", "DSR_PROFILE_EXIT"
+
+
+def requested() -> bool:
+    """Whether the environment asks for a profile (``ds-resilience profile``)."""
+    return bool(os.environ.get(ENV_OUT))
 
 
 def from_environ(engine) -> "Profiler | None":
@@ -55,14 +61,17 @@ def from_environ(engine) -> "Profiler | None":
 
 
 def from_engine(engine, on_done=None) -> "Profiler | None":
-    """The environment's profiler, else the config's (``resilience.profile_steps`` with
-    ``cost_model`` null): then ``on_done(cost)`` runs on every rank once the model is known (the
-    engine re-plans with it)."""
+    """The environment's profiler, else the config's (with ``cost_model`` null: ``profile_steps``,
+    2 by default): then ``on_done(cost)`` runs on every rank once the model is known (the engine
+    re-plans with it)."""
     profiler = from_environ(engine)
+    if profiler is not None and not profiler.exit_after:
+        profiler.on_done = on_done  # the job trains on: with what was measured
     cfg = engine.resilience
-    if profiler is None and cfg.profile_steps and cfg.cost_model is None:
+    steps = cfg.self_profile_steps()
+    if profiler is None and steps:
         out = Path(cfg.profile_out) if cfg.profile_out else None
-        profiler = Profiler(engine, out=out, steps=cfg.profile_steps, on_done=on_done)
+        profiler = Profiler(engine, out=out, steps=steps, on_done=on_done)
     return profiler
 
 
