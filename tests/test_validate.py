@@ -124,11 +124,9 @@ def test_reduce_with_pending_w_rejected():
 
 
 def test_deadlock_rejected_with_mark():
-    # Stage 1 waits for the gradient of mb1 before it has sent... build a cycle: worker 1 receives
-    # mb1's activation before mb0's, while worker 0 sends mb0 first and only then computes mb1;
-    # valid as data flow, but swap so worker 0 must receive a gradient that needs a later forward.
     s = one_f_one_b(1, 2, 2)
-    # worker 0 order: F0 SA0 F1 SA1 RG0 BW0 RG1 BW1; move RG1/BW1 before F1 -> waits for grad of mb1
+    # worker 0 order: F0 SA0 F1 SA1 RG0 BW0 RG1 BW1; moving RG1/BW1 before RG0 is fine as data flow
+    # (and with gloo's tags), but worker 1 sends gradient 0 first: NCCL would put it in mb1's buffer
     def reorder(tokens):
         rg1, bw1 = "p0s0RG1<1", "p0s0BW1"
         tokens.remove(rg1)
@@ -136,8 +134,9 @@ def test_deadlock_rejected_with_mark():
         i = tokens.index("p0s0F1")
         return tokens[: i + 2] + [rg1, bw1] + tokens[i + 2:]
 
-    ok = _edit(s, 0, reorder)
-    validate(ok)  # still fine: mb1 forwarded before its backward
+    with pytest.raises(ScheduleError, match="in another order .*NCCL matches a pair's messages in order") as info:
+        validate(_edit(s, 0, reorder))
+    assert _marked(info.value) == "p0s0RG1<1"
 
     def deadlock(tokens):
         # receive mb1's gradient before sending mb1's activation: stage 1 can never produce it
@@ -146,5 +145,5 @@ def test_deadlock_rejected_with_mark():
         return tokens[: i + 1] + ["p0s0SA1>1"] + tokens[i + 1:]
 
     with pytest.raises(ScheduleError, match="deadlock") as info:
-        validate(_edit(ok, 0, deadlock))
+        validate(_edit(s, 0, deadlock))
     assert _marked(info.value) in {"p0s0RG1<1", "p0s1RA1<0"}

@@ -26,6 +26,7 @@ some have actions left, the schedule deadlocks. Pure Python.
 from __future__ import annotations
 
 from collections import defaultdict, deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..costs import CostModel
@@ -152,7 +153,7 @@ def _opt_op(schedule: Schedule, cost: CostModel, stage: int, mode: str, t_opt: f
 def _compile(schedule: Schedule, cost: CostModel, ckpt_chunk_bytes: float, mode: str = "plain") -> list[list[tuple]]:
     """Each worker's actions as flat tuples the replay loop can run without attribute lookups.
 
-    ``(_COMPUTE, duration)``, ``(_SEND, peer, key_id, busy)``, ``(_RECV, key_id)``,
+    ``(_COMPUTE, duration)``, ``(_SEND, peer, key_id, busy, on_pair_stream)``, ``(_RECV, key_id, peer, on_pair_stream)``,
     ``(_COLLECTIVE, group_id, duration)`` (group ids: stage s, :data:`_GLOBAL`, :func:`_tied_gid`),
     ``(_CHECKED, step, published_after, validation)`` (a speculative OPT_STEP: publish, step, then
     wait for every survivor's norm of that step and validate). Message keys become small integers.
@@ -174,9 +175,10 @@ def _compile(schedule: Schedule, cost: CostModel, ckpt_chunk_bytes: float, mode:
                 # a gradient crosses the boundary below its sender: the previous stage's output size
                 busy = (ckpt_busy if kind is ActionKind.CKPT_SEND else
                         act_busy[a.stage - 1] if kind is ActionKind.SEND_GRAD else act_busy[a.stage])
-                ops.append((_SEND, a.peer, kid, busy))
+                ops.append((_SEND, a.peer, kid, busy, kind is not ActionKind.CKPT_SEND))
             elif kind.is_recv:
-                ops.append((_RECV, key_ids.setdefault(message_key(w, a), len(key_ids))))
+                ops.append((_RECV, key_ids.setdefault(message_key(w, a), len(key_ids)), a.peer,
+                            kind is not ActionKind.CKPT_RECV))
             elif kind is ActionKind.REDUCE_GRAD:
                 ops.append((_COLLECTIVE, a.stage, duration[kind, a.stage]))
             elif kind is ActionKind.TIED_REDUCE:
@@ -194,7 +196,7 @@ def _compile(schedule: Schedule, cost: CostModel, ckpt_chunk_bytes: float, mode:
 
 def replay(
     schedule: Schedule, cost: CostModel | None = None, *, ckpt_chunk_bytes: float = 0.0, repeat: int = 1,
-    mode: str | None = None,
+    mode: str | None = None, blocking_sends: bool = False, posts: Sequence[Mapping[int, tuple[int, ...]]] | None = None,
 ) -> Replay:
     """Replay ``schedule`` under ``cost`` (unit costs when ``None``).
 
@@ -207,6 +209,17 @@ def replay(
         mode: how OPT_STEP runs (:data:`STEP_MODES`); default: the cost model's step check alone
             (``plain``, ``barrier``, or ``speculate`` when every step's speculation holds). The
             weighted mix is :func:`ds_resilience.ir.timeline.iteration_time`'s business.
+        blocking_sends: NCCL's rules for training messages (:mod:`.pairs`): each pair of workers has
+            one stream per side on which its sends and receive posts run in issue order; a send
+            and its receive run together once both are at the heads of their sides (a send waits
+            for its receive to be posted), then the next operations of the pair may run. The
+            worker itself never blocks on a send; it blocks on a receive until the message is
+            there. Heads that do not match (two sends, two posts, or different messages) stay
+            stuck: a deadlock, or on real NCCL a message in the wrong buffer. Gloo's sends (the
+            default, ``False``) leave at once and are buffered.
+        posts: with ``blocking_sends``: per worker, action index -> receive indices posted right
+            before it (:func:`~.pairs.early_posts`); ``None``: every receive is posted where it
+            waits, which deadlocks 1F1B.
 
     Returns:
         The :class:`Replay`; check ``blocked`` for a deadlock.
@@ -241,6 +254,35 @@ def replay(
     checked: list[int] = [0] * n
     validated: dict[int, int] = defaultdict(int)
     stepped: dict[int, float] = {}
+    # NCCL's rules (blocking_sends): per pair (a < b), each side's issued operations
+    # (is_send, key id, issue time, busy, action index); when the pair's stream is free again;
+    # per worker, the receives (global indices) already posted
+    sides: dict[tuple[int, int], dict[int, deque[tuple]]] = defaultdict(lambda: defaultdict(deque))
+    stream_free: dict[tuple[int, int], float] = defaultdict(float)
+    posted_at: list[set[int]] = [set() for _ in range(n)]
+    early = posts if posts is not None else [{} for _ in range(n)]
+
+    def issue(w: int, peer: int, item: tuple) -> None:
+        """Put one send or receive post on the pair's stream, then run what now matches."""
+        pair = (w, peer) if w < peer else (peer, w)
+        side = sides[pair]
+        side[w].append(item)
+        a, b = pair
+        qa, qb = side[a], side[b]
+        while qa and qb:
+            ha, hb = qa[0], qb[0]
+            if ha[1] != hb[1] or ha[0] == hb[0]:
+                return  # stuck: two sends, two posts, or another message
+            (src, send), (dst, post) = ((a, ha), (b, hb)) if ha[0] else ((b, hb), (a, ha))
+            begin = max(send[2], post[2], stream_free[pair])
+            end = begin + send[3]
+            stream_free[pair] = end
+            arrival = end + latency
+            mailbox[send[1]].append(arrival)
+            woken.add(dst)
+            transfers.append((src, dst, send[4], begin, end, arrival))
+            qa.popleft()
+            qb.popleft()
 
     def advance(w: int) -> None:
         """Run worker ``w`` as far as it can go."""
@@ -253,11 +295,25 @@ def replay(
             op = ops[i % size]
             code = op[0]
             now = clock[w]
+            if blocking_sends:
+                for r in early[w].get(i % size, ()):
+                    g = i - i % size + r
+                    if g not in posted_at[w]:
+                        posted_at[w].add(g)
+                        issue(w, ops[r][2], (False, ops[r][1], now, 0.0, r))
+                if code == _SEND and op[4]:
+                    issue(w, op[1], (True, op[2], now, op[3], i % size))
+                    st[i] = en[i] = now
+                    pcs[w] += 1
+                    continue
+                if code == _RECV and op[3] and i not in posted_at[w]:
+                    posted_at[w].add(i)
+                    issue(w, op[2], (False, op[1], now, 0.0, i % size))
             if code == _COMPUTE:
                 st[i] = now
                 clock[w] = en[i] = now + op[1]
             elif code == _SEND:
-                _, peer, kid, busy = op
+                _, peer, kid, busy, _ = op
                 link = (w, peer)
                 begin = now if now >= link_free[link] else link_free[link]
                 link_free[link] = begin + busy

@@ -18,6 +18,10 @@ What a valid schedule satisfies (checked in this order; the first violation rais
    one TIED_REDUCE(g) per iteration, after all its compute (F/B/W/BW) and its REDUCE_GRAD and
    before its OPT_STEP; workers of stages outside g run none, and g names an existing group (rule 1).
 6. No deadlock: the timed replay (:mod:`.replay`) under unit costs completes.
+7. Pair order (NCCL matches a pair's messages in order and ignores tags): for every two workers
+   a -> b, a sends its messages to b in the order b receives them. With rule 6 this is what the
+   runtime needs to run the schedule under NCCL's rules too (:mod:`.pairs`: receives are posted
+   early so that both sides of a pair issue their operations in the same order).
 """
 
 from __future__ import annotations
@@ -241,12 +245,18 @@ def _check_coverage(schedule: Schedule, forwards: Counter) -> None:
 def _check_messages(schedule: Schedule) -> None:
     sends: dict[tuple, list[tuple[int, int]]] = defaultdict(list)
     recvs: dict[tuple, list[tuple[int, int]]] = defaultdict(list)
+    sent_to: dict[tuple[int, int], list[tuple]] = defaultdict(list)  # (src, dst) -> keys in send order
+    received: dict[tuple[int, int], list[tuple]] = defaultdict(list)  # (src, dst) -> keys in receive order
     for w, actions in enumerate(schedule.workers):
         for i, a in enumerate(actions):
             if a.kind.is_send:
-                sends[message_key(w, a)].append((w, i))
+                key = message_key(w, a)
+                sends[key].append((w, i))
+                sent_to[w, a.peer].append(key)
             elif a.kind.is_recv:
-                recvs[message_key(w, a)].append((w, i))
+                key = message_key(w, a)
+                recvs[key].append((w, i))
+                received[a.peer, w].append(key)
     # only unmatched keys are sorted (for a deterministic first error): sorting all of them by
     # their text was a third of this check on large schedules
     bad = [key for key in set(sends) | set(recvs) if len(sends.get(key, ())) != len(recvs.get(key, ()))]
@@ -258,6 +268,22 @@ def _check_messages(schedule: Schedule) -> None:
         if len(r) > len(s):
             w, i = r[len(s)]
             raise _fail(schedule, w, i, f"{schedule.workers[w][i]} has no matching send on worker {key[4]}")
+    for (src, dst), order in sent_to.items():
+        got = received[src, dst]
+        if order != got:
+            k = next(k for k, (x, y) in enumerate(zip(order, got)) if x != y)
+            w, i = recvs[got[k]][0]
+            raise _fail(
+                schedule, w, i,
+                f"{schedule.workers[w][i]}: worker {src} sends its messages to worker {dst} in another order "
+                f"({_message_name(order[k])} before {_message_name(got[k])}); NCCL matches a pair's messages in "
+                f"order and ignores tags, so every receive must come in its pair's send order",
+            )
+
+
+def _message_name(key: tuple) -> str:
+    channel, p, m, stage = key[:4]
+    return f"{channel} p{p}s{stage} mb{m}" if channel != "ckpt" else f"checkpoint chunk {m}"
 
 
 def validate(schedule: Schedule, *, replayed: bool = False) -> Schedule:

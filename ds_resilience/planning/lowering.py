@@ -8,6 +8,10 @@ the rest, the same way for every schedule:
 * a send of the output right after each F at stages < last, to whichever worker runs the next
   stage's F;
 * the mirror image for gradients around each B/BW;
+* then each worker's receives from one peer in the order that peer sends them (NCCL matches a
+  pair's messages in order, ignoring tags): a receive whose message was sent after another not yet
+  received moves right after that other one's receive, earlier than its use. Waiting for a message
+  sent earlier on the same link neither delays the worker (it arrives first) nor can deadlock;
 * REDUCE_GRAD, then one TIED_REDUCE per tied group holding the worker's stage (in group order, so
   every member of a group meets its collectives in the same order), then OPT_STEP at the end of
   every surviving worker's iteration.
@@ -17,6 +21,7 @@ Pure Python.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import replace
 from typing import Mapping, Sequence
 
@@ -105,6 +110,7 @@ def lower(
                 out.append(Action(kind=ActionKind.TIED_REDUCE, stage=stage, microbatch=g))
         out.append(Action(kind=ActionKind.OPT_STEP, stage=stage))
         workers.append(tuple(out))
+    workers = _receives_in_send_order(workers)
     return Schedule(
         dp=dp,
         pp=pp,
@@ -115,6 +121,51 @@ def lower(
         name=name,
         tied=tied,
     )
+
+
+_RECEIVES = {ActionKind.RECV_ACT: (ActionKind.SEND_ACT, -1), ActionKind.RECV_GRAD: (ActionKind.SEND_GRAD, 1)}
+
+
+def _receives_in_send_order(workers: list[tuple[Action, ...]]) -> list[tuple[Action, ...]]:
+    """Each worker's receives from each peer moved into that peer's send order (module docstring)."""
+    sent: dict[tuple[int, int], list[tuple]] = defaultdict(list)  # (src, dst) -> (kind, p, sender stage, m)
+    for w, actions in enumerate(workers):
+        for a in actions:
+            if a.kind is ActionKind.SEND_ACT or a.kind is ActionKind.SEND_GRAD:
+                sent[w, a.peer].append((a.kind, a.pipeline, a.stage, a.microbatch))
+    out = []
+    for w, actions in enumerate(workers):
+        receives = {}
+        for a in actions:
+            if a.kind in _RECEIVES:
+                kind, delta = _RECEIVES[a.kind]
+                receives[a.peer, (kind, a.pipeline, a.stage + delta, a.microbatch)] = a
+        if not receives:
+            out.append(actions)
+            continue
+        cursor: dict[int, int] = defaultdict(int)
+        done: set[int] = set()
+        order: list[Action] = []
+        for a in actions:
+            if a.kind not in _RECEIVES:
+                order.append(a)
+                continue
+            if id(a) in done:
+                continue
+            kind, delta = _RECEIVES[a.kind]
+            want = (kind, a.pipeline, a.stage + delta, a.microbatch)
+            seq = sent[a.peer, w]
+            while cursor[a.peer] < len(seq) and seq[cursor[a.peer]] != want:
+                earlier = receives.get((a.peer, seq[cursor[a.peer]]))
+                if earlier is not None and id(earlier) not in done:
+                    done.add(id(earlier))
+                    order.append(earlier)
+                cursor[a.peer] += 1
+            cursor[a.peer] += 1
+            done.add(id(a))
+            order.append(a)
+        out.append(tuple(order))
+    return out
 
 
 def repeat(schedule: Schedule, iterations: int) -> Schedule:

@@ -38,8 +38,9 @@ from .planner import plan
 
 __all__ = ["TableSpec", "PlanView", "PlanTable", "enumerate_keys", "build_table", "FORMAT_VERSION"]
 
-FORMAT_VERSION = 2
-"""2: the default memory cap became fault-free 1F1B's peak (was 2 x pp states); plans carry peak_memory."""
+FORMAT_VERSION = 3
+"""2: the default memory cap became fault-free 1F1B's peak (was 2 x pp states); plans carry peak_memory.
+3: every schedule receives a pair's messages in their send order (NCCL's FIFO matching)."""
 _MAX_KEYS = 200_000
 
 
