@@ -30,12 +30,13 @@ Keys (under ``"resilience"``), defaults in brackets::
     detector.heartbeat_timeout_s    number > heartbeat_interval_s         [5.0]
     detector.store_timeout_s        number > 0                            [30.0]
     detector.pg_timeout_s           number > 0                            [60.0]
+    detector.stall_timeout_s        number > 0 | null                     [300.0]
     fault_injection                 list of objects, each with all of:    [[]]
     fault_injection[].rank          int >= 0
     fault_injection[].step          int >= 0
     fault_injection[].point         "before_forward" | "mid_backward" | "in_reduce" | "in_optimizer" |
                                     "in_recovery" | "in_snapshot" | "in_rejoin"
-    fault_injection[].kind          "exit" | "sigkill" | "hang" | "lose_machine"
+    fault_injection[].kind          "exit" | "sigkill" | "hang" | "stall" | "lose_machine"
     checkpoint.enabled              bool                                  [true]
     checkpoint.interval             int >= 1                              [1]
     checkpoint.replicas             int >= 1                              [2]
@@ -287,6 +288,9 @@ class DetectorConfig(_Section):
                                       default=5.0, exclusive_minimum=0)
     store_timeout_s: float = _opt(float, "timeout of TCPStore reads", default=30.0, exclusive_minimum=0)
     pg_timeout_s: float = _opt(float, "timeout of process-group operations", default=60.0, exclusive_minimum=0)
+    stall_timeout_s: float | None = _opt(float, "a worker whose main thread runs one action (not a wait on peers) "
+                                         "this long stops beating and is taken for hung; null = never",
+                                         default=300.0, nullable=True, exclusive_minimum=0)
 
     def _check_together(self) -> None:
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
@@ -302,7 +306,8 @@ class FaultInjection(_Section):
     rank: int = _opt(int, "global rank that fails", minimum=0)
     step: int = _opt(int, "iteration at which it fails", minimum=0)
     point: str = _opt(str, "where in the iteration it fails", choices=FAULT_POINTS)
-    kind: str = _opt(str, "how: exit cleanly, SIGKILL itself, or hang forever", choices=FAULT_KINDS)
+    kind: str = _opt(str, "how: exit, SIGKILL itself, hang forever (SIGSTOP: every thread), stall (the main thread "
+                   "alone stops), or lose its machine (host memory included)", choices=FAULT_KINDS)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -32,5 +32,5 @@ plan (step: the resume step); right after a snapshot was handed to the backgroun
 drains into host memory (step: the snapshot's); on a donor, right before it hands its state to a
 re-joining worker (step: the resume step)."""
 
-FAULT_KINDS = ("exit", "sigkill", "hang", "lose_machine")
+FAULT_KINDS = ("exit", "sigkill", "hang", "stall", "lose_machine")
 """How an injected fault fails the worker."""

@@ -25,12 +25,23 @@ def _cuda_devices() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def required_gpus(item) -> int:
+    """``@pytest.mark.gpu``: 1; ``@pytest.mark.multigpu(n)``: n (2 when not given)."""
+    marker = item.get_closest_marker("multigpu")
+    if marker is None:
+        return 1
+    need = marker.args[0] if marker.args else marker.kwargs.get("gpus", 2)
+    if not isinstance(need, int) or need < 2:
+        raise pytest.UsageError(f"{item.nodeid}: multigpu(n) needs an integer n >= 2, got {need!r}")
+    return need
+
+
 def pytest_collection_modifyitems(config, items):
     gpus = None
     for item in items:
         if "gpu" in item.keywords or "multigpu" in item.keywords:
             if gpus is None:
                 gpus = _cuda_devices()
-            need = 2 if "multigpu" in item.keywords else 1
+            need = required_gpus(item)
             if gpus < need:
                 item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA device(s), found {gpus}"))

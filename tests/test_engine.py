@@ -57,15 +57,26 @@ def losses_of(results, scenario):
     raise AssertionError(f"no losses for {scenario}")
 
 
+def assert_matching(results, scenario, matching):
+    """Every alive rank ran ``scenario`` with ``matching``; NCCL's FIFO rule needed early receive
+    posts somewhere (1F1B's steady state crosses an activation and a gradient on each pair)."""
+    alive = [r[scenario] for r in results if r[scenario]["alive"]]
+    assert {r["matching"] for r in alive} == {matching}
+    assert sum(r["early_posts"] for r in alive) > 0
+
+
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("pp,world", [(2, 4), (3, 3)])
-def test_fault_free_matches_vanilla_deepspeed(pp, world):
+@pytest.mark.parametrize("pp,world,matching", [(2, 4, "tags"), (3, 3, "tags"), (2, 4, "fifo")])
+def test_fault_free_matches_vanilla_deepspeed(pp, world, matching):
+    """``fifo``: the p2p messages matched as NCCL matches them (tags ignored, in posting order)."""
     scenarios = [
         {"name": "vanilla", "engine": "vanilla"},
         {"name": "1f1b", "engine": "resilient", "schedule": "1f1b"},
         {"name": "decoupled", "engine": "resilient", "schedule": "decoupled"},
     ]
-    results = run_workers(train_scenarios, world, args=(pp, 4, scenarios), timeout_s=380)
+    results = run_workers(train_scenarios, world, args=(pp, 4, scenarios), timeout_s=380,
+                          env={"DSR_P2P_MATCHING": matching})
+    assert_matching(results, "decoupled", matching)
     v, r = losses_of(results, "vanilla"), losses_of(results, "1f1b")
     assert r == pytest.approx(v, rel=1e-5)
     assert v[-1] < v[0]  # it trains
@@ -83,14 +94,16 @@ RE_ROUTED = [
 
 
 @pytest.mark.timeout(500)
-def test_rerouting_is_exact_fp32():
+@pytest.mark.parametrize("matching", ["tags", "fifo"])
+def test_rerouting_is_exact_fp32(matching):
     scenarios = [{"name": "healthy", "engine": "resilient", "schedule": "1f1b", "optimizer": "sgd"}]
     for variant in ("recycle", "adaptive"):
         for case in RE_ROUTED:
             scenarios.append(
                 {"engine": "resilient", "variant": variant, "optimizer": "sgd", **case, "name": f"{variant}-{case['name']}"}
             )
-    results = run_workers(train_scenarios, 6, args=(3, 3, scenarios), timeout_s=480)
+    results = run_workers(train_scenarios, 6, args=(3, 3, scenarios), timeout_s=480, env={"DSR_P2P_MATCHING": matching})
+    assert_matching(results, "recycle-two", matching)
     for sc in scenarios[1:]:
         assert_params_close(results, "healthy", sc["name"], rtol=1e-5, atol=1e-7)
         assert_replicas_agree(results, sc["name"], rtol=1e-6)

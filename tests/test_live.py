@@ -216,6 +216,21 @@ def test_hang_is_detected_by_heartbeat_and_handled(tmp_path, reference4):
 
 
 @pytest.mark.timeout(600)
+def test_a_stalled_main_thread_is_detected_by_progress_not_by_a_live_thread(tmp_path, reference4):
+    """The main thread stops inside a backward while its heartbeat thread runs on (a kernel or a
+    device wait that never returns): the heartbeat stops once the thread has not advanced for
+    stall_timeout_s, the agent takes the silence for a hang, and the peers recover."""
+    fault = {"rank": 2, "step": 3, "point": "mid_backward", "kind": "stall"}
+    code, events, dumps = run_job(tmp_path, faults=[fault], resilience={"detector": {
+        "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 2.0, "pg_timeout_s": 60.0, "stall_timeout_s": 1.5}})
+    assert code == 0, logs(tmp_path, "job")
+    hang = [e for e in events if e.kind == "hang"]
+    assert len(hang) == 1 and hang[0].rank == 2, events
+    assert "has not advanced" in logs(tmp_path, "job")
+    assert_equal_to_reference(dumps, reference4, dead=[2])
+
+
+@pytest.mark.timeout(600)
 def test_two_failures_in_different_stages(tmp_path, reference4):
     faults = [
         {"rank": 0, "step": 2, "point": "before_forward", "kind": "sigkill"},

@@ -141,3 +141,25 @@ def test_rendezvous_sends_wait_for_the_posted_receive():
     assert nccl.makespan >= buffered.makespan - 1e-9
     later = [n[3] - b[3] for b, n in zip(sorted(buffered.raw_messages), sorted(nccl.raw_messages))]
     assert max(later) > 0 and min(later) >= -1e-9
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("matching,expected", [("tags", [2.0, 1.0]), ("fifo", [1.0, 2.0])])
+def test_fifo_matching_ignores_tags_as_nccl_does(matching, expected):
+    """The CPU test mode of the transport (DSR_P2P_MATCHING=fifo, under which tests/test_engine.py
+    runs the engine too) really matches as NCCL does: the first receive gets the first message."""
+    from dist_harness import run_workers
+    from nccl_programs import matching_probe
+
+    results = run_workers(matching_probe, 2, args=(matching,), timeout_s=100)
+    assert results[1] == expected
+
+
+def test_matching_mode_is_checked(monkeypatch):
+    from ds_resilience.comm.groups import default_matching
+
+    monkeypatch.setenv("DSR_P2P_MATCHING", "tag")
+    with pytest.raises(ValueError, match=r"DSR_P2P_MATCHING='tag'; allowed: tags, fifo"):
+        default_matching()
+    monkeypatch.delenv("DSR_P2P_MATCHING")
+    assert default_matching() == "tags"

@@ -7,6 +7,12 @@ e.g. the same worker failing twice). Groups keep the original global ranks at th
 :class:`Group` translates to group-local ranks. Only the members construct a group; a dead rank is
 never waited for. Every wait on a :class:`Group` is bounded by its timeout.
 
+Point-to-point matching (``matching``): ``"tags"`` (gloo: a receive takes the message sent under
+its tag) or ``"fifo"`` (NCCL's rule: tags are ignored and a pair's messages match in the order
+they are posted; on gloo every message then travels under one tag, which is how the CPU tests run
+the engine under NCCL's matching). The default comes from ``DSR_P2P_MATCHING`` (``tags`` if unset);
+the schedules the runtime runs are valid under both (validator rule 7, early receive posts).
+
 Collectives of plain values (:meth:`Group.all_gather_json`, :meth:`Group.broadcast_json`) carry
 JSON, never pickles: nothing received from another process can run code here.
 """
@@ -14,6 +20,7 @@ JSON, never pickles: nothing received from another process can run code here.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Sequence
@@ -24,10 +31,20 @@ import torch.distributed as dist
 from ..errors import ResilienceError
 from ..topology import Topology, Worker
 
-__all__ = ["CommError", "Group", "GenerationGroups", "build_groups", "new_group", "poison", "world_group"]
+__all__ = ["MATCHINGS", "CommError", "Group", "default_matching", "GenerationGroups", "build_groups", "new_group", "poison", "world_group"]
 
 _POISON_TAG = (1 << 30) + 7
 _MAX_JSON_BYTES = 64 << 20
+MATCHINGS = ("tags", "fifo")
+_FIFO_TAG = 0
+
+
+def default_matching() -> str:
+    """``DSR_P2P_MATCHING`` (``tags`` when unset); anything else is an error naming the choices."""
+    value = os.environ.get("DSR_P2P_MATCHING", "tags")
+    if value not in MATCHINGS:
+        raise ValueError(f"DSR_P2P_MATCHING={value!r}; allowed: {', '.join(MATCHINGS)}")
+    return value
 
 
 class CommError(ResilienceError):
@@ -43,9 +60,14 @@ class Group:
         timeout_s: how long each operation waits.
         me: this process's global rank.
         name: what the group is for (in error messages).
+        matching: ``"tags"`` or ``"fifo"`` (module docstring); default :func:`default_matching`.
     """
 
-    def __init__(self, pg: dist.ProcessGroup, ranks: Sequence[int], timeout_s: float, me: int, name: str = "") -> None:
+    def __init__(self, pg: dist.ProcessGroup, ranks: Sequence[int], timeout_s: float, me: int, name: str = "",
+                 matching: str | None = None) -> None:
+        self.matching = default_matching() if matching is None else matching
+        if self.matching not in MATCHINGS:
+            raise ValueError(f"matching {self.matching!r}; allowed: {', '.join(MATCHINGS)}")
         self.pg = pg
         self.me = me
         self.ranks = tuple(ranks)
@@ -73,10 +95,10 @@ class Group:
         self.wait(self.pg.allreduce([tensor]), "all-reduce")
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int):
-        return self.pg.send([tensor], self.index[dst], tag)
+        return self.pg.send([tensor], self.index[dst], tag if self.matching == "tags" else _FIFO_TAG)
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int):
-        return self.pg.recv([tensor], self.index[src], tag)
+        return self.pg.recv([tensor], self.index[src], tag if self.matching == "tags" else _FIFO_TAG)
 
     def barrier(self) -> None:
         self.all_reduce(torch.zeros(1))

@@ -3,11 +3,15 @@
 DeepSpeed's own p2p asserts that both ends are adjacent stages of one pipeline; after a failure,
 stage s-1 of pipeline p talks to stage s of pipeline p'. Here a message is one small header
 (count, dtypes, shapes, requires-grad flags) and one payload per tensor, sent with ``isend`` under
-a tag derived from the message's identity, so messages between one pair of ranks never match the
-wrong receive, whatever order they are posted in.
+a tag derived from the message's identity. Under NCCL's matching (the group's ``matching`` is
+``"fifo"``: tags ignored, a pair's messages matched in posting order) the same code is correct
+because every schedule receives a pair's messages in their send order (validator rule 7), and a
+channel's header, sent before its first message, is received before it too.
 
 Sends never block the sender (the runtime's execution model); :meth:`Messenger.wait_sends` waits
-for the posted ones, with a timeout, at the end of an iteration.
+for the posted ones, with a timeout, at the end of an iteration. :meth:`Messenger.post` posts a
+receive ahead of its wait: the runtime does so where :func:`ds_resilience.ir.pairs.early_posts`
+says, so that under NCCL both sides of a pair issue their operations in the same order.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch
 from ..errors import ResilienceError
 from .groups import CommError, Group
 
-__all__ = ["CommError", "Messenger", "message_tag", "DTYPES"]
+__all__ = ["CommError", "Messenger", "Posted", "message_tag", "DTYPES"]
 
 DTYPES = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool, torch.uint8,
@@ -76,6 +80,17 @@ def _decode(header: torch.Tensor) -> list[tuple[torch.dtype, bool, tuple[int, ..
 
 
 @dataclass
+class Posted:
+    """A receive posted ahead of its wait (:meth:`Messenger.post`)."""
+
+    src: int
+    tag: int
+    channel: str
+    buffers: list
+    works: list
+
+
+@dataclass
 class Messenger:
     """Sends and receives tensors between global ranks on one :class:`~.groups.Group`.
 
@@ -125,8 +140,32 @@ class Messenger:
             works.append(self.group.isend(t, dst, tag + 1 + i))
         self._pending.append((works, header, payload))
 
-    def recv(self, src: int, tag: int, channel: str = "msg") -> list[torch.Tensor]:
-        """Receive the tensors ``src`` sent under ``tag`` on ``channel`` (blocking, with the timeout)."""
+    def post(self, src: int, tag: int, channel: str = "msg") -> "Posted | None":
+        """Post the receive of ``src``'s next message on ``channel`` now, to wait for it later with
+        ``recv(..., posted=...)``; ``None`` (post it at the wait) while the channel's shapes are not
+        known yet (its first message, or ``dynamic``)."""
+        meta = None if self.dynamic else self._recv_meta.get((channel, src))
+        if meta is None:
+            return None
+        buffers, works = [], []
+        for i, (dtype, requires_grad, shape) in enumerate(meta):
+            buf = torch.empty(shape, dtype=dtype)
+            works.append(self.group.irecv(buf, src, tag + 1 + i))
+            buffers.append((buf, requires_grad))
+        return Posted(src=src, tag=tag, channel=channel, buffers=buffers, works=works)
+
+    def recv(self, src: int, tag: int, channel: str = "msg", posted: "Posted | None" = None) -> list[torch.Tensor]:
+        """Receive the tensors ``src`` sent under ``tag`` on ``channel`` (blocking, with the timeout);
+        ``posted``: the receive :meth:`post` issued for this message."""
+        if posted is not None:
+            if (posted.src, posted.tag, posted.channel) != (src, tag, channel):
+                raise ResilienceError(f"a receive posted for {posted.channel} from rank {posted.src} tag {posted.tag} "
+                                      f"was waited for as {channel} from rank {src} tag {tag}")
+            out = []
+            for i, ((buf, requires_grad), work) in enumerate(zip(posted.buffers, posted.works)):
+                self._wait(work, f"{channel} tensor {i} from rank {src} tag {tag} (posted early)")
+                out.append(buf.requires_grad_(requires_grad))
+            return out
         key = (channel, src)
         meta = self._recv_meta.get(key)
         if self.dynamic:

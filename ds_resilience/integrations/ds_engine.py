@@ -36,6 +36,8 @@ from ..comm.groups import build_groups, world_group
 from ..config import ResilienceConfig
 from ..errors import ConfigError, ResilienceError
 from ..ir import Action, ActionKind, Schedule
+from ..ir.pairs import early_posts
+from ..runtime.progress import Progress
 from ..launch import LaunchEnv
 from ..planning.provider import ScheduleChoice, ScheduleProvider
 from ..runtime.coordinator import Coordinator
@@ -123,6 +125,8 @@ class ResilientPipelineEngine(PipelineEngine):
         fresh = not failed and not rejoin and not (launch is not None and launch.restart)
         profiling = fresh and (resilience.self_profile_steps() > 0 or profile_requested())
         self.provider = self._schedule_provider(config_dir, solver="heuristic" if profiling else None)
+        det = resilience.detector
+        self.progress = Progress(det.stall_timeout_s) if live else None
         self.coordinator = self._coordinator() if live else None
         self.faults = FaultInjector(resilience.fault_injection, self.rank, launch=launch)
         self.validator = self._validator()
@@ -147,6 +151,7 @@ class ResilientPipelineEngine(PipelineEngine):
             precision=self.optimizer if isinstance(self.optimizer, MixedPrecisionOptimizer) else None,
             validator=self.validator, zero_grad=self.stage_host.zero_grad,
         )
+        self.executor.progress = self.progress
         # get_global_grad_norm(): the true global norm where this engine computes one (clipping on);
         # like vanilla's fp32 engine, None otherwise
         self.stage_host.grad_norm = lambda: self.executor.last_grad_norm
@@ -330,7 +335,7 @@ class ResilientPipelineEngine(PipelineEngine):
                            info={"pipeline": self.me.pipeline, "stage": self.me.stage, "dp": self.topology.dp,
                                  "pp": self.topology.pp},
                            heartbeat_interval_s=det.heartbeat_interval_s, store_timeout_s=det.store_timeout_s,
-                           on_epoch=self._on_epoch)
+                           on_epoch=self._on_epoch, progress=self.progress)
 
     def _memory_tier(self, rejoin: bool) -> InMemoryCheckpointer | None:
         cfg = self.resilience.checkpoint
@@ -419,6 +424,15 @@ class ResilientPipelineEngine(PipelineEngine):
     def actions(self) -> tuple[Action, ...]:
         return self.schedule.workers[self.my_index]
 
+    def _early_posts(self) -> dict[int, tuple[int, ...]]:
+        """This worker's early receive posts for the current schedule (NCCL's pair order,
+        ``ir/pairs.py``); computed once per schedule."""
+        schedule = self.schedule
+        cached = getattr(self, "_posts_for", None)
+        if cached is None or cached[0] is not schedule:
+            self._posts_for = (schedule, early_posts(schedule)[self.my_index])
+        return self._posts_for[1]
+
     def _train_schedule(self):
         forwards = sum(1 for a in self.actions if a.kind is ActionKind.F)
         return ActionSchedule(self.actions, self.micro_batches, self.num_stages, self.stage_id, forwards)
@@ -474,9 +488,13 @@ class ResilientPipelineEngine(PipelineEngine):
         if self.profiler is not None:
             self.profiler.before()  # the profile's iterations run its own schedules
         self.executor.resolve()  # the previous step is validated before this iteration's forwards
-        self.executor.begin_iteration(self.global_steps)
+        self.executor.begin_iteration(self.global_steps, self.actions, self._early_posts())
         self.tier.begin_iteration(self.schedule, self.my_index, self.provider.cost)
-        self._exec_schedule(self._train_schedule())
+        if self.progress is None:
+            self._exec_schedule(self._train_schedule())
+        else:
+            with self.progress.active():
+                self._exec_schedule(self._train_schedule())
         self.executor.end_iteration()
         stats = self.executor.stats
         loss = self._aggregate_loss(stats.loss_sum)

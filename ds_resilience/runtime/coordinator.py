@@ -49,10 +49,11 @@ class Coordinator:
         store_timeout_s: how long a store wait may take before it is an error.
         on_epoch: called from the watcher thread right after a new epoch is latched (the engine
             poisons its groups there).
+        progress: the main thread's progress: heartbeats stop while it is stalled (hang detection).
     """
 
     def __init__(self, *, launch: LaunchEnv, info: dict, heartbeat_interval_s: float, store_timeout_s: float,
-                 on_epoch: Callable[[object], None]) -> None:
+                 on_epoch: Callable[[object], None], progress=None) -> None:
         store = membership.agent_store_from_env(store_timeout_s, launch)
         if store is None:
             raise ResilienceError("live failure handling needs the agent: start with `ds-resilience run`")
@@ -71,7 +72,7 @@ class Coordinator:
             rank=rank, pipeline=info["pipeline"], stage=info["stage"], pid=os.getpid(),
             incarnation=launch.incarnation, dp=info.get("dp", 0), pp=info.get("pp", 0), heartbeat_interval_s=interval,
         ))
-        self._heartbeat = membership.Heartbeat(store, rank, interval, agent_pid=launch.agent_pid)
+        self._heartbeat = membership.Heartbeat(store, rank, interval, agent_pid=launch.agent_pid, progress=progress)
         self._watcher = membership.EpochWatcher(store, self._latch, after=self.applied)
         self._heartbeat.start()
         self._watcher.start()

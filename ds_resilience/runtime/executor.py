@@ -33,8 +33,13 @@ from ..comm.p2p import Messenger, message_tag
 from ..errors import ResilienceError
 from ..ir import Action, ActionKind
 from .bw_split import WeightGradStore, backward_fused, backward_input
+from .progress import Progress
 
 __all__ = ["BatchSource", "EvalResult", "Executor", "ExecutorHooks", "IterationStats", "StageSpec"]
+
+_PEER_WAITS = frozenset({ActionKind.RECV_ACT, ActionKind.RECV_GRAD, ActionKind.REDUCE_GRAD, ActionKind.TIED_REDUCE,
+                         ActionKind.OPT_STEP})
+"""Actions that wait for other workers (a receive, a collective, the step check): not timed as a hang."""
 
 BatchSource = Callable[[int, int, int], tuple[Any, Any]]
 """(pipeline, iteration, microbatch) -> (inputs, labels)."""
@@ -206,6 +211,10 @@ class Executor:
         self.messenger: Messenger | None = None
         self.iteration = 0
         self.cursor = 0  # index of the next action within the iteration
+        self._actions: tuple[Action, ...] = ()  # this iteration's actions (for early receive posts)
+        self._posts: dict[int, tuple[int, ...]] = {}  # action index -> receives posted right before it
+        self._posted: dict[int, Any] = {}  # receive index -> its posted receive (comm.p2p.Posted or None)
+        self.progress: Progress | None = None  # the main thread's progress, for hang detection
         self.stats = IterationStats()
         self.wstore = WeightGradStore()
         self._inputs: dict = {}
@@ -247,14 +256,21 @@ class Executor:
     def is_last(self) -> bool:
         return self.stage == self.num_stages - 1
 
-    def begin_iteration(self, iteration: int) -> None:
+    def begin_iteration(self, iteration: int, actions: Sequence[Action] = (),
+                        posts: dict[int, tuple[int, ...]] | None = None) -> None:
+        """Start an iteration of ``actions``; ``posts``: action index -> receive indices to post
+        right before it (:func:`ds_resilience.ir.pairs.early_posts`, NCCL's pair order)."""
         self.iteration = iteration
+        self._actions = tuple(actions)
+        self._posts = posts or {}
+        self._posted = {}
         self.cursor = 0
         self.stats = IterationStats()
         self.wstore = WeightGradStore()  # fresh peaks per iteration
 
     def run(self, actions: Sequence[Action]) -> IterationStats:
-        """Run a whole action list (one iteration) through the handler table."""
+        """Run a whole action list (one iteration) through the handler table (after
+        :meth:`begin_iteration`, which names its early receive posts)."""
         started = time.perf_counter()
         for action in actions:
             self.execute(action)
@@ -269,9 +285,17 @@ class Executor:
             raise ResilienceError(f"the executor has no handler for {action.kind.name} ({action})")
         index = self.cursor
         self.cursor += 1
+        for r in self._posts.get(index, ()):
+            self._post_early(r)
         t0 = time.perf_counter()
-        with self.hooks.action_window(index):
-            handler(action)
+        progress = self.progress
+        if progress is None:
+            with self.hooks.action_window(index):
+                handler(action)
+        else:  # hang detection: compute is timed, a wait on peers is not (runtime/progress.py)
+            progress.advance(f"step {index} ({action})")
+            with self.hooks.action_window(index), (progress.waiting() if action.kind in _PEER_WAITS else contextlib.nullcontext()):
+                handler(action)
         self.stats.durations.setdefault(action.kind.value, []).append(time.perf_counter() - t0)
 
     def reset(self) -> None:
@@ -287,6 +311,7 @@ class Executor:
         self._labels.clear()
         self.wstore = WeightGradStore()
         self.cursor = 0
+        self._posted.clear()  # receives posted on the abandoned iteration's groups
         if self.messenger is not None:
             self.messenger.drop_pending()
 
@@ -454,13 +479,24 @@ class Executor:
     def _tag(self, channel: str, a: Action) -> int:
         return message_tag(channel, a.pipeline, a.microbatch, 0, dp=self.dp, microbatches=self.microbatches)
 
+    def _post_early(self, index: int) -> None:
+        """Post the receive at ``index`` of this iteration's actions now (it is waited for there)."""
+        a = self._actions[index]
+        if a.kind is ActionKind.RECV_ACT:
+            self._posted[index] = self.messenger.post(self.rank_of(a.peer), self._tag("act", a), f"act{a.stage - 1}")
+        elif a.kind is ActionKind.RECV_GRAD:
+            self._posted[index] = self.messenger.post(self.rank_of(a.peer), self._tag("grad", a), f"grad{a.stage + 1}")
+        else:
+            raise ResilienceError(f"early post of {a} (step {index}): only receives can be posted early")
+
     def send_activation(self, a: Action) -> None:
         outputs = self._outputs[(a.pipeline, a.microbatch)]
         tensors = [t for t in _as_tuple(outputs) if torch.is_tensor(t)]
         self.messenger.send(tensors, self.rank_of(a.peer), self._tag("act", a), f"act{a.stage}")
 
     def recv_activation(self, a: Action) -> None:
-        tensors = self.messenger.recv(self.rank_of(a.peer), self._tag("act", a), f"act{a.stage - 1}")
+        tensors = self.messenger.recv(self.rank_of(a.peer), self._tag("act", a), f"act{a.stage - 1}",
+                                      posted=self._posted.pop(self.cursor - 1, None))
         for t in tensors:
             if t.is_floating_point():
                 t.requires_grad_(True)
@@ -472,7 +508,7 @@ class Executor:
 
     def recv_grad(self, a: Action) -> None:
         self._received[("grad", a.pipeline, a.microbatch)] = self.messenger.recv(
-            self.rank_of(a.peer), self._tag("grad", a), f"grad{a.stage + 1}"
+            self.rank_of(a.peer), self._tag("grad", a), f"grad{a.stage + 1}", posted=self._posted.pop(self.cursor - 1, None)
         )
 
     # --- optimizer ---------------------------------------------------------------------------

@@ -9,6 +9,9 @@ point of each iteration; a matching entry fires once:
 ``sigkill``  SIGKILL to itself (death by signal)
 ``hang``     SIGSTOP to itself: every thread stops, heartbeats included; the agent detects the
              silence and kills the process (if someone sends SIGCONT instead, training resumes)
+``stall``    the main thread stops in place (as in a kernel that never returns or a wait on a
+             device), its other threads run on: the heartbeat thread beats until hang detection
+             by progress (``detector.stall_timeout_s``, ``runtime/progress.py``) stops it
 ``lose_machine``  the machine is lost: its host memory (the in-memory snapshots of every rank on
              it, ``lose_memory`` callback) is wiped, then SIGKILL as above
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 import sys
 from typing import Callable, Mapping, Sequence
 
@@ -108,6 +112,9 @@ class FaultInjector:
             self._kill(os.getpid(), signal.SIGKILL)  # delivered before kill() returns
         elif kind == "hang":
             self._kill(os.getpid(), signal.SIGSTOP)
+        elif kind == "stall":
+            while True:  # only this thread: the heartbeat thread and the watcher run on
+                time.sleep(0.05)
         elif kind == "lose_machine":
             if self.lose_memory is not None:
                 self.lose_memory()

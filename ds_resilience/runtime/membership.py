@@ -249,7 +249,9 @@ class EpochWatcher(_Loop):
 class Heartbeat(_Loop):
     """Bumps ``dsr/hb/{rank}`` every ``interval_s`` from a daemon thread (first beat at once).
 
-    A SIGSTOP'd process stops beating too; the agent turns that silence into a hang.
+    A SIGSTOP'd process stops beating too; the agent turns that silence into a hang. With
+    ``progress`` (:class:`~ds_resilience.runtime.progress.Progress`) it also stops while the main
+    thread is stalled (a live thread is not a live worker).
 
     Args:
         store: any client of the agent's store; the heartbeat clones its own connection.
@@ -260,7 +262,8 @@ class Heartbeat(_Loop):
             killed with SIGKILL cannot clean up, so its workers do not outlive it.
     """
 
-    def __init__(self, store: dist.Store, rank: int, interval_s: float, *, agent_pid: int | None = None) -> None:
+    def __init__(self, store: dist.Store, rank: int, interval_s: float, *, agent_pid: int | None = None,
+                 progress=None) -> None:
         if interval_s <= 0:
             raise MembershipError(f"heartbeat interval must be > 0, got {interval_s!r}")
         super().__init__(store, f"dsr-heartbeat-{rank}")
@@ -268,6 +271,8 @@ class Heartbeat(_Loop):
         self._interval_s = interval_s
         self._agent_pid = agent_pid
         self._rank = rank
+        self._progress = progress  # runtime.progress.Progress: no beat while the main thread is stalled
+        self.stalled = False
         self.beats = 0
 
     def stop(self, timeout_s: float = 5.0) -> None:
@@ -285,6 +290,15 @@ class Heartbeat(_Loop):
             if self._agent_pid is not None and os.getppid() != self._agent_pid:
                 log.error("%s: the agent (pid %d) is gone; exiting", self.name, self._agent_pid)
                 os._exit(EXIT_ORPHANED)
+            if self._progress is not None and self._progress.stalled():
+                if not self.stalled:
+                    self.stalled = True
+                    log.error("%s: the main thread has not advanced for %.1fs in %s (stall_timeout_s %.1fs): no "
+                              "more heartbeats, the agent will take this worker for hung", self.name,
+                              self._progress.stalled_for(), self._progress.where or "?", self._progress.stall_timeout_s)
+                self._stop_event.wait(self._interval_s)
+                continue
+            self.stalled = False
             try:
                 self._store.add(self._key, 1)
                 self.beats += 1
