@@ -8,7 +8,10 @@ bounds, at fault-free 1F1B's memory (the default cap) and at twice it.
 Grid: D in {2,4,8}, P in {4,8}, M in {P,2P,4P}, 1-3 failures spread over stages or concentrated
 in one: degradation per variant, the bound and the heuristic's time; CP-SAT on the smaller cases.
 Scale: D=16, P=16, M=32, every normalized set with <= 2 failures, heuristic, 2 processes, and the
-lookup latency. All times are wall-clock on this machine; the degradations are simulator figures.
+lookup latency. --nccl: the reference plans replayed under NCCL's rules (ir/pairs.py: one stream
+per pair, sends that wait for their posted receive) against buffered sends (gloo, what the planner
+rates), with the example GPT's cost model at its link speed and at a tenth of it; and whether they
+complete with every receive posted where it waits (without the early posts). All times are wall-clock on this machine; the degradations are simulator figures.
 """
 
 from __future__ import annotations
@@ -140,6 +143,34 @@ def scale(workers: int) -> dict:
     return out
 
 
+def nccl_rules() -> list[dict]:
+    from dataclasses import replace
+
+    from ds_resilience.ir.pairs import replay_nccl
+    from ds_resilience.ir.replay import replay
+
+    print("\n== NCCL's rules: 3 x 4 x 6, example GPT costs (configs/costs_gpt_example.json) ==", flush=True)
+    base = CostModel.load(Path(__file__).resolve().parents[1] / "configs" / "costs_gpt_example.json")
+    rows = []
+    for scale_bw in (1.0, 0.1):
+        cost = replace(base, p2p_bandwidth=base.p2p_bandwidth * scale_bw)
+        for variant in ("adaptive", "recycle"):
+            for failed in ([], [Worker(pipeline=0, stage=1)]):
+                p = plan(3, 4, 6, failed, cost=cost, variant=variant, solver="heuristic")
+                rep = 4 if variant == "recycle" else 1
+                buffered = replay(p.schedule, cost, repeat=rep).makespan
+                nccl = replay_nccl(p.schedule, cost, repeat=rep)
+                late = replay_nccl(p.schedule, cost, repeat=rep, early=False)
+                row = {"bandwidth_bytes_per_ms": cost.p2p_bandwidth, "variant": variant, "failed": len(failed),
+                       "buffered": buffered, "nccl": nccl.makespan, "ratio": nccl.makespan / buffered,
+                       "completes": not nccl.blocked, "late_posts_deadlock": bool(late.blocked)}
+                rows.append(row)
+                print(f"{cost.p2p_bandwidth / 1e6:5.1f} GB/s {variant:9s} failed {len(failed)}: buffered {buffered:8.2f} ms "
+                      f"| NCCL rules {nccl.makespan:8.2f} ms ({row['ratio']:.3f}x) | receives posted where they wait: "
+                      f"{'deadlock' if late.blocked else 'completes'}", flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller grid")
@@ -148,8 +179,14 @@ def main() -> None:
     parser.add_argument("--cpsat-limit", type=float, default=5.0, help="CP-SAT seconds per grid case (0: off)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--json", metavar="FILE")
+    parser.add_argument("--nccl", action="store_true", help="only the NCCL-rules replay of the reference plans")
     args = parser.parse_args()
     results: dict = {}
+    if args.nccl:
+        results["nccl"] = nccl_rules()
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
+        return
     if not args.only_scale:
         results = {f"reference_{solver}_{cap or '1f1b'}": reference(solver, cap)
                    for cap in (None, 8) for solver in ("heuristic", "cpsat")}

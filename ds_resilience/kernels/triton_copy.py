@@ -18,6 +18,8 @@ this module imports triton; ``copy.py`` imports it only when the Triton backend 
 
 from __future__ import annotations
 
+import contextlib
+
 import functools
 import os
 from typing import Any
@@ -171,6 +173,17 @@ def triton_copy_planned(
     nprog = max(1, min(-(-n // block), int(cap)))
     partials = torch.zeros(2 * nprog if checksum else 2, dtype=torch.int64, device=src.device)
     kernel = _build(interpreting())
+    # the launch goes to the current device: on cuda:k (k > 0) it must be the tensors' own
+    guard = torch.cuda.device(src.device) if src.device.type == "cuda" else contextlib.nullcontext()
+    with guard:
+        _launch(kernel, nprog, src, dst, partials, n, sizes, strides, layout, checksum, block)
+    if not checksum:
+        return None
+    sums = partials.view(nprog, 2).sum(dim=0).tolist()  # each partial < 2**32: no int64 overflow
+    return pack(sums[0], sums[1])
+
+
+def _launch(kernel, nprog, src, dst, partials, n, sizes, strides, layout, checksum, block) -> None:
     kernel[(nprog,)](
         src,
         dst,
@@ -190,7 +203,3 @@ def triton_copy_planned(
         BLOCK=block,
         num_warps=_NUM_WARPS,
     )
-    if not checksum:
-        return None
-    sums = partials.view(nprog, 2).sum(dim=0).tolist()  # each partial < 2**32: no int64 overflow
-    return pack(sums[0], sums[1])
