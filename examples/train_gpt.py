@@ -178,6 +178,7 @@ def main(argv=None) -> int:
         master_of = getattr(engine.optimizer, "master_of", {})
         torch.save({
             "rank": rank,
+            "local_rank": int(os.environ.get("LOCAL_RANK", "-1")),
             "stage": engine.stage_id,
             "pipeline": engine.me.pipeline,
             "alive": engine.alive,

@@ -42,6 +42,7 @@ from ..errors import ResilienceError
 from ..launch import LaunchEnv, snapshot_root
 from ..planning.recovery import lost_stages
 from . import membership as mb
+from .nodes import DONE_KEY, NodeAgent, RemoteProc, post_launch
 
 __all__ = ["Agent", "AgentEvent", "AgentError", "main_run", "EXIT_OK", "EXIT_STARTUP", "EXIT_STOPPED"]
 
@@ -110,7 +111,11 @@ class Agent:
 
     Args:
         script: the training script; ``script_args`` follow it, then ``--local_rank=r``.
-        num_workers: number of worker processes (ranks ``0..N-1``).
+        num_workers: worker processes per node (ranks ``0..N-1`` on one node; node k holds ranks
+            ``k*N .. k*N+N-1``).
+        nnodes: nodes; with more than one, this agent is node 0's and leads: the other nodes run
+            a follower (:class:`~.nodes.NodeAgent`) that launches their ranks when asked
+            (``runtime/nodes.py``). ``master_port`` must then be given.
         master_addr, master_port: where the store listens (port 0: a free port).
         heartbeat_interval_s, heartbeat_timeout_s: the workers' beat interval (exported to them in
             their :class:`~ds_resilience.launch.LaunchEnv`; they beat at it) and the silence after
@@ -138,9 +143,13 @@ class Agent:
                  store_timeout_s: float | None = None,
                  max_restarts: int = 0, host_dir: str | os.PathLike[str] | None = None, keep_snapshots: bool = False,
                  env: Mapping[str, str] | None = None, log_dir: str | os.PathLike[str] | None = None,
-                 echo: Callable[[str], None] | None = None) -> None:
+                 echo: Callable[[str], None] | None = None, nnodes: int = 1) -> None:
         if num_workers < 1:
             raise AgentError(f"num_workers must be >= 1, got {num_workers}")
+        if nnodes < 1:
+            raise AgentError(f"nnodes must be >= 1, got {nnodes}")
+        if nnodes > 1 and not master_port:
+            raise AgentError("with nnodes > 1 the store needs a fixed --master_port (the other nodes connect to it)")
         defaults = DetectorConfig()  # the one place the detector's defaults live
         heartbeat_interval_s = defaults.heartbeat_interval_s if heartbeat_interval_s is None else heartbeat_interval_s
         heartbeat_timeout_s = defaults.heartbeat_timeout_s if heartbeat_timeout_s is None else heartbeat_timeout_s
@@ -153,12 +162,16 @@ class Agent:
         if not Path(script).is_file():
             raise AgentError(f"training script {str(script)!r} not found")
         self.script, self.script_args = str(script), tuple(script_args)
-        self.num_workers, self.master_addr, self.port = num_workers, master_addr, master_port
+        self.nproc, self.nnodes = num_workers, nnodes
+        self.num_workers = num_workers * nnodes  # the world
+        self.master_addr, self.port = master_addr, master_port
         self.heartbeat_interval_s, self.heartbeat_timeout_s = heartbeat_interval_s, heartbeat_timeout_s
         self.rejoin_after_s, self.stop_grace_s, self.store_timeout_s = rejoin_after_s, stop_grace_s, store_timeout_s
         self.exit_grace_s, self.max_join_attempts = exit_grace_s, max_join_attempts
         if max_restarts < 0:
             raise AgentError(f"max_restarts must be >= 0, got {max_restarts}")
+        if nnodes > 1 and max_restarts:  # a restart hosts a new store, which the followers would not find
+            max_restarts = 0
         self.env = dict(env or {})
         self.max_restarts, self.restarts = max_restarts, 0
         self.job_id = self.env.get("DSR_JOB_ID") or f"job-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -203,6 +216,12 @@ class Agent:
             for signum, old in handlers.items():
                 signal.signal(signum, old)
             self._kill_all()
+            if self.nnodes > 1 and self.store is not None:
+                try:  # the followers stop (and kill whatever they still run)
+                    self.store.set(DONE_KEY, str(self.exit_code if self.exit_code is not None else 1))
+                    time.sleep(2 * self.tick_s + 0.5)  # let them read it before the store goes
+                except RuntimeError:
+                    pass
             if not self.keep_snapshots:
                 shutil.rmtree(snapshot_root(self.host_dir, self.job_id), ignore_errors=True)
         self._summary()
@@ -242,20 +261,26 @@ class Agent:
         raise _Interrupted(signum)
 
     def _launch(self, rank: int, incarnation: int) -> _Child:
+        node, local = divmod(rank, self.nproc)
         contract = LaunchEnv(host=self.master_addr, port=self.port, rank=rank, world_size=self.num_workers,
                              incarnation=incarnation, rejoin=incarnation > 0,
-                             heartbeat_interval_s=self.heartbeat_interval_s, agent_pid=os.getpid(), local_rank=rank,
-                             local_world_size=self.num_workers, restart=self.restarts, job_id=self.job_id,
+                             heartbeat_interval_s=self.heartbeat_interval_s, agent_pid=os.getpid(), local_rank=local,
+                             local_world_size=self.nproc, restart=self.restarts, job_id=self.job_id,
                              heartbeat_timeout_s=self.heartbeat_timeout_s)
-        env = {**os.environ, "OMP_NUM_THREADS": "1", **self.env, **contract.to_environ(),
-               "GROUP_RANK": "0", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+        protocol = {**contract.to_environ(), "GROUP_RANK": str(node), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+        suffix = f".restart{self.restarts}" if self.restarts else ""
+        log = self.log_dir / f"rank{rank}.{incarnation}{suffix}.log" if self.log_dir is not None else None
+        if node:  # another node's follower launches it
+            post_launch(self.store, node, rank=rank, incarnation=incarnation, local_rank=local,
+                        env={**self.env, **protocol}, log=str(log) if log is not None else None)
+            return self._track(rank, incarnation, RemoteProc(self.store, node, rank, incarnation), None)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **self.env, **protocol}
         out: Any = None
-        if self.log_dir is not None:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-            suffix = f".restart{self.restarts}" if self.restarts else ""
-            out = open(self.log_dir / f"rank{rank}.{incarnation}{suffix}.log", "wb")  # noqa: SIM115 - child keeps it
+        if log is not None:
+            log.parent.mkdir(parents=True, exist_ok=True)
+            out = open(log, "wb")  # noqa: SIM115 - child keeps it
         try:
-            proc = subprocess.Popen([sys.executable, "-u", self.script, *self.script_args, f"--local_rank={rank}"],
+            proc = subprocess.Popen([sys.executable, "-u", self.script, *self.script_args, f"--local_rank={local}"],
                                     env=env, stdin=subprocess.DEVNULL, stdout=out,
                                     stderr=subprocess.STDOUT if out else None)
         finally:
@@ -265,6 +290,9 @@ class Agent:
             pidfd: int | None = os.pidfd_open(proc.pid)
         except (AttributeError, OSError):
             pidfd = None
+        return self._track(rank, incarnation, proc, pidfd)
+
+    def _track(self, rank: int, incarnation: int, proc: Any, pidfd: int | None) -> _Child:
         now = time.monotonic()
         hb = mb.read_heartbeat(self.store, rank)  # a relaunch must beat past its predecessor's count
         self.store.delete_key(mb.hb_stopped_key(rank))
@@ -521,7 +549,9 @@ def _parser() -> argparse.ArgumentParser:
         "detected and published to the workers, which keep training (arguments as for `deepspeed`)."))
     p.add_argument("--num_gpus", "--num_workers", dest="num_gpus", type=int, default=-1,
                    help="worker processes (default: all visible GPUs, or 1 without GPUs)")
-    p.add_argument("--master_addr", default="127.0.0.1", help="address of the agent's store")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes of the job (node 0's agent leads)")
+    p.add_argument("--node_rank", type=int, default=0, help="this node (0: the leader, which hosts the store)")
+    p.add_argument("--master_addr", default="127.0.0.1", help="address of the agent's store (node 0's)")
     p.add_argument("--master_port", type=int, default=0, help="port of the agent's store (0: a free port)")
     p.add_argument("--heartbeat_interval", type=float, default=None, metavar="S",
                    help="seconds between worker heartbeats (default: resilience.detector, else 0.5)")
@@ -566,7 +596,15 @@ def main_run(argv: Sequence[str]) -> int:
             interval = detector.heartbeat_interval_s if interval is None else interval
             timeout = detector.heartbeat_timeout_s if timeout is None else timeout
             store_timeout = detector.store_timeout_s
-        agent = Agent(args.script, args.script_args, num_workers=num, master_addr=args.master_addr,
+        if args.node_rank:
+            if not 0 < args.node_rank < args.nnodes:
+                raise AgentError(f"--node_rank {args.node_rank} is out of range for --nnodes {args.nnodes}")
+            return NodeAgent(args.script, args.script_args, node_rank=args.node_rank, master_addr=args.master_addr,
+                             master_port=args.master_port, log_dir=args.log_dir).run()
+        if max_restarts and args.nnodes > 1:
+            print("ds-resilience run: a restart from the snapshots is not supported across nodes yet: beyond "
+                  "tolerance the job stops after its survivors save", file=sys.stderr)
+        agent = Agent(args.script, args.script_args, num_workers=num, nnodes=args.nnodes, master_addr=args.master_addr,
                       master_port=args.master_port, heartbeat_interval_s=interval,
                       heartbeat_timeout_s=timeout, rejoin_after_s=args.rejoin_after,
                       stop_grace_s=args.stop_grace, store_timeout_s=store_timeout, log_dir=args.log_dir,

@@ -1,0 +1,209 @@
+"""Several nodes: the agent of node 0 leads, one follower agent per other node launches its ranks.
+
+The leader (:class:`~.agent.Agent` with ``nnodes > 1``) hosts the store and owns membership for
+every rank, as on one node: it reads every worker's heartbeat from the store, declares crashes and
+hangs, publishes epochs, and decides relaunches. A rank of another node is a :class:`RemoteProc`
+for it: launching it posts a request in the store, its exit code is what that node's follower
+reported, and killing it posts a kill order. The follower (:class:`NodeAgent`, ``ds-resilience
+run --node_rank k``) only executes: it launches the requested ranks with the leader's launch
+contract (``LOCAL_RANK = rank % nproc``, the node's ``GROUP_RANK``), reports their exits, kills on
+order, and ends when the leader says the job is over (or its store is gone: then it kills its
+workers and exits 1). A node that is lost whole (its follower included) shows as the silence of its
+workers' heartbeats: hangs, handled as on one node.
+
+Store keys (the leader's store, under ``dsr/nodes/``)::
+
+    launches/{node}           counter of launch requests for that node
+    launch/{node}/{i}         request i: JSON {rank, incarnation, local_rank, env, log}
+    exit/{rank}/{incarnation} the exit code (text) of that process, set by its node's follower
+    kill/{rank}/{incarnation} "1": SIGKILL that process
+    done                      the leader's exit code: followers stop
+
+Not yet across nodes: a restart of every worker from the snapshots (it hosts a new store), so a
+multi-node job stops beyond tolerance (exit 3) after its survivors save.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import torch.distributed as dist
+
+from ..errors import ResilienceError
+
+__all__ = ["NodeAgent", "RemoteProc", "exit_key", "kill_key", "post_launch", "DONE_KEY"]
+
+_PREFIX = "dsr/nodes/"
+DONE_KEY = _PREFIX + "done"
+
+
+def exit_key(rank: int, incarnation: int) -> str:
+    return f"{_PREFIX}exit/{rank}/{incarnation}"
+
+
+def kill_key(rank: int, incarnation: int) -> str:
+    return f"{_PREFIX}kill/{rank}/{incarnation}"
+
+
+def _launch_key(node: int, i: int) -> str:
+    return f"{_PREFIX}launch/{node}/{i}"
+
+
+def _count_key(node: int) -> str:
+    return f"{_PREFIX}launches/{node}"
+
+
+def _has(store: dist.Store, key: str) -> bool:
+    return store.check([key])
+
+
+def post_launch(store: dist.Store, node: int, *, rank: int, incarnation: int, local_rank: int,
+                env: Mapping[str, str], log: str | None) -> None:
+    """Ask ``node``'s follower to launch ``rank`` (leader side). The request is written before the
+    counter moves, so a follower never reads a missing request."""
+    i = store.add(_count_key(node), 0)
+    request = {"rank": rank, "incarnation": incarnation, "local_rank": local_rank, "env": dict(env), "log": log}
+    store.set(_launch_key(node, i), json.dumps(request))
+    store.add(_count_key(node), 1)
+
+
+class RemoteProc:
+    """A worker on another node as the leader sees it: ``poll``, ``kill``, ``wait`` and ``pid`` of a
+    :class:`subprocess.Popen`, through the store."""
+
+    def __init__(self, store: dist.Store, node: int, rank: int, incarnation: int) -> None:
+        self.store, self.node, self.rank, self.incarnation = store, node, rank, incarnation
+        self.pid = f"node {node}"
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            key = exit_key(self.rank, self.incarnation)
+            try:
+                if _has(self.store, key):
+                    self.returncode = int(self.store.get(key).decode())
+            except (RuntimeError, ValueError):
+                return None
+        return self.returncode
+
+    def kill(self) -> None:
+        try:
+            self.store.set(kill_key(self.rank, self.incarnation), "1")
+        except RuntimeError:  # the store is going away with the leader: the follower kills on its own
+            pass
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"rank {self.rank} on node {self.node}", timeout or 0.0)
+            time.sleep(0.02)
+        return self.returncode  # type: ignore[return-value]
+
+
+class NodeAgent:
+    """The follower agent of node ``node_rank`` (see the module docstring).
+
+    Args:
+        script, script_args: the training script and its arguments (``--local_rank=r`` is added).
+        node_rank: this node's index, >= 1.
+        master_addr, master_port: the leader's store.
+        connect_timeout_s: how long to wait for the leader's store.
+        log_dir: worker ``r``'s output to ``log_dir/rank{r}.{incarnation}.log`` (else the leader's choice).
+        tick_s: polling interval.
+        echo: where messages go (default: stderr).
+    """
+
+    def __init__(self, script: str, script_args: Sequence[str] = (), *, node_rank: int, master_addr: str,
+                 master_port: int, connect_timeout_s: float = 300.0, log_dir: str | os.PathLike[str] | None = None,
+                 tick_s: float = 0.05, echo: Callable[[str], None] | None = None) -> None:
+        if node_rank < 1:
+            raise ResilienceError(f"a follower's node_rank must be >= 1, got {node_rank} (node 0 runs the leader)")
+        if not master_port:
+            raise ResilienceError("a follower needs the leader's --master_port (not 0)")
+        self.script, self.script_args = script, tuple(script_args)
+        self.node, self.addr, self.port = node_rank, master_addr, master_port
+        self.connect_timeout_s, self.tick_s = connect_timeout_s, tick_s
+        self.log_dir = Path(log_dir) if log_dir is not None else None
+        self._echo = echo or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.children: dict[tuple[int, int], subprocess.Popen] = {}  # (rank, incarnation) -> process
+        self.reported: set[tuple[int, int]] = set()
+        self.next_request = 0
+
+    def run(self) -> int:
+        """Launch on request until the leader is done; returns its exit code (1 if it vanished)."""
+        try:
+            store = dist.TCPStore(self.addr, self.port, is_master=False, timeout=timedelta(seconds=self.connect_timeout_s))
+        except RuntimeError as exc:
+            raise ResilienceError(f"node {self.node}: cannot reach the leader's store at {self.addr}:{self.port}: "
+                                  f"{exc}") from exc
+        self._echo(f"[ds_resilience node {self.node}] connected to {self.addr}:{self.port}")
+        code = 1
+        try:
+            while True:
+                self._launch_requested(store)
+                self._report_exits(store)
+                self._kill_ordered(store)
+                if _has(store, DONE_KEY):
+                    code = int(store.get(DONE_KEY).decode())
+                    break
+                time.sleep(self.tick_s)
+        except RuntimeError as exc:  # the store is gone: the leader (and the job) ended
+            self._echo(f"[ds_resilience node {self.node}] lost the leader's store ({exc}); stopping")
+        finally:
+            for proc in self.children.values():
+                if proc.poll() is None:
+                    proc.kill()
+            for proc in self.children.values():
+                try:
+                    proc.wait(timeout=10.0)
+                except subprocess.TimeoutExpired:
+                    pass
+        self._echo(f"[ds_resilience node {self.node}] exit code {code}")
+        return code
+
+    def _launch_requested(self, store: dist.Store) -> None:
+        count = store.add(_count_key(self.node), 0)
+        while self.next_request < count:
+            request = json.loads(store.get(_launch_key(self.node, self.next_request)).decode())
+            self.next_request += 1
+            self._launch(request)
+
+    def _launch(self, request: dict[str, Any]) -> None:
+        rank, incarnation = int(request["rank"]), int(request["incarnation"])
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **{str(k): str(v) for k, v in request["env"].items()},
+               "DSR_AGENT_PID": str(os.getpid())}  # orphan check: this agent is the parent here
+        out: Any = None
+        log = request.get("log")
+        if self.log_dir is not None:
+            log = str(self.log_dir / Path(log).name) if log else str(self.log_dir / f"rank{rank}.{incarnation}.log")
+        if log:
+            Path(log).parent.mkdir(parents=True, exist_ok=True)
+            out = open(log, "wb")  # noqa: SIM115 - the child keeps it
+        try:
+            proc = subprocess.Popen([sys.executable, "-u", self.script, *self.script_args,
+                                     f"--local_rank={request['local_rank']}"], env=env, stdin=subprocess.DEVNULL,
+                                    stdout=out, stderr=subprocess.STDOUT if out else None)
+        finally:
+            if out is not None:
+                out.close()
+        self.children[rank, incarnation] = proc
+        self._echo(f"[ds_resilience node {self.node}] launched rank {rank} (incarnation {incarnation}, pid {proc.pid})")
+
+    def _report_exits(self, store: dist.Store) -> None:
+        for key, proc in self.children.items():
+            if key not in self.reported and (code := proc.poll()) is not None:
+                store.set(exit_key(*key), str(code))
+                self.reported.add(key)
+
+    def _kill_ordered(self, store: dist.Store) -> None:
+        for key, proc in self.children.items():
+            if proc.poll() is None and _has(store, kill_key(*key)):
+                proc.kill()

@@ -1,0 +1,79 @@
+"""Two nodes on loopback: node 0's agent leads (store, membership), node 1's follower launches its
+ranks on request (runtime/nodes.py). Two `ds-resilience run` processes, the example GPT with
+PP=2 x DP=2 (2 ranks per node), and failures on node 1 that only the leader can see."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_live import REPO, SCRIPT, STEPS, _config, assert_equal_to_reference, reference4  # noqa: F401
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_two_nodes(tmp: Path, cfg: Path, dump: Path, *, timeout_s: float = 400.0):
+    port = _free_port()
+    common = ["--nnodes", "2", "--num_gpus", "2", "--master_addr", "127.0.0.1", "--master_port", str(port),
+              "--heartbeat_interval", "0.2", "--heartbeat_timeout", "2.0"]
+    script = [str(SCRIPT), "--deepspeed_config", str(cfg), "--steps", str(STEPS), "--dump", str(dump)]
+    env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **{k: v for k, v in __import__("os").environ.items()
+                                                                if k not in ("PYTHONPATH",)}}
+    cli = [sys.executable, "-m", "ds_resilience.cli", "run"]
+    with open(tmp / "leader.log", "wb") as lo, open(tmp / "follower.log", "wb") as fo:
+        leader = subprocess.Popen([*cli, *common, "--node_rank", "0", "--log_dir", str(tmp / "logs"), *script],
+                                  env=env, stdout=lo, stderr=subprocess.STDOUT, cwd=REPO)
+        follower = subprocess.Popen([*cli, *common, "--node_rank", "1", "--log_dir", str(tmp / "logs1"), *script],
+                                    env=env, stdout=fo, stderr=subprocess.STDOUT, cwd=REPO)
+        try:
+            codes = (leader.wait(timeout=timeout_s), follower.wait(timeout=60))
+        finally:
+            for p in (leader, follower):
+                if p.poll() is None:
+                    p.kill()
+    text = (tmp / "leader.log").read_text(errors="replace") + "\n--- follower\n" + (tmp / "follower.log").read_text(errors="replace")
+    dumps = {}
+    for r in range(4):
+        f = Path(f"{dump}.rank{r}.pt")
+        if f.exists():
+            dumps[r] = torch.load(f, weights_only=False)
+    return codes, text, dumps
+
+
+@pytest.mark.timeout(600)
+def test_a_hang_on_another_node_is_killed_by_its_follower_and_training_goes_on(tmp_path, reference4):
+    fault = {"rank": 3, "step": 3, "point": "mid_backward", "kind": "hang"}
+    cfg = _config(tmp_path, dp=2, faults=[fault])
+    codes, text, dumps = _run_two_nodes(tmp_path, cfg, tmp_path / "job")
+    assert codes == (0, 0), text
+    assert "rank 3 hung" in text and "[ds_resilience node 1] launched rank 3" in text, text
+    assert_equal_to_reference(dumps, reference4, dead=[3])
+    # LOCAL_RANK is the rank's place on its node: ranks 0, 1 on node 0 and 2 on node 1 -> 0, 1, 0
+    assert {r: d["local_rank"] for r, d in dumps.items()} == {0: 0, 1: 1, 2: 0}
+
+
+@pytest.mark.timeout(600)
+def test_a_crash_on_another_node_is_reported_by_its_follower(tmp_path, reference4):
+    fault = {"rank": 2, "step": 4, "point": "before_forward", "kind": "sigkill"}
+    cfg = _config(tmp_path, dp=2, faults=[fault])
+    codes, text, dumps = _run_two_nodes(tmp_path, cfg, tmp_path / "job")
+    assert codes == (0, 0), text
+    assert "rank 2 crashed (killed by SIGKILL)" in text, text
+    assert_equal_to_reference(dumps, reference4, dead=[2])
+
+
+def test_node_arguments_are_checked(tmp_path):
+    from ds_resilience.runtime.agent import Agent, AgentError, main_run
+
+    with pytest.raises(AgentError, match="nnodes > 1 the store needs a fixed --master_port"):
+        Agent(SCRIPT, num_workers=2, nnodes=2)
+    assert main_run(["--nnodes", "2", "--node_rank", "2", "--master_port", "1234", str(SCRIPT)]) == 2
