@@ -1,7 +1,11 @@
 """Process groups addressed by global ranks: one generation's groups, pair groups, and the world.
 
-Each group is a standalone gloo process group over a ``PrefixStore`` named by a session id, the
-generation and its members, so a later generation never meets an earlier one's keys or pairs
+Each group is a standalone process group over a ``PrefixStore`` named by a session id, the
+generation and its members (gloo for CPU tensors; NCCL when the engine's device is a GPU, with the
+abort-based recovery torchft and NVIDIA's resiliency extension use: non-blocking communicator
+init, ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` so a failed operation aborts its communicator without
+tearing the process down, :meth:`Group.poison` aborts the generation's communicators, and every
+wait polls its work with a deadline instead of trusting the watchdog), so a later generation never meets an earlier one's keys or pairs
 (``dist.new_group`` names groups by their ranks alone, which collides when a member set recurs,
 e.g. the same worker failing twice). Groups keep the original global ranks at their interface:
 :class:`Group` translates to group-local ranks. Only the members construct a group; a dead rank is
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Sequence
@@ -37,6 +42,7 @@ _POISON_TAG = (1 << 30) + 7
 _MAX_JSON_BYTES = 64 << 20
 MATCHINGS = ("tags", "fifo")
 _FIFO_TAG = 0
+_POLL_S = 0.0005
 
 
 def default_matching() -> str:
@@ -60,12 +66,18 @@ class Group:
         timeout_s: how long each operation waits.
         me: this process's global rank.
         name: what the group is for (in error messages).
-        matching: ``"tags"`` or ``"fifo"`` (module docstring); default :func:`default_matching`.
+        matching: ``"tags"`` or ``"fifo"`` (module docstring); default :func:`default_matching`
+            (``"fifo"`` on NCCL, which ignores tags).
+        backend: ``"gloo"`` or ``"nccl"`` (how waits and :meth:`poison` work).
     """
 
     def __init__(self, pg: dist.ProcessGroup, ranks: Sequence[int], timeout_s: float, me: int, name: str = "",
-                 matching: str | None = None) -> None:
-        self.matching = default_matching() if matching is None else matching
+                 matching: str | None = None, backend: str = "gloo") -> None:
+        self.backend = backend
+        # where its operations run: the CPU for gloo, the communicator's GPU for NCCL (tensors on
+        # another device are staged there and back, so CPU-side callers work unchanged)
+        self.device = torch.device(getattr(pg, "dsr_device", "cpu")) if backend == "nccl" else torch.device("cpu")
+        self.matching = ("fifo" if backend == "nccl" else default_matching()) if matching is None else matching
         if self.matching not in MATCHINGS:
             raise ValueError(f"matching {self.matching!r}; allowed: {', '.join(MATCHINGS)}")
         self.pg = pg
@@ -83,33 +95,59 @@ class Group:
         return f"Group({self.name}, ranks={list(self.ranks)})"
 
     def wait(self, work, what: str, timeout_s: float | None = None) -> None:
-        """Wait for ``work`` with the group's timeout (or ``timeout_s``); :class:`CommError` names ``what``."""
+        """Wait for ``work`` with the group's timeout (or ``timeout_s``); :class:`CommError` names ``what``.
+
+        On NCCL a work's ``wait`` only orders the current stream after it; here the host polls
+        ``is_completed`` until the deadline (a hung peer is then a :class:`CommError`, and an
+        aborted communicator completes the work with its error)."""
         timeout = self.timeout if timeout_s is None else timedelta(seconds=timeout_s)
         try:
+            if self.backend == "nccl":
+                deadline = time.monotonic() + timeout.total_seconds()
+                while not work.is_completed():
+                    if time.monotonic() > deadline:
+                        raise CommError(f"{self.name}: {what}: not completed within {timeout.total_seconds():.0f}s")
+                    time.sleep(_POLL_S)
             work.wait(timeout)
-        except RuntimeError as exc:  # gloo: timeout, or the peer closed the connection
+        except RuntimeError as exc:  # gloo: timeout, or the peer closed the connection; NCCL: aborted
             raise CommError(f"{self.name}: {what}: {exc}") from exc
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """In-place sum over the members."""
-        self.wait(self.pg.allreduce([tensor]), "all-reduce")
+        staged = tensor if tensor.device == self.device else tensor.to(self.device)
+        self.wait(self.pg.allreduce([staged]), "all-reduce")
+        if staged is not tensor:
+            tensor.copy_(staged)
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int):
-        return self.pg.send([tensor], self.index[dst], tag if self.matching == "tags" else _FIFO_TAG)
+        staged = tensor if tensor.device == self.device else tensor.to(self.device)
+        work = self.pg.send([staged], self.index[dst], tag if self.matching == "tags" else _FIFO_TAG)
+        return work if staged is tensor else _Staged(work, staged, None)
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int):
-        return self.pg.recv([tensor], self.index[src], tag if self.matching == "tags" else _FIFO_TAG)
+        if tensor.device == self.device:
+            return self.pg.recv([tensor], self.index[src], tag if self.matching == "tags" else _FIFO_TAG)
+        buf = torch.empty_like(tensor, device=self.device)
+        work = self.pg.recv([buf], self.index[src], tag if self.matching == "tags" else _FIFO_TAG)
+        return _Staged(work, buf, tensor)
 
     def barrier(self) -> None:
         self.all_reduce(torch.zeros(1))
 
     def poison(self) -> None:
-        """Close every pair of this gloo group so blocked operations on it fail now.
+        """Release every operation blocked on this group now; the group is unusable afterwards.
 
-        A receive with a 1 ms timeout makes gloo close the pair; a main thread blocked in a receive
-        or a collective on the group is released in milliseconds instead of waiting out the
-        process-group timeout. The group is unusable afterwards.
+        Gloo: a receive with a 1 ms timeout makes gloo close the pair; a main thread blocked in a
+        receive or a collective on the group is released in milliseconds instead of waiting out
+        the process-group timeout. NCCL: the communicators are aborted (a posted receive would
+        otherwise match the next real send), which completes their pending work with an error.
         """
+        if self.backend == "nccl":
+            try:
+                self.pg.abort()
+            except Exception:  # noqa: BLE001 - aborting an already broken communicator
+                pass
+            return
         buf = torch.zeros(1)
         for peer in range(len(self.ranks)):
             if self.ranks[peer] == self.me:
@@ -143,6 +181,24 @@ class Group:
         return self.all_gather_json(value if self.me == src else None)[self.index[src]]
 
 
+class _Staged:
+    """A work whose tensor was staged on the group's device: keeps it alive, and for a receive
+    copies it into the caller's tensor once done."""
+
+    def __init__(self, work, staged: torch.Tensor, target: torch.Tensor | None) -> None:
+        self.work, self.staged, self.target = work, staged, target
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def wait(self, timeout=None) -> bool:
+        done = self.work.wait(timeout) if timeout is not None else self.work.wait()
+        if self.target is not None:
+            self.target.copy_(self.staged)
+            self.target = None
+        return done
+
+
 def _loads(data: bytes, what: str) -> Any:
     try:
         return json.loads(data.decode("utf-8"))
@@ -156,10 +212,12 @@ def poison(group: Group) -> None:
 
 
 def new_group(ranks: Sequence[int], *, name: str, timeout_s: float, store: dist.Store | None = None,
-              me: int | None = None) -> Group:
+              me: int | None = None, device: torch.device | str | None = None) -> Group:
     """Create the group ``ranks`` (call on every member); ``name`` must be unique per creation.
 
     ``store`` defaults to the default process group's store; under the agent it is the agent's.
+    ``device``: the tensors' device; a CUDA device makes it an NCCL group on that device (fresh
+    communicators per generation, since every generation's names differ), anything else gloo.
     """
     me = dist.get_rank() if me is None else me
     ranks = sorted(ranks)
@@ -167,8 +225,35 @@ def new_group(ranks: Sequence[int], *, name: str, timeout_s: float, store: dist.
         raise ValueError(f"rank {me} is not a member of group {name} {ranks}")
     base = store if store is not None else dist.distributed_c10d._get_default_store()
     prefix = f"dsr/{name}/{'-'.join(map(str, ranks))}"
-    pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, base), ranks.index(me), len(ranks), timedelta(seconds=timeout_s))
+    store = dist.PrefixStore(prefix, base)
+    device = torch.device(device) if device is not None else None
+    if device is not None and device.type == "cuda":
+        pg = _nccl_group(store, ranks.index(me), len(ranks), timeout_s, device, name)
+        return Group(pg, ranks, timeout_s, me, name, backend="nccl")
+    pg = dist.ProcessGroupGloo(store, ranks.index(me), len(ranks), timedelta(seconds=timeout_s))
     return Group(pg, ranks, timeout_s, me, name)
+
+
+NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+"""Set (unless the user set them) before the first NCCL group: a failed operation aborts its
+communicator and leaves the process alive (the default tears the survivors down with a dead peer)."""
+
+
+def _nccl_group(store: dist.Store, rank: int, size: int, timeout_s: float, device: torch.device, name: str):
+    """A standalone NCCL backend for one group: non-blocking init (bounded by our own waits, and
+    abortable while it connects), its communicator created now on ``device`` rather than at the
+    first operation."""
+    if not dist.is_nccl_available():
+        raise CommError(f"group {name}: the engine's device is {device} but this torch has no NCCL backend")
+    for key, value in NCCL_ENV.items():
+        os.environ.setdefault(key, value)
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timedelta(seconds=timeout_s)
+    opts.config.blocking = 0
+    pg = dist.ProcessGroupNCCL(store, rank, size, opts)
+    pg.eager_connect_single_device(device)
+    pg.dsr_device = str(device)  # read by Group: where its operations run
+    return pg
 
 
 def world_group(timeout_s: float) -> Group:
@@ -203,18 +288,22 @@ class GenerationGroups:
 
 
 def build_groups(topology: Topology, me: Worker, *, session: str, generation: int = 0, timeout_s: float = 60.0,
-                 store: dist.Store | None = None, tied: Sequence[Sequence[int]] = ()) -> GenerationGroups:
+                 store: dist.Store | None = None, tied: Sequence[Sequence[int]] = (),
+                 device: torch.device | str | None = None) -> GenerationGroups:
     """Create the surviving world group, ``me``'s stage group and the tied groups of ``me``'s stage
-    (``tied``: the schedule's tied groups, tuples of stages) for ``generation``."""
+    (``tied``: the schedule's tied groups, tuples of stages) for ``generation``; on ``device``
+    (NCCL for a GPU, see :func:`new_group`)."""
     world_ranks = [topology.rank(w) for w in topology.alive_workers()]
     stage_ranks = [topology.rank(w) for w in topology.stage_peers(me.stage)]
     name = f"{session}/g{generation}"
     rank = topology.rank(me)
-    world = new_group(world_ranks, name=f"{name}/world", timeout_s=timeout_s, store=store, me=rank)
-    stage = new_group(stage_ranks, name=f"{name}/stage{me.stage}", timeout_s=timeout_s, store=store, me=rank)
+    world = new_group(world_ranks, name=f"{name}/world", timeout_s=timeout_s, store=store, me=rank, device=device)
+    stage = new_group(stage_ranks, name=f"{name}/stage{me.stage}", timeout_s=timeout_s, store=store, me=rank,
+                      device=device)
     tied_groups = {}
     for g, stages in enumerate(tied):  # in group order on every member: no crossed rendezvous
         if me.stage in stages:
             ranks = [topology.rank(w) for s in stages for w in topology.stage_peers(s)]
-            tied_groups[g] = new_group(ranks, name=f"{name}/tied{g}", timeout_s=timeout_s, store=store, me=rank)
+            tied_groups[g] = new_group(ranks, name=f"{name}/tied{g}", timeout_s=timeout_s, store=store, me=rank,
+                                       device=device)
     return GenerationGroups(generation=generation, world=world, stage=stage, tied=tied_groups)

@@ -149,7 +149,7 @@ class Messenger:
             return None
         buffers, works = [], []
         for i, (dtype, requires_grad, shape) in enumerate(meta):
-            buf = torch.empty(shape, dtype=dtype)
+            buf = torch.empty(shape, dtype=dtype, device=self.group.device)
             works.append(self.group.irecv(buf, src, tag + 1 + i))
             buffers.append((buf, requires_grad))
         return Posted(src=src, tag=tag, channel=channel, buffers=buffers, works=works)
@@ -178,7 +178,7 @@ class Messenger:
             meta = self._recv_meta[key] = _decode(header)
         tensors = []
         for i, (dtype, requires_grad, shape) in enumerate(meta):
-            buf = torch.empty(shape, dtype=dtype)
+            buf = torch.empty(shape, dtype=dtype, device=self.group.device)
             self._wait(self.group.irecv(buf, src, tag + 1 + i), f"{channel} tensor {i} from rank {src} tag {tag}")
             buf.requires_grad_(requires_grad)
             tensors.append(buf)

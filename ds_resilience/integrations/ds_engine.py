@@ -141,7 +141,8 @@ class ResilientPipelineEngine(PipelineEngine):
                       microbatches=self.micro_batches, seed=resilience.seed,
                       gradient_clipping=float(self.gradient_clipping() or 0.0),
                       timeout_s=resilience.detector.pg_timeout_s, mark_inputs=reentrant,
-                      dynamic_shapes=bool(getattr(self.module, "dynamic_shape", False))),
+                      dynamic_shapes=bool(getattr(self.module, "dynamic_shape", False)),
+                      device=str(self.device) if torch.device(self.device).type != "cpu" else "cpu"),
             module=self.module, parameters=self.stage_host.parameters, loss_fn=self.module.loss_fn,
             batch_source=engine_batch_source(self, batch_source=batch_source, data_iter_factory=data_iter_factory,
                                              rerouting=live or bool(failed)),
@@ -365,7 +366,7 @@ class ResilientPipelineEngine(PipelineEngine):
             groups = None
             if not rejoin:
                 groups = build_groups(self.topology, self.me, session=self.session, timeout_s=timeout,
-                                      store=self.coordinator.store, tied=self.tied_groups)
+                                      store=self.coordinator.store, tied=self.tied_groups, device=self._comm_device())
         else:
             payload = None
             if dist.get_rank() == 0:
@@ -377,7 +378,7 @@ class ResilientPipelineEngine(PipelineEngine):
             choice = ScheduleChoice(Schedule.from_text(payload["schedule"]), payload["source"], payload["seconds"],
                                     payload["figures"])
             groups = (build_groups(self.topology.without(failed), self.me, session=self.session, timeout_s=timeout,
-                                   tied=self.tied_groups) if self.alive else None)
+                                   tied=self.tied_groups, device=self._comm_device()) if self.alive else None)
         generation = Generation(epoch=0, topology=self.topology.without(failed), schedule=choice.schedule,
                                 source=choice.source, lookup_s=choice.seconds, figures=choice.figures, groups=groups)
         if groups is not None:
@@ -423,6 +424,11 @@ class ResilientPipelineEngine(PipelineEngine):
     @property
     def actions(self) -> tuple[Action, ...]:
         return self.schedule.workers[self.my_index]
+
+    def _comm_device(self) -> str | None:
+        """The device of this worker's groups: its GPU (NCCL groups), or ``None`` (gloo, CPU)."""
+        device = torch.device(self.device)
+        return str(device) if device.type == "cuda" else None
 
     def _early_posts(self) -> dict[int, tuple[int, ...]]:
         """This worker's early receive posts for the current schedule (NCCL's pair order,

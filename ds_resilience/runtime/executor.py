@@ -49,6 +49,15 @@ def _as_tuple(x: Any) -> tuple:
     return x if isinstance(x, tuple) else (x,)
 
 
+def _to_device(value: Any, device: str) -> Any:
+    """Tensors in ``value`` (a tensor, or a tuple/list of values) on ``device``; the rest as is."""
+    if torch.is_tensor(value):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_device(v, device) for v in value)
+    return value
+
+
 def _rng_seed(seed: int, iteration: int, pipeline: int, microbatch: int, stage: int) -> int:
     value = seed
     for part in (iteration, pipeline, microbatch, stage):
@@ -109,6 +118,7 @@ class StageSpec:
             travels with every message).
         mark_inputs: the first stage's floating-point inputs require grad (what DeepSpeed does when
             reentrant activation checkpointing is on).
+        device: where the stage computes; loaded micro-batches are moved there ("cpu": as loaded).
     """
 
     stage: int
@@ -121,6 +131,7 @@ class StageSpec:
     timeout_s: float = 300.0
     dynamic_shapes: bool = False
     mark_inputs: bool = False
+    device: str = "cpu"
 
 
 class ExecutorHooks:
@@ -333,7 +344,10 @@ class Executor:
     def _load(self, pipeline: int, microbatch: int) -> tuple[Any, Any]:
         if self.batch_source is None:
             raise ResilienceError("this worker needs micro-batches but no batch_source was given")
-        return self.batch_source(pipeline, self.iteration, microbatch)
+        inputs, labels = self.batch_source(pipeline, self.iteration, microbatch)
+        if self.spec.device != "cpu":  # a data loader yields host tensors; the stage computes on its device
+            inputs, labels = _to_device(inputs, self.spec.device), _to_device(labels, self.spec.device)
+        return inputs, labels
 
     def forward(self, a: Action) -> None:
         self._fault("before_forward")

@@ -41,7 +41,7 @@ from ..topology import Topology, Worker
 from .coordinator import Coordinator, Reconfigure
 from .executor import Executor
 
-__all__ = ["BeyondTolerance", "Generation", "LiveRecovery", "is_failure"]
+__all__ = ["BeyondTolerance", "Generation", "LiveRecovery", "STICKY_CUDA_ERRORS", "is_failure", "is_fatal"]
 
 logger = logging.getLogger("ds_resilience.recovery")
 
@@ -66,9 +66,22 @@ class BeyondTolerance(ResilienceError):
         self.restart = restart
 
 
+STICKY_CUDA_ERRORS = ("illegal memory access", "device-side assert", "unspecified launch failure",
+                      "misaligned address", "uncorrectable ECC error", "illegal instruction", "hardware stack error")
+"""CUDA errors that poison the context for good: the process cannot go on, in-process recovery
+included; it must die (the agent then sees a crash and the peers recover as from any death)."""
+
+
+def is_fatal(exc: BaseException) -> bool:
+    """A sticky CUDA error (:data:`STICKY_CUDA_ERRORS`): no recovery in this process."""
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and "CUDA" in text and any(m in text for m in STICKY_CUDA_ERRORS)
+
+
 def is_failure(exc: BaseException) -> bool:
-    """Errors that may mean a peer failed (they prompt an epoch check, nothing more)."""
-    return isinstance(exc, (Reconfigure, CommError, RuntimeError))
+    """Errors that may mean a peer failed (they prompt an epoch check, nothing more); never a
+    sticky CUDA error (:func:`is_fatal`): that one ends this process."""
+    return isinstance(exc, (Reconfigure, CommError, RuntimeError)) and not is_fatal(exc)
 
 
 @dataclass(frozen=True)
@@ -148,7 +161,8 @@ class LiveRecovery:
         if build:
             self._arrive(epoch, [self.topology.rank(w) for w in target.alive_workers()])
             groups = build_groups(target, self.me, session=self.session, generation=epoch, timeout_s=self.timeout_s,
-                                  store=self.coordinator.store, tied=self.provider.tied)
+                                  store=self.coordinator.store, tied=self.provider.tied,
+                                  device=self.executor.spec.device)
         return Generation(epoch=epoch, topology=target, schedule=choice.schedule, source=choice.source,
                           lookup_s=choice.seconds, figures=choice.figures, groups=groups)
 
