@@ -612,3 +612,41 @@ def test_host_checksum_equals_torch_path_across_blocks(monkeypatch):
         assert cs._checksum_host(raw) == cs._checksum_torch(raw) == checksum_of_bytes(raw.numpy().tobytes())
     full = torch.full((10_000,), 0xFFFFFFFF, dtype=torch.int64).to(torch.int32)  # all-ones words: wraps S1 and S2
     assert cs.checksum_reference(full) == cs._checksum_torch(full.view(torch.uint8)) == checksum_of_bytes(full.numpy().tobytes())
+
+
+@pytest.mark.parametrize("kind", ["dense", "split", "strided"])
+def test_deferred_checksum_equals_the_synchronous_one_through_triton(kind, monkeypatch, triton_only):
+    """copy_chunk_deferred leaves the kernel's sums on the device (the staging path reads every
+    chunk's after one wait per snapshot); read later they equal the synchronous checksum, also
+    when a dense chunk runs as several launches."""
+    from ds_resilience.kernels import triton_copy
+    from ds_resilience.kernels.copy import copy_chunk_deferred
+
+    monkeypatch.setenv("DSR_COPY_BACKEND", "triton")
+    copy_mod._reset_backend_choice()
+    if kind == "split":
+        monkeypatch.setattr(triton_copy, "MAX_LAUNCH_ELEMENTS", 64)
+    src = make_layout("permuted_4d", torch.float16) if kind == "strided" else random_bits((1001,), torch.int32, seed=3)[1:]
+    dst = torch.empty(src.numel() * src.element_size(), dtype=torch.uint8)
+    deferred = copy_chunk_deferred(src, dst)
+    parts = deferred._parts
+    assert parts and all(k == "partials" for k, _, _ in parts)
+    assert len(parts) == (1 if kind != "split" else -(-src.numel() // 64))
+    assert deferred.value() == checksum_reference(src)
+    assert torch.equal(dst, byte_view(src))
+    copy_mod._reset_backend_choice()
+
+
+def test_deferred_checksum_on_the_torch_path_is_ready_at_once(monkeypatch):
+    from ds_resilience.kernels.checksum import DeferredChecksum
+    from ds_resilience.kernels.copy import copy_chunk_deferred
+
+    monkeypatch.setenv("DSR_COPY_BACKEND", "torch")
+    copy_mod._reset_backend_choice()
+    src = random_bits((257,), torch.float32, seed=2)
+    dst = torch.empty(src.numel() * 4, dtype=torch.uint8)
+    d = copy_chunk_deferred(src, dst)
+    assert isinstance(d, DeferredChecksum) and d._parts[0][0] == "int"
+    assert d.value() == checksum_reference(src)
+    assert copy_chunk_deferred(src[:0], dst[:0]).value() == 0
+    copy_mod._reset_backend_choice()

@@ -14,10 +14,14 @@ at a 4-byte-aligned payload offset. The padding between tensors is zero, and zer
 to either checksum sum, so ``combine(total, chunk, chunk_offset)`` equals the checksum of the payload
 up to the chunk's end; the final value equals ``checksum_reference(payload)``.
 
-Devices: a CUDA tensor is copied into a device sub-buffer on the current stream and drained to the
-host payload on a side stream, so the drain of chunk ``i`` overlaps the copy of chunk ``i + 1``; a
-sub-buffer is reused only after its drain event (pass a pinned ``out`` for truly asynchronous
-drains). A CPU tensor is copied straight into the payload, one sub-buffer-sized chunk at a time
+Devices: CUDA tensors are copied on a dedicated copy stream, ordered after the training stream's
+work up to the call (or after the ``ready`` event the caller recorded at capture), into a device
+sub-buffer by the copy kernel (checksum in the same pass, left on the device), and drained to the
+host payload on a drain stream, so the drain of chunk ``i`` overlaps the copy of chunk ``i + 1``; a
+sub-buffer is reused only after its drain event. A host payload that is not pinned (the
+shared-memory file mapping of the in-memory store) is registered with CUDA (page-locked) for the
+call, so the drains are truly asynchronous; the call waits for the device once, at its end, and
+then reads every chunk's checksum. A CPU tensor is copied straight into the payload, one sub-buffer-sized chunk at a time
 (``stage_cpu=True`` forces the staged path on CPU too, sequentially, for tests).
 """
 
@@ -29,10 +33,25 @@ from typing import Any
 import torch
 
 from ..kernels import copy_chunk
+from ..kernels.copy import copy_chunk_deferred
 from ..kernels.checksum import combine
 from .layout import ALIGN, Layout, TensorMeta, plan_layout, unflatten
 
 __all__ = ["ALIGN", "Layout", "StagedState", "StagingPipeline", "TensorMeta", "unflatten"]
+
+
+def _register_host(out: torch.Tensor) -> tuple[int, int] | None:
+    """Page-lock ``out``'s memory for CUDA (``cudaHostRegister``) so device-to-host copies into it
+    are asynchronous; ``None`` if CUDA refuses (the copies then still work, synchronously)."""
+    ptr, nbytes = out.data_ptr(), out.numel()
+    if not nbytes:
+        return None
+    code = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+    return (ptr, nbytes) if int(code) == 0 else None
+
+
+def _unregister_host(registered: tuple[int, int]) -> None:
+    torch.cuda.cudart().cudaHostUnregister(registered[0])
 
 
 @dataclass(frozen=True)
@@ -91,14 +110,40 @@ class StagingPipeline:
                                      for _ in range(self.num_sub_buffers)]
         return self._buffers[device]
 
-    def write(self, layout: Layout, leaves: list[torch.Tensor], out: torch.Tensor, *, checksum: bool = True) -> int | None:
+    def write(self, layout: Layout, leaves: list[torch.Tensor], out: torch.Tensor, *, checksum: bool = True,
+              ready: Any = None) -> int | None:
         """Copy ``leaves`` into ``out`` (a uint8 CPU tensor of ``layout.nbytes`` bytes whose padding
         is zero, e.g. fresh or a new file mapping) and return the whole-payload checksum (``None``
-        with ``checksum=False``: a plain copy, the checksum left to the caller)."""
+        with ``checksum=False``: a plain copy, the checksum left to the caller). ``ready``: a CUDA
+        event recorded when the state was captured (default: the current stream's work so far)."""
         if out.dtype != torch.uint8 or out.numel() != layout.nbytes or out.device.type != "cpu":
             raise ValueError(f"out must be a CPU uint8 tensor of {layout.nbytes} bytes")
         total = 0
         pending: list[Any] = [None] * self.num_sub_buffers  # drain events of CUDA sub-buffers
+        deferred: list[tuple[Any, int]] = []  # CUDA chunks' checksums, read after the one wait
+        cuda = [t.device for t in leaves if t.is_cuda]
+        registered = _register_host(out) if cuda and not out.is_pinned() else None
+        try:
+            for device in dict.fromkeys(cuda):  # the copy stream starts after the captured state is final
+                streams = self._streams(device)
+                if ready is not None:
+                    streams[0].wait_event(ready)
+                else:
+                    streams[0].wait_stream(torch.cuda.current_stream(device))
+            total = self._write_chunks(layout, leaves, out, checksum, pending, deferred)
+            for event in pending:
+                if event is not None:
+                    event.synchronize()  # the drains end last: one wait for the whole snapshot
+        finally:
+            if registered is not None:
+                _unregister_host(registered)
+        for value, offset in deferred:
+            total = combine(total, value.value(), offset)
+        return total if checksum else None
+
+    def _write_chunks(self, layout: Layout, leaves: list[torch.Tensor], out: torch.Tensor, checksum: bool,
+                      pending: list[Any], deferred: list[tuple[Any, int]]) -> int:
+        total = 0
         slot = 0
         step = self.sub_buffer_bytes
         for meta, tensor in zip(layout.tensors, leaves):
@@ -113,6 +158,9 @@ class StagingPipeline:
                 dst = out[offset : offset + nb]
                 if src.is_cuda:
                     cs = self._copy_cuda(src, dst, slot, pending, checksum)
+                    if cs is not None:
+                        deferred.append((cs, offset))
+                    cs = None
                 elif self.stage_cpu:
                     buf = self._subs(src.device)[slot][:nb]
                     cs = copy_chunk(src, buf, checksum=checksum)
@@ -121,29 +169,34 @@ class StagingPipeline:
                     cs = copy_chunk(src, dst, checksum=checksum)
                 slot = (slot + 1) % self.num_sub_buffers
                 self.chunks_copied += 1
-                if checksum:
+                if checksum and cs is not None:
                     total = combine(total, int(cs), offset)  # offset % 4 == 0 by construction
-        for event in pending:
-            if event is not None:
-                event.synchronize()
-        return total if checksum else None
+        return total
 
-    def _copy_cuda(self, src: torch.Tensor, dst: torch.Tensor, slot: int, pending: list[Any], checksum: bool = True) -> int | None:
-        """Copy one chunk into device sub-buffer ``slot`` (current stream, with checksum), then drain
-        it to ``dst`` on the side stream; the next chunk's copy overlaps this drain."""
+    def _streams(self, device: torch.device) -> tuple[Any, Any]:
+        """The device's copy stream and drain stream (created once)."""
+        if device not in self._side:
+            self._side[device] = (torch.cuda.Stream(device=device), torch.cuda.Stream(device=device))
+        return self._side[device]
+
+    def _copy_cuda(self, src: torch.Tensor, dst: torch.Tensor, slot: int, pending: list[Any], checksum: bool = True):
+        """Copy one chunk into device sub-buffer ``slot`` on the copy stream (the checksum stays on
+        the device), then drain it to ``dst`` on the drain stream; the next chunk's copy overlaps
+        this drain. Returns the chunk's :class:`~ds_resilience.kernels.checksum.DeferredChecksum`."""
         device = src.device
         buf = self._subs(device)[slot][: dst.numel()]
-        main = torch.cuda.current_stream(device)
-        if device not in self._side:
-            self._side[device] = torch.cuda.Stream(device=device)
-        side = self._side[device]
-        if pending[slot] is not None:
-            main.wait_event(pending[slot])  # the previous drain out of this sub-buffer is done
-        cs = copy_chunk(src, buf, checksum=checksum)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            dst.copy_(buf, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(side)
+        copy, drain = self._streams(device)
+        with torch.cuda.device(device):
+            if pending[slot] is not None:
+                copy.wait_event(pending[slot])  # the previous drain out of this sub-buffer is done
+            with torch.cuda.stream(copy):
+                cs = copy_chunk_deferred(src, buf) if checksum else copy_chunk(src, buf)
+                copied = torch.cuda.Event()
+                copied.record(copy)
+            drain.wait_event(copied)
+            with torch.cuda.stream(drain):
+                dst.copy_(buf, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(drain)
         pending[slot] = event
-        return None if cs is None else int(cs)
+        return cs if checksum else None

@@ -46,6 +46,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 __all__ = [
+    "DeferredChecksum",
     "MASK32",
     "checksum_of_bytes",
     "checksum_reference",
@@ -59,6 +60,37 @@ MASK32 = 0xFFFFFFFF
 # Words per step of the torch reference: bounds its temporary memory (about 6 int64 tensors of
 # this many elements) and keeps every int64 sum far below 2**63.
 _REFERENCE_WORDS_PER_STEP = 1 << 22
+
+
+class DeferredChecksum:
+    """A chunk's checksum whose sums may still be on the device: a copy kernel returns it without
+    waiting, and :meth:`value` reads it once the device work is done (the staging path synchronizes
+    once per snapshot, then reads every chunk's). Parts: ``("int", value, offset)``, ``("pair32",
+    tensor[2] = S1, S2, offset)`` (the CUDA extension), ``("partials", tensor[n, 2], offset)`` (the
+    Triton kernel's per-program sums); a part's offset is its byte offset in the chunk."""
+
+    __slots__ = ("_parts",)
+
+    def __init__(self, parts) -> None:
+        self._parts = list(parts)
+
+    @classmethod
+    def ready(cls, value: int) -> "DeferredChecksum":
+        return cls([("int", value, 0)])
+
+    def value(self) -> int:
+        total: int | None = None
+        for kind, payload, offset in self._parts:
+            if kind == "int":
+                v = int(payload)
+            elif kind == "pair32":
+                s1, s2 = payload.tolist()
+                v = pack(s1, s2)
+            else:
+                sums = payload.view(-1, 2).sum(dim=0).tolist()  # each partial < 2**32: no overflow
+                v = pack(sums[0], sums[1])
+            total = v if total is None else combine(total, v, offset)
+        return pack(0, 0) if total is None else total
 
 
 def pack(s1: int, s2: int) -> int:

@@ -42,7 +42,7 @@ from typing import Callable
 
 import torch
 
-from .checksum import checksum_reference, pack
+from .checksum import DeferredChecksum, checksum_reference, pack
 from .layout import ChunkLayout, CopyKernelError, plan_layout
 
 __all__ = [
@@ -52,6 +52,7 @@ __all__ = [
     "available_backends",
     "backend_name",
     "copy_chunk",
+    "copy_chunk_deferred",
     "copy_chunk_using",
     "plan_layout",
 ]
@@ -87,7 +88,7 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------- backends
-def _torch_copy(src: torch.Tensor, dst: torch.Tensor, checksum: bool) -> int | None:
+def _torch_copy(src: torch.Tensor, dst: torch.Tensor, checksum: bool, deferred: bool = False):
     """``Tensor.copy_`` (non-blocking where the devices differ) plus the reference checksum of ``src``."""
     if src.numel():
         non_blocking = src.device != dst.device
@@ -97,7 +98,10 @@ def _torch_copy(src: torch.Tensor, dst: torch.Tensor, checksum: bool) -> int | N
             _flat(dst).view(torch.uint8).view(src.dtype).view(src.shape).copy_(src, non_blocking=non_blocking)
         else:  # misaligned raw buffer: move bytes
             _flat(dst).view(torch.uint8).copy_(_flat(src.contiguous()).view(torch.uint8), non_blocking=non_blocking)
-    return checksum_reference(src) if checksum else None
+    if not checksum:
+        return None
+    value = checksum_reference(src)  # synchronizes: the torch path has no device-side sums to defer
+    return DeferredChecksum.ready(value) if deferred else value
 
 
 def _kernel_views(src: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, ChunkLayout] | None:
@@ -141,7 +145,7 @@ def _device_ok(src: torch.Tensor, dst: torch.Tensor) -> bool:
     return dst.device.type == "cpu" and dst.is_pinned()
 
 
-def _triton_copy(src: torch.Tensor, dst: torch.Tensor, checksum: bool) -> int | None:
+def _triton_copy(src: torch.Tensor, dst: torch.Tensor, checksum: bool, deferred: bool = False):
     from . import triton_copy
 
     if triton_copy.interpreting():
@@ -153,9 +157,9 @@ def _triton_copy(src: torch.Tensor, dst: torch.Tensor, checksum: bool) -> int | 
         views = None
     if views is None:
         logger.debug("copy_chunk: triton cannot serve src=%s dst=%s; torch path", src.device, dst.device)
-        return _torch_copy(src, dst, checksum)
+        return _torch_copy(src, dst, checksum, deferred)
     s, d, layout = views
-    return triton_copy.triton_copy_planned(s, d, layout, checksum=checksum)
+    return triton_copy.triton_copy_planned(s, d, layout, checksum=checksum, deferred=deferred)
 
 
 def _max_blocks_from_env() -> int:
@@ -167,11 +171,12 @@ def _max_blocks_from_env() -> int:
     return max(0, value)
 
 
-def _csrc_copy(src: torch.Tensor, dst: torch.Tensor, checksum: bool, *, max_blocks: int | None = None) -> int | None:
+def _csrc_copy(src: torch.Tensor, dst: torch.Tensor, checksum: bool, deferred: bool = False, *,
+               max_blocks: int | None = None):
     views = _prepare(src, dst, CSRC_MAX_DIMS) if _device_ok(src, dst) else None
     if views is None:
         logger.debug("copy_chunk: csrc cannot serve src=%s dst=%s; torch path", src.device, dst.device)
-        return _torch_copy(src, dst, checksum)
+        return _torch_copy(src, dst, checksum, deferred)
     s, d, layout = views
     ext = _load_extension()
     out = torch.empty(2, dtype=torch.int32, device=src.device) if checksum else None
@@ -182,6 +187,8 @@ def _csrc_copy(src: torch.Tensor, dst: torch.Tensor, checksum: bool, *, max_bloc
         ext.copy_strided(s, d, list(layout.sizes), list(layout.strides), out, blocks)
     if out is None:
         return None
+    if deferred:
+        return DeferredChecksum([("pair32", out, 0)])
     s1, s2 = out.tolist()
     return pack(s1, s2)
 
@@ -192,7 +199,7 @@ def _load_extension():
     return _copy_cuda
 
 
-_IMPLEMENTATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, bool], int | None]] = {
+_IMPLEMENTATIONS: dict[str, Callable[..., int | None | DeferredChecksum]] = {
     "csrc": _csrc_copy,
     "triton": _triton_copy,
     "torch": _torch_copy,
@@ -271,6 +278,15 @@ def copy_chunk(src: torch.Tensor, dst: torch.Tensor, *, checksum: bool = False) 
     if src.numel() == 0:
         return pack(0, 0) if checksum else None
     return _IMPLEMENTATIONS[backend](src, dst, checksum)
+
+
+def copy_chunk_deferred(src: torch.Tensor, dst: torch.Tensor) -> DeferredChecksum:
+    """:func:`copy_chunk` with the checksum left on the device: no synchronization here; read it
+    with ``.value()`` once the stream it ran on is done (one synchronization for many chunks)."""
+    _check(src, dst)
+    if src.numel() == 0:
+        return DeferredChecksum.ready(pack(0, 0))
+    return _IMPLEMENTATIONS[_selected()](src, dst, True, True)
 
 
 def copy_chunk_using(backend: str, src: torch.Tensor, dst: torch.Tensor, *, checksum: bool = False) -> int | None:

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checksum import combine, pack
+from .checksum import DeferredChecksum, combine, pack
 from .layout import ChunkLayout
 
 __all__ = ["DEFAULT_BLOCK", "MAX_DIMS", "interpreting", "triton_copy_planned"]
@@ -142,25 +142,30 @@ def triton_copy_planned(
     checksum: bool,
     block: int | None = None,
     max_programs: int | None = None,
-) -> int | None:
+    deferred: bool = False,
+) -> int | None | DeferredChecksum:
     """Run the kernel on a validated, planned copy (``copy.py`` does the checks and the layout).
 
     ``src`` and ``dst`` are already integer views of width ``layout.elem_size``; ``dst`` is 1-D
-    contiguous with ``layout.numel`` elements. Returns the checksum (synchronizing) or ``None``.
+    contiguous with ``layout.numel`` elements. Returns the checksum (synchronizing) or ``None``;
+    with ``deferred`` a :class:`~.checksum.DeferredChecksum` of the device sums (no synchronization).
     """
     n = layout.numel
     if n > MAX_LAUNCH_ELEMENTS:
         if not layout.contiguous:
             raise ValueError(f"triton copy: a strided chunk of {n} elements exceeds {MAX_LAUNCH_ELEMENTS}")
         total = None
+        parts: list = []
         for start in range(0, n, MAX_LAUNCH_ELEMENTS):
             stop = min(n, start + MAX_LAUNCH_ELEMENTS)
             part = ChunkLayout(numel=stop - start, elem_size=layout.elem_size, sizes=(stop - start,), strides=(1,))
             value = triton_copy_planned(src[start:stop], dst[start:stop], part, checksum=checksum, block=block,
-                                        max_programs=max_programs)
-            if checksum:  # segment byte offsets are multiples of 4: MAX_LAUNCH_ELEMENTS is
+                                        max_programs=max_programs, deferred=deferred)
+            if checksum and deferred:  # the segment's sums, at its byte offset in the chunk
+                parts += [(kind, payload, start * layout.elem_size) for kind, payload, _ in value._parts]
+            elif checksum:  # segment byte offsets are multiples of 4: MAX_LAUNCH_ELEMENTS is
                 total = value if total is None else combine(total, value, start * layout.elem_size)
-        return total
+        return DeferredChecksum(parts) if checksum and deferred else total
     if len(layout.sizes) > MAX_DIMS:
         raise ValueError(f"triton copy takes at most {MAX_DIMS} collapsed dims, got {len(layout.sizes)}")
     if block is None:
@@ -179,6 +184,8 @@ def triton_copy_planned(
         _launch(kernel, nprog, src, dst, partials, n, sizes, strides, layout, checksum, block)
     if not checksum:
         return None
+    if deferred:
+        return DeferredChecksum([("partials", partials, 0)])
     sums = partials.view(nprog, 2).sum(dim=0).tolist()  # each partial < 2**32: no int64 overflow
     return pack(sums[0], sums[1])
 
