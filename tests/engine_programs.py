@@ -50,7 +50,11 @@ def train_scenarios(rank: int, world: int, pp: int, microbatches: int, scenarios
 
     import ds_resilience
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    # DSR_TEST_BACKEND=nccl (the multigpu tests): one GPU per rank, NCCL for DeepSpeed's groups and ours
+    backend = os.environ.get("DSR_TEST_BACKEND", "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    deepspeed.init_distributed(dist_backend=backend)
     dp = world // pp
     cfg = GPTConfig(dtype=getattr(torch, dtype), n_layers=n_layers)
     corpus = SyntheticCorpus(cfg, seed=11)
@@ -58,6 +62,8 @@ def train_scenarios(rank: int, world: int, pp: int, microbatches: int, scenarios
     for sc in scenarios:
         module = build_pipeline_module(cfg, num_stages=pp, seed=5)
         config = ds_config(microbatches=microbatches, dp=dp, clip=sc.get("clip", 0.0), optimizer=sc.get("optimizer", "adam"))
+        if sc.get("bf16"):
+            config["bf16"] = {"enabled": True}
         params = [p for p in module.parameters() if p.requires_grad]
         if sc["engine"] == "vanilla":
             engine, *_ = deepspeed.initialize(model=module, config=config, model_parameters=params)

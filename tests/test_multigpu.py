@@ -46,3 +46,27 @@ def test_bw_split_on_cuda_equals_autograd():
     assert torch.equal(dx, ref_x)
     for n, p in model.named_parameters():
         assert torch.equal(p.grad, ref[n]), n
+
+
+@pytest.mark.multigpu(4)
+@pytest.mark.timeout(900)
+def test_pp2_dp2_bf16_on_nccl_matches_vanilla_and_reroutes_exactly():
+    """PP=2 x DP=2 on 4 GPUs over NCCL in bf16: this engine's 1F1B equals vanilla DeepSpeed, and a
+    re-routed run (worker 1:1 idle) equals the fault-free one (SGD: summation order only)."""
+    from engine_programs import train_scenarios
+    from test_engine import assert_params_close, losses_of
+
+    scenarios = [
+        {"name": "vanilla", "engine": "vanilla", "bf16": True},
+        {"name": "1f1b", "engine": "resilient", "schedule": "1f1b", "bf16": True},
+        {"name": "healthy", "engine": "resilient", "schedule": "1f1b", "optimizer": "sgd", "bf16": True},
+        {"name": "rerouted", "engine": "resilient", "variant": "recycle", "optimizer": "sgd", "bf16": True,
+         "failed": ["1:1"]},
+    ]
+    results = run_workers(train_scenarios, 4, args=(2, 4, scenarios), timeout_s=850, env={"DSR_TEST_BACKEND": "nccl"})
+    assert losses_of(results, "1f1b") == pytest.approx(losses_of(results, "vanilla"), rel=1e-2)
+    assert_params_close(results, "vanilla", "1f1b", rtol=1e-2, atol=1e-3)
+    assert_params_close(results, "healthy", "rerouted", rtol=1e-2, atol=1e-3)
+    for r in results:
+        if r["rerouted"]["alive"]:
+            assert r["rerouted"]["matching"] == "fifo"  # NCCL groups
