@@ -49,6 +49,7 @@ Keys (under ``"resilience"``), defaults in brackets::
     checkpoint.ranks_per_machine    int >= 1 | null                       [null]
     checkpoint.host_dir             string | null                         [null]
     checkpoint.chunk_mb             number > 0                            [4.0]
+    checkpoint.interface            string | null                         [null: gloo's default]
     checkpoint.interleave           bool                                  [true]
     checkpoint.idle_fraction        number in (0, 1]                      [0.8]
     checkpoint.max_restarts         int >= 0                              [3]
@@ -332,6 +333,9 @@ class CheckpointConfig(_Section):
     host_dir: str | None = _opt(str, "host-memory directory of the snapshots (tmpfs); null = /dev/shm/ds_resilience",
                                 default=None, nullable=True)
     chunk_mb: float = _opt(float, "replication chunk size, MiB", default=4.0, exclusive_minimum=0)
+    interface: str | None = _opt(str, "network interface the replicas travel on to other machines (e.g. a "
+                                 "storage or second NIC: \"eth1\"); null = gloo's default (GLOO_SOCKET_IFNAME)",
+                                 default=None, nullable=True)
     interleave: bool = _opt(bool, "send replication chunks only in the idle spans of the schedule's network "
                             "links (false: whenever ready)", default=True)
     idle_fraction: float = _opt(float, "fraction of an idle span replication may fill (Gemini's alpha)",

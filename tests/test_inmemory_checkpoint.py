@@ -278,3 +278,19 @@ def test_a_dead_ranks_snapshot_is_fetched_from_the_machine_that_holds_its_replic
     assert out[2]["steps"] == STEPS and out[2]["now_holds"]
     assert all(r["missing"] is None for r in out)
     assert all(torch.equal(a, b) for a, b in zip(out[2]["params"], trained[1]["digest"]["params"]))
+
+
+@pytest.mark.timeout(300)
+def test_replicas_travel_on_the_configured_interface(tmp_path):
+    """checkpoint.interface: the pair groups are bound to that interface (loopback here); the
+    replicas arrive and restore a wiped machine bitwise; an interface this machine lacks is named."""
+    cfg, job = _cfg(tmp_path, interface="lo"), _job()
+    trained = _train(tmp_path, 2, cfg, job)
+    shutil.rmtree(tmp_path / "shm" / job / "machine1")
+    restored = run_workers(prog.restore, 2, args=(cfg, job), timeout_s=120)
+    for r in range(2):
+        _same(restored[r]["digest"], trained[r]["digest"])
+    from ds_resilience.comm.groups import CommError, new_group
+
+    with pytest.raises(CommError, match=r"network interface 'nosuch0' cannot be used"):
+        new_group([0], name="x", timeout_s=1.0, store=torch.distributed.HashStore(), me=0, interface="nosuch0")

@@ -131,7 +131,8 @@ class InMemoryCheckpointer:
             self.replicator = Replicator(self.store, rank=rank, owner_of=owner_name, send_to=self.send_to,
                                          recv_from=self.recv_from, name=name,
                                          chunk_bytes=max(64, int(cfg.chunk_mb * (1 << 20)) // 64 * 64),
-                                         timeout_s=timeout_s, gate=self.gate, group_store=group_store)
+                                         timeout_s=timeout_s, gate=self.gate, group_store=group_store,
+                                         interface=cfg.interface)
         self.interval = cfg.interval  # effective interval: grows when captures exceed the budget
         # the newest captures: step, stall_s (the training thread's wait), copy_s (the background copy)
         self.captures: deque[dict[str, float]] = deque(maxlen=64)

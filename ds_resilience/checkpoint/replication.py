@@ -116,11 +116,12 @@ class Replicator:
         timeout_s: how long one message may take before the pair counts as broken.
         gate: the idle gate (default: always open).
         group_store: the store the pair groups rendezvous in (default: the default group's).
+        interface: the network interface the pair groups use (``checkpoint.interface``).
     """
 
     def __init__(self, store: SnapshotStore, *, rank: int, owner_of: Callable[[int], str], send_to: Sequence[int],
                  recv_from: Sequence[int], name: str, chunk_bytes: int, timeout_s: float = 60.0,
-                 gate: IdleGate | None = None, group_store=None) -> None:
+                 gate: IdleGate | None = None, group_store=None, interface: str | None = None) -> None:
         if chunk_bytes < 64:
             raise CheckpointError(f"replication chunk must be at least 64 bytes, got {chunk_bytes}")
         self.store, self.rank, self.owner_of = store, rank, owner_of
@@ -138,7 +139,7 @@ class Replicator:
         self._groups: dict[int, Group] = {}
         for peer in sorted(set(self.send_to) | set(self.recv_from)):  # global order: (min, max) pairs
             self._groups[peer] = new_group([rank, peer], name=f"{name}/repl", timeout_s=timeout_s,
-                                           store=group_store, me=rank)
+                                           store=group_store, me=rank, interface=interface)
         self._threads = [threading.Thread(target=self._send_loop, name="dsr-repl-send", daemon=True)]
         self._threads += [threading.Thread(target=self._recv_loop, args=(src,), name=f"dsr-repl-recv{src}", daemon=True)
                           for src in self.recv_from]

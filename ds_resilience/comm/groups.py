@@ -212,12 +212,17 @@ def poison(group: Group) -> None:
 
 
 def new_group(ranks: Sequence[int], *, name: str, timeout_s: float, store: dist.Store | None = None,
-              me: int | None = None, device: torch.device | str | None = None) -> Group:
+              me: int | None = None, device: torch.device | str | None = None, interface: str | None = None) -> Group:
     """Create the group ``ranks`` (call on every member); ``name`` must be unique per creation.
 
     ``store`` defaults to the default process group's store; under the agent it is the agent's.
     ``device``: the tensors' device; a CUDA device makes it an NCCL group on that device (fresh
     communicators per generation, since every generation's names differ), anything else gloo.
+    ``interface``: the network interface a gloo group uses (e.g. replication on a second NIC);
+    ``None``: gloo's default (``GLOO_SOCKET_IFNAME``, else the hostname's address).
+
+    Raises:
+        CommError: ``interface`` does not exist on this machine, or NCCL is missing for a GPU.
     """
     me = dist.get_rank() if me is None else me
     ranks = sorted(ranks)
@@ -230,7 +235,16 @@ def new_group(ranks: Sequence[int], *, name: str, timeout_s: float, store: dist.
     if device is not None and device.type == "cuda":
         pg = _nccl_group(store, ranks.index(me), len(ranks), timeout_s, device, name)
         return Group(pg, ranks, timeout_s, me, name, backend="nccl")
-    pg = dist.ProcessGroupGloo(store, ranks.index(me), len(ranks), timedelta(seconds=timeout_s))
+    if interface is not None:
+        opts = dist.ProcessGroupGloo._Options()
+        try:
+            opts._devices = [dist.ProcessGroupGloo.create_device(interface=interface)]
+        except RuntimeError as exc:
+            raise CommError(f"group {name}: network interface {interface!r} cannot be used: {exc}") from exc
+        opts._timeout = timedelta(seconds=timeout_s)
+        pg = dist.ProcessGroupGloo(store, ranks.index(me), len(ranks), opts)
+    else:
+        pg = dist.ProcessGroupGloo(store, ranks.index(me), len(ranks), timedelta(seconds=timeout_s))
     return Group(pg, ranks, timeout_s, me, name)
 
 
