@@ -11,6 +11,9 @@ import pytest
 # every test job would spend its first 5 iterations on it and plan with timings of a loaded machine.
 # Tests run with unit costs unless they ask for a profile (tests/test_profile.py does, both ways).
 os.environ.setdefault("DSR_SELF_PROFILE", "0")
+# Point-to-point messages match as NCCL matches them (tags ignored, FIFO per pair) in every test job,
+# so the whole suite runs under NCCL's rules on gloo; tests/test_engine.py also runs gloo's tags.
+os.environ.setdefault("DSR_P2P_MATCHING", "fifo")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
