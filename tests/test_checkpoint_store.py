@@ -319,3 +319,24 @@ def test_an_older_version_committed_after_newer_ones_is_not_pruned_at_once(tmp_p
     rep = src.read_bytes("w0", 1)
     dst.put_bytes("w0", 1, rep.payload, rep.layout, rep.checksum)
     assert torch.equal(dst.load("w0", 1)["x"], torch.ones(5))
+
+
+def test_a_version_pruned_while_being_opened_reads_as_pruned(tmp_path):
+    """The replication thread opens a version while the training thread prunes it (keep reached):
+    open_version then says the version is gone (CheckpointError, which the sender skips), not an
+    I/O error, and leaves no pin behind. Seen in CI as 'unable to open file ... payload.bin'."""
+    from ds_resilience.checkpoint.store import CheckpointError
+
+    store = SnapshotStore(tmp_path, keep=1)
+    store.save("w0", 0, {"x": torch.arange(64, dtype=torch.float32)})
+    verify = store._verify
+
+    def verify_then_prune(owner, step, **kw):
+        info = verify(owner, step, **kw)
+        store._delete(owner, step)  # what a commit of a newer version does on the other thread
+        return info
+
+    store._verify = verify_then_prune
+    with pytest.raises(CheckpointError, match=r"w0@0 was pruned while being opened"):
+        store.open_version("w0", 0)
+    assert store._pins == {}

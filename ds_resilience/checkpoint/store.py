@@ -287,7 +287,14 @@ class SnapshotStore:
         self._pins[key] = self._pins.get(key, 0) + 1
         try:
             info = self._verify(owner, step, payload=verify)
-            return info, (info.path / LAYOUT).read_bytes(), self._map(info)
+            try:
+                return info, (info.path / LAYOUT).read_bytes(), self._map(info)
+            except (OSError, RuntimeError) as exc:  # torch.from_file: RuntimeError for a missing file
+                if (info.path / MANIFEST).exists():
+                    raise
+                # pruned by the training thread between the check and the mapping: the version is
+                # gone as if it had been pruned before (a newer one exists), not an I/O failure
+                raise CheckpointError(f"{owner}@{step} was pruned while being opened") from exc
         except BaseException:
             self.release(owner, step)
             raise
