@@ -108,3 +108,28 @@ def test_sticky_cuda_errors_end_the_process_instead_of_prompting_recovery():
     transient = RuntimeError("Connection closed by peer")
     assert not is_fatal(transient) and is_failure(transient)
     assert is_failure(CommError("timeout"))
+
+
+def test_fifo_headers_go_through_the_store_so_a_receive_can_be_posted_before_the_first_message():
+    """Under NCCL's matching the channel header is not on the pair's stream: the sender puts it in
+    the group's store, the receiver can post (allocate and irecv) as soon as it is there."""
+    import torch.distributed as dist
+
+    from ds_resilience.comm.p2p import Messenger
+
+    store = dist.HashStore()
+    pg = FakeNccl()
+    sender = Group(pg, [0, 1], 1.0, 0, "pair", matching="fifo")
+    receiver = Group(pg, [0, 1], 1.0, 1, "pair", matching="fifo")
+    sender.meta_store = receiver.meta_store = store
+    m_recv = Messenger(group=receiver, timeout_s=1.0)
+    assert m_recv.post(0, 5, "act0") is None  # nothing published yet: post at the wait
+    Messenger(group=sender, timeout_s=1.0).send([torch.ones(3, 4)], 1, 5, "act0")
+    assert [c[0] for c in pg.calls] == ["send"]  # the payload only: no header frame
+    posted = m_recv.post(0, 6, "act0")
+    assert posted is not None and pg.calls[-1][0] == "recv" and pg.calls[-1][3].shape == (3, 4)
+    got = m_recv.recv(0, 6, "act0", posted=posted)
+    assert torch.equal(got[0], torch.full((3, 4), 7.0))  # what the fake backend delivered
+    receiver.poison()
+    with pytest.raises(CommError, match="released while waiting for the header"):
+        m_recv.recv(0, 7, "grad1")

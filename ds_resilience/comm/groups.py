@@ -81,6 +81,8 @@ class Group:
         if self.matching not in MATCHINGS:
             raise ValueError(f"matching {self.matching!r}; allowed: {', '.join(MATCHINGS)}")
         self.pg = pg
+        self.meta_store: dist.Store | None = None  # the group's own keys (set by new_group): p2p headers
+        self.poisoned = False
         self.me = me
         self.ranks = tuple(ranks)
         self.index = {r: i for i, r in enumerate(self.ranks)}
@@ -142,6 +144,7 @@ class Group:
         the process-group timeout. NCCL: the communicators are aborted (a posted receive would
         otherwise match the next real send), which completes their pending work with an error.
         """
+        self.poisoned = True
         if self.backend == "nccl":
             try:
                 self.pg.abort()
@@ -234,7 +237,9 @@ def new_group(ranks: Sequence[int], *, name: str, timeout_s: float, store: dist.
     device = torch.device(device) if device is not None else None
     if device is not None and device.type == "cuda":
         pg = _nccl_group(store, ranks.index(me), len(ranks), timeout_s, device, name)
-        return Group(pg, ranks, timeout_s, me, name, backend="nccl")
+        group = Group(pg, ranks, timeout_s, me, name, backend="nccl")
+        group.meta_store = dist.PrefixStore("meta", store)
+        return group
     if interface is not None:
         opts = dist.ProcessGroupGloo._Options()
         try:
@@ -245,7 +250,9 @@ def new_group(ranks: Sequence[int], *, name: str, timeout_s: float, store: dist.
         pg = dist.ProcessGroupGloo(store, ranks.index(me), len(ranks), opts)
     else:
         pg = dist.ProcessGroupGloo(store, ranks.index(me), len(ranks), timedelta(seconds=timeout_s))
-    return Group(pg, ranks, timeout_s, me, name)
+    group = Group(pg, ranks, timeout_s, me, name)
+    group.meta_store = dist.PrefixStore("meta", store)
+    return group
 
 
 NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}

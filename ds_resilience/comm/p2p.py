@@ -16,6 +16,7 @@ says, so that under NCCL both sides of a pair issue their operations in the same
 
 from __future__ import annotations
 
+import time
 import zlib
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -102,6 +103,11 @@ class Messenger:
     every message, on the message's own tag (part 0, the payload uses parts 1..), so the shape
     travels with the tensor whatever order the messages of a pair are posted in.
 
+    Under NCCL's matching (the group's ``matching`` is ``"fifo"``) a channel's header does not
+    travel on the pair's stream at all: the sender puts it in the group's store once, and the
+    receiver reads it there, so a receive can be posted early (it needs the shapes) even before
+    the channel's first message (:meth:`post`).
+
     Args:
         group: the group (global ranks at its interface).
         timeout_s: how long :meth:`recv` and :meth:`wait_sends` wait before :class:`CommError`.
@@ -114,6 +120,31 @@ class Messenger:
     _pending: list = field(default_factory=list)
     _sent_meta: dict = field(default_factory=dict)
     _recv_meta: dict = field(default_factory=dict)
+
+    @property
+    def _store_headers(self) -> bool:
+        return self.group.matching == "fifo" and getattr(self.group, "meta_store", None) is not None
+
+    @staticmethod
+    def _meta_key(channel: str, src: int, dst: int) -> str:
+        return f"{channel}/{src}>{dst}"
+
+    def _header_from(self, key: str) -> torch.Tensor:
+        """A header the sender put in the group's store (waits for it, bounded by the store's timeout)."""
+        store, deadline = self.group.meta_store, time.monotonic() + self.timeout_s
+        try:
+            while not store.check([key]):  # polled: a poisoned group (a failure) ends the wait at once
+                if self.group.poisoned:
+                    raise CommError(f"{self.group.name}: released while waiting for the header {key}")
+                if time.monotonic() > deadline:
+                    raise CommError(f"{self.group.name}: the header {key} did not appear within {self.timeout_s:.0f}s")
+                time.sleep(0.001)
+            raw = store.get(key)
+        except RuntimeError as exc:
+            raise CommError(f"{self.group.name}: reading the header {key}: {exc}") from exc
+        if len(raw) != _HEADER * 8:
+            raise CommError(f"{self.group.name}: header {key} has {len(raw)} bytes, expected {_HEADER * 8}")
+        return torch.frombuffer(bytearray(raw), dtype=torch.int64).clone()
 
     @staticmethod
     def _meta_tag(channel: str) -> int:
@@ -129,7 +160,10 @@ class Messenger:
             works.append(self.group.isend(header, dst, tag))
         elif known is None:
             self._sent_meta[key] = header
-            works.append(self.group.isend(header, dst, self._meta_tag(channel)))
+            if self._store_headers:
+                self.group.meta_store.set(self._meta_key(channel, self.group.me, dst), bytes(header.numpy().tobytes()))
+            else:
+                works.append(self.group.isend(header, dst, self._meta_tag(channel)))
         elif not torch.equal(known, header):
             raise ResilienceError(
                 f"channel {channel!r} to rank {dst}: tensor shapes or dtypes changed from {_decode(known)} "
@@ -145,6 +179,10 @@ class Messenger:
         ``recv(..., posted=...)``; ``None`` (post it at the wait) while the channel's shapes are not
         known yet (its first message, or ``dynamic``)."""
         meta = None if self.dynamic else self._recv_meta.get((channel, src))
+        if meta is None and not self.dynamic and self._store_headers:
+            key = self._meta_key(channel, src, self.group.me)
+            if self.group.meta_store.check([key]):  # published already: no wait
+                meta = self._recv_meta[(channel, src)] = _decode(self._header_from(key))
         if meta is None:
             return None
         buffers, works = [], []
@@ -172,6 +210,8 @@ class Messenger:
             header = torch.zeros(_HEADER, dtype=torch.int64)
             self._wait(self.group.irecv(header, src, tag), f"{channel} header from rank {src} tag {tag}")
             meta = _decode(header)
+        elif meta is None and self._store_headers:
+            meta = self._recv_meta[key] = _decode(self._header_from(self._meta_key(channel, src, self.group.me)))
         elif meta is None:
             header = torch.zeros(_HEADER, dtype=torch.int64)
             self._wait(self.group.irecv(header, src, self._meta_tag(channel)), f"{channel} header from rank {src}")
