@@ -32,8 +32,9 @@ LAYERS: dict[str, int] = {
     "ds_resilience.planning": 1,
     # L2: the failure-trace simulator
     "ds_resilience.sim": 2,
-    # L3: copy kernels
+    # L3: copy kernels, and the device operations (DeepSpeed's accelerator) they and the layers above use
     "ds_resilience.kernels": 3,
+    "ds_resilience.accelerator": 3,
     # L4: communication
     "ds_resilience.comm": 4,
     # L5: checkpoint tiers

@@ -317,3 +317,19 @@ def test_resilient_engine_save_and_load_checkpoint_go_through_the_persistent_tie
     tags = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
     assert tags == ["b"], tags  # keep_last = 1 pruned "a" once "b" was complete
     assert (tmp_path / "latest").read_text().strip() == "b"
+
+
+def test_load_maps_tensors_to_host_memory_unless_told_otherwise(tmp_path, monkeypatch):
+    """A file written from ``cuda:k`` must load on a node with fewer GPUs (or after the rank moved):
+    without a ``map_location`` the engine reads into host memory; a caller's choice is kept."""
+    ce = AsyncPersistentCheckpointEngine()
+    path = str(tmp_path / "x.pt")
+    torch.save({"w": torch.ones(2)}, path)
+    seen = []
+    real = torch.load
+    monkeypatch.setattr(P.torch, "load", lambda *a, **k: seen.append(k["map_location"]) or real(*a, **k))
+    assert torch.equal(ce.load(path)["w"], torch.ones(2))
+    ce.load(path, map_location=None)
+    keep = lambda storage, loc: storage  # noqa: E731 (DeepSpeed's own map_location)
+    ce.load(path, map_location=keep)
+    assert seen == ["cpu", "cpu", keep]

@@ -250,7 +250,10 @@ class AsyncCheckpointWriter:
                 entry.writes.append((path, future))
         return None
 
-    def load(self, path: str, map_location=None):
+    def load(self, path: str, map_location="cpu"):
+        """Read a file this engine wrote. Tensors land in host memory unless ``map_location`` says
+        otherwise (a file written from ``cuda:3`` loads on a node with fewer GPUs, or after the
+        rank moved; ``load_state_dict`` copies them onto the module's device)."""
         path = os.fspath(path)
         with _INFLIGHT_LOCK:
             future = _INFLIGHT.get(path)
@@ -262,7 +265,7 @@ class AsyncCheckpointWriter:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"checkpoint file {path} does not exist (an interrupted write leaves only "
                                     f"'{os.path.basename(path)}.tmp-<pid>', which is never loaded)")
-        return torch.load(path, map_location=map_location, weights_only=False)
+        return torch.load(path, map_location="cpu" if map_location is None else map_location, weights_only=False)
 
     def commit(self, info):
         """Wait for this rank's writes of ``info`` (a commit info or a tag), then write

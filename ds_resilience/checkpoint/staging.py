@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ..accelerator import for_device, on_device
 from ..kernels import copy_chunk
 from ..kernels.copy import copy_chunk_deferred
 from ..kernels.checksum import combine
@@ -40,18 +41,24 @@ from .layout import ALIGN, Layout, TensorMeta, plan_layout, unflatten
 __all__ = ["ALIGN", "Layout", "StagedState", "StagingPipeline", "TensorMeta", "unflatten"]
 
 
-def _register_host(out: torch.Tensor) -> tuple[int, int] | None:
-    """Page-lock ``out``'s memory for CUDA (``cudaHostRegister``) so device-to-host copies into it
-    are asynchronous; ``None`` if CUDA refuses (the copies then still work, synchronously)."""
+def _register_host(out: torch.Tensor, device: torch.device) -> tuple[Any, int] | None:
+    """Page-lock ``out``'s memory for ``device``'s accelerator (``cudaHostRegister`` on CUDA) so
+    device-to-host copies into it are asynchronous; ``None`` if it refuses (the copies then still
+    work, synchronously)."""
     ptr, nbytes = out.data_ptr(), out.numel()
     if not nbytes:
         return None
-    code = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
-    return (ptr, nbytes) if int(code) == 0 else None
+    acc = for_device(device)
+    try:
+        ok = acc.register_host_memory(ptr, nbytes)
+    except (RuntimeError, NotImplementedError, AttributeError):  # DeepSpeed's raises on an error code
+        ok = False
+    return (acc, ptr) if ok is not False else None
 
 
-def _unregister_host(registered: tuple[int, int]) -> None:
-    torch.cuda.cudart().cudaHostUnregister(registered[0])
+def _unregister_host(registered: tuple[Any, int]) -> None:
+    acc, ptr = registered
+    acc.unregister_host_memory(ptr)
 
 
 @dataclass(frozen=True)
@@ -97,9 +104,9 @@ class StagingPipeline:
         return plan_layout(state)
 
     def flatten(self, state: Any) -> StagedState:
-        """Plan and write ``state`` into a new zeroed CPU payload (pinned when CUDA is in use)."""
+        """Plan and write ``state`` into a new zeroed CPU payload (pinned when an accelerator is in use)."""
         layout, leaves = self.plan(state)
-        pin = any(t.is_cuda for t in leaves)
+        pin = any(on_device(t) for t in leaves)
         payload = torch.zeros(layout.nbytes, dtype=torch.uint8, pin_memory=pin)
         return StagedState(layout, payload, self.write(layout, leaves, payload))
 
@@ -121,15 +128,15 @@ class StagingPipeline:
         total = 0
         pending: list[Any] = [None] * self.num_sub_buffers  # drain events of CUDA sub-buffers
         deferred: list[tuple[Any, int]] = []  # CUDA chunks' checksums, read after the one wait
-        cuda = [t.device for t in leaves if t.is_cuda]
-        registered = _register_host(out) if cuda and not out.is_pinned() else None
+        devices = list(dict.fromkeys(t.device for t in leaves if on_device(t)))
+        registered = _register_host(out, devices[0]) if devices and not out.is_pinned() else None
         try:
-            for device in dict.fromkeys(cuda):  # the copy stream starts after the captured state is final
+            for device in devices:  # the copy stream starts after the captured state is final
                 streams = self._streams(device)
                 if ready is not None:
                     streams[0].wait_event(ready)
                 else:
-                    streams[0].wait_stream(torch.cuda.current_stream(device))
+                    streams[0].wait_stream(for_device(device).current_stream(device.index))
             total = self._write_chunks(layout, leaves, out, checksum, pending, deferred)
             for event in pending:
                 if event is not None:
@@ -156,7 +163,7 @@ class StagingPipeline:
                 nb = src.numel() * src.element_size()
                 offset = meta.offset + start * tensor.element_size()
                 dst = out[offset : offset + nb]
-                if src.is_cuda:
+                if on_device(src):
                     cs = self._copy_cuda(src, dst, slot, pending, checksum)
                     if cs is not None:
                         deferred.append((cs, offset))
@@ -176,7 +183,8 @@ class StagingPipeline:
     def _streams(self, device: torch.device) -> tuple[Any, Any]:
         """The device's copy stream and drain stream (created once)."""
         if device not in self._side:
-            self._side[device] = (torch.cuda.Stream(device=device), torch.cuda.Stream(device=device))
+            acc = for_device(device)
+            self._side[device] = (acc.Stream(device=device), acc.Stream(device=device))
         return self._side[device]
 
     def _copy_cuda(self, src: torch.Tensor, dst: torch.Tensor, slot: int, pending: list[Any], checksum: bool = True):
@@ -184,19 +192,20 @@ class StagingPipeline:
         the device), then drain it to ``dst`` on the drain stream; the next chunk's copy overlaps
         this drain. Returns the chunk's :class:`~ds_resilience.kernels.checksum.DeferredChecksum`."""
         device = src.device
+        acc = for_device(device)
         buf = self._subs(device)[slot][: dst.numel()]
         copy, drain = self._streams(device)
-        with torch.cuda.device(device):
+        with acc.device(device.index):
             if pending[slot] is not None:
                 copy.wait_event(pending[slot])  # the previous drain out of this sub-buffer is done
-            with torch.cuda.stream(copy):
+            with acc.stream(copy):
                 cs = copy_chunk_deferred(src, buf) if checksum else copy_chunk(src, buf)
-                copied = torch.cuda.Event()
+                copied = acc.Event()
                 copied.record(copy)
             drain.wait_event(copied)
-            with torch.cuda.stream(drain):
+            with acc.stream(drain):
                 dst.copy_(buf, non_blocking=True)
-                event = torch.cuda.Event()
+                event = acc.Event()
                 event.record(drain)
         pending[slot] = event
         return cs if checksum else None

@@ -7,12 +7,14 @@ optimizer steps:
 * ``optimizer``: the optimizer's ``state_dict`` (moments, step counts, param groups and LR);
 * ``lr_scheduler``: the scheduler's ``state_dict`` (or ``None``);
 * ``steps`` and ``samples``: the engine's ``global_steps`` and ``global_samples``;
-* ``rng``: the torch CPU (and, when present, CUDA), Python and NumPy generators, as plain values;
+* ``rng``: the torch CPU, Python and NumPy generators, and each device's generator of the
+  machine's accelerator when the process initialized it (keyed by device type), as plain values;
 * ``sampler``: the data position. Micro-batches are addressed by ``(pipeline, iteration,
   micro-batch)``, so the position is the iteration: ``steps``.
 
 :func:`capture` takes it from a live stage (tensors are the live ones, not copies: the snapshot
-store copies them; :meth:`StageState.clone` makes the pre-step copy a rollback needs);
+store copies them; :meth:`StageState.clone` makes the pre-step copy a rollback needs, in host
+memory when asked: a second copy of a GPU stage's weights and moments would not fit beside them);
 :func:`apply` puts one back. :meth:`StageState.to_tree` is the nest the staging pipeline flattens
 into a payload and a JSON layout, and :meth:`StageState.from_tree` reads one back, checking it.
 """
@@ -26,6 +28,7 @@ from typing import Any, Protocol, Sequence
 import numpy as np
 import torch
 
+from ..accelerator import on_device, rng_states, set_rng_states, wait_current_stream
 from ..errors import ResilienceError
 
 __all__ = ["STATE_FORMAT", "StageHost", "StageState", "StateMismatch", "apply", "apply_tree", "capture", "clone_tree", "collect"]
@@ -53,17 +56,28 @@ class StageHost(Protocol):
         """Set the engine's step and sample counters (after a state was applied)."""
 
 
-def clone_tree(obj: Any) -> Any:
-    """A deep copy of a nest of containers, tensors (cloned) and plain values."""
+def clone_tree(obj: Any, *, host: bool = False) -> Any:
+    """A deep copy of a nest of containers, tensors (cloned) and plain values. ``host``: tensors
+    on an accelerator are copied into (page-locked) host memory instead, asynchronously; the
+    caller synchronizes once (:func:`_host_copy` explains)."""
     if torch.is_tensor(obj):
-        return obj.detach().clone()
+        return _host_copy(obj) if host and on_device(obj) else obj.detach().clone()
     if isinstance(obj, dict):
-        return type(obj)((k, clone_tree(v)) for k, v in obj.items())
+        return type(obj)((k, clone_tree(v, host=host)) for k, v in obj.items())
     if isinstance(obj, list):
-        return [clone_tree(v) for v in obj]
+        return [clone_tree(v, host=host) for v in obj]
     if isinstance(obj, tuple):
-        return tuple(clone_tree(v) for v in obj)
+        return tuple(clone_tree(v, host=host) for v in obj)
     return obj
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` copied into fresh page-locked host memory on the current stream (non-blocking:
+    the copy is ordered after the work that produced the tensor and before later in-place
+    updates on the same stream; :meth:`StageState.clone` waits for it once)."""
+    out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    out.copy_(tensor.detach(), non_blocking=True)
+    return out
 
 
 def _rng_state() -> dict[str, Any]:
@@ -74,8 +88,7 @@ def _rng_state() -> dict[str, Any]:
         "python": [version, torch.tensor(internal, dtype=torch.int64), gauss],
         "numpy": [str(name), torch.from_numpy(np.asarray(keys, dtype=np.int64)), int(pos), int(has_gauss), float(cached)],
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
+    rng.update(rng_states())  # {"cuda": [one state per device]} on a GPU machine
     return rng
 
 
@@ -85,8 +98,7 @@ def _set_rng_state(rng: dict[str, Any]) -> None:
     random.setstate((int(version), tuple(int(x) for x in internal.tolist()), gauss))
     name, keys, pos, has_gauss, cached = rng["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), int(pos), int(has_gauss), float(cached)))
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
+    set_rng_states({k: v for k, v in rng.items() if k not in ("torch", "python", "numpy")})
 
 
 @dataclass
@@ -122,10 +134,17 @@ class StageState:
         add([self.params, self.optimizer, self.lr_scheduler, self.extra])
         return total
 
-    def clone(self) -> "StageState":
-        """A deep copy: later in-place optimizer updates never reach it."""
-        return replace(self, params=[p.detach().clone() for p in self.params], optimizer=clone_tree(self.optimizer),
-                       lr_scheduler=clone_tree(self.lr_scheduler), rng=clone_tree(self.rng), extra=clone_tree(self.extra))
+    def clone(self, *, host: bool = False) -> "StageState":
+        """A deep copy: later in-place optimizer updates never reach it. ``host``: tensors on an
+        accelerator go to host memory (the pre-step copy of a GPU stage), with one synchronization
+        for the whole state; :func:`apply` copies them back onto the stage's device."""
+        copy = replace(self, params=[clone_tree(p, host=host) for p in self.params],
+                       optimizer=clone_tree(self.optimizer, host=host),
+                       lr_scheduler=clone_tree(self.lr_scheduler, host=host), rng=clone_tree(self.rng),
+                       extra=clone_tree(self.extra, host=host))
+        for device in ({p.device for p in self.params if on_device(p)} if host else ()):
+            wait_current_stream(device)  # the host copies were queued on it: one wait per device
+        return copy
 
     def to_tree(self) -> dict[str, Any]:
         """The nest the staging pipeline flattens (tensors plus plain values)."""

@@ -75,7 +75,7 @@ class CheckpointTier:
             mem.wait_copied()  # the previous capture still reads the live tensors
         self._pre_step = None
         if self.keep_pre_step and (mem is None or mem.last_captured != self.host.counters()[0]):
-            self._pre_step = self.state().clone()
+            self._pre_step = self.state().clone(host=True)  # a GPU stage's copy in host memory
 
     def after_step(self) -> None:
         self.capture_due()

@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from ..accelerator import device_count
 from ..errors import ConfigError, ResilienceError
 
 __all__ = ["DataIterFactory", "DatasetSource", "EngineData", "FactorySource", "IteratorSource", "LoaderSpec",
@@ -273,7 +274,7 @@ class DatasetSource:
         self.close()
         loader = torch.utils.data.DataLoader(self.dataset, batch_sampler=_BatchStream(self, self.own, k),
                                              collate_fn=self.collate, num_workers=self.spec.num_workers,
-                                             pin_memory=self.spec.pin_memory and torch.cuda.is_available(),
+                                             pin_memory=self.spec.pin_memory and device_count() > 0,
                                              worker_init_fn=functools.partial(_die_with_parent, os.getpid()))
         self._stream, self._stream_next = iter(loader), k
         self.reads["restarts"] += 1

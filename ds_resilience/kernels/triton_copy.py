@@ -18,7 +18,6 @@ this module imports triton; ``copy.py`` imports it only when the Triton backend 
 
 from __future__ import annotations
 
-import contextlib
 
 import functools
 import os
@@ -28,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..accelerator import guard as device_guard
 from .checksum import DeferredChecksum, combine, pack
 from .layout import ChunkLayout
 
@@ -179,8 +179,7 @@ def triton_copy_planned(
     partials = torch.zeros(2 * nprog if checksum else 2, dtype=torch.int64, device=src.device)
     kernel = _build(interpreting())
     # the launch goes to the current device: on cuda:k (k > 0) it must be the tensors' own
-    guard = torch.cuda.device(src.device) if src.device.type == "cuda" else contextlib.nullcontext()
-    with guard:
+    with device_guard(src.device):
         _launch(kernel, nprog, src, dst, partials, n, sizes, strides, layout, checksum, block)
     if not checksum:
         return None

@@ -582,9 +582,9 @@ def main_run(argv: Sequence[str]) -> int:
     try:
         num = args.num_gpus
         if num < 0:
-            import torch
+            from ..accelerator import device_count
 
-            num = torch.cuda.device_count() if torch.cuda.is_available() else 1
+            num = device_count() or 1  # one process per accelerator (one on a CPU machine)
         interval, timeout, store_timeout = args.heartbeat_interval, args.heartbeat_timeout, None
         max_restarts, host_dir = 0, None
         cfg_path = _ds_config_path(args.script_args)

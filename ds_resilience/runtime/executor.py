@@ -49,6 +49,16 @@ def _as_tuple(x: Any) -> tuple:
     return x if isinstance(x, tuple) else (x,)
 
 
+def _fork_rng(device: str) -> ContextManager[Any]:
+    """The RNG streams the stage's forward draws from, restored afterwards: the CPU generator and,
+    on an accelerator, the stage's device's (dropout on a GPU draws there)."""
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return torch.random.fork_rng(devices=[])
+    index = dev.index if dev.index is not None else getattr(torch, dev.type).current_device()
+    return torch.random.fork_rng(devices=[index], device_type=dev.type)
+
+
 def _to_device(value: Any, device: str) -> Any:
     """Tensors in ``value`` (a tensor, or a tuple/list of values) on ``device``; the rest as is."""
     if torch.is_tensor(value):
@@ -386,7 +396,7 @@ class Executor:
         Returns ``(outputs, loss)``: on the last stage ``outputs`` is the loss scaled by the global
         micro-batch count, what its backward starts from."""
         arg = inputs[0] if len(inputs) == 1 else inputs
-        with torch.random.fork_rng(devices=[]):
+        with _fork_rng(self.spec.device):
             torch.manual_seed(_rng_seed(self.spec.seed, self.iteration, a.pipeline, a.microbatch, self.stage))
             outputs = fn(arg)
         if not self.is_last:
