@@ -43,6 +43,7 @@ LAYERS: dict[str, int] = {
     "ds_resilience.runtime": 6,
     # L7: framework integrations, the command line, the demo, and the package root (its __init__)
     "ds_resilience.integrations": 7,
+    "ds_resilience.megatron": 7,
     "ds_resilience.cli": 7,
     "ds_resilience.demo": 7,
     "ds_resilience": 7,
@@ -279,6 +280,7 @@ PURE = [
     "ds_resilience.costs",
     "ds_resilience.errors",
     "ds_resilience.cli",
+    "ds_resilience.megatron",  # the argument hooks run inside Megatron's parser, before anything is built
 ]
 HEAVY = ["torch", "deepspeed", "megatron", "triton", "matplotlib"]
 NO_DEEPSPEED = {
