@@ -231,6 +231,7 @@ class Executor:
         self.groups: GenerationGroups | None = None
         self.messenger: Messenger | None = None
         self.iteration = 0
+        self.current: tuple[int, int, int] | None = None  # (pipeline, iteration, micro-batch) being computed
         self.cursor = 0  # index of the next action within the iteration
         self._actions: tuple[Action, ...] = ()  # this iteration's actions (for early receive posts)
         self._posts: dict[int, tuple[int, ...]] = {}  # action index -> receives posted right before it
@@ -396,6 +397,7 @@ class Executor:
         Returns ``(outputs, loss)``: on the last stage ``outputs`` is the loss scaled by the global
         micro-batch count, what its backward starts from."""
         arg = inputs[0] if len(inputs) == 1 else inputs
+        self.current = (a.pipeline, self.iteration, a.microbatch)  # read by integrations that load data themselves
         with _fork_rng(self.spec.device):
             torch.manual_seed(_rng_seed(self.spec.seed, self.iteration, a.pipeline, a.microbatch, self.stage))
             outputs = fn(arg)

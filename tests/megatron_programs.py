@@ -1,0 +1,185 @@
+"""Worker programs for tests/test_megatron.py: a megatron-core GPTModel (tied embeddings) trained
+by a single-process reference and by the resilient forward-backward under PP x DP (module-level:
+the harness pickles them by reference)."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from unittest import mock
+
+LAYERS, HIDDEN, HEADS, VOCAB, SEQ, MBS = 4, 32, 4, 64, 16, 2
+
+
+def _megatron(tp: int, pp: int):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    return parallel_state
+
+
+def _model(pre_process: bool = True, post_process: bool = True, pp: int = 1, tp: int = 1):
+    import torch
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from ds_resilience.megatron.attention import device_safe_layer_spec
+
+    config = TransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                               use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+                               pipeline_dtype=torch.float32, pipeline_model_parallel_size=pp,
+                               tensor_model_parallel_size=tp)
+    # megatron-core moves the tied output weight to CUDA before its first-to-last-stage all-reduce
+    # (LanguageModule.setup_embeddings_and_output_layer); on CPU that copy is the identity
+    with mock.patch.object(torch.Tensor, "cuda", lambda self, *a, **k: self):
+        return GPTModel(config=config, transformer_layer_spec=device_safe_layer_spec(get_gpt_layer_local_spec()),
+                        vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="learned_absolute",
+                        pre_process=pre_process, post_process=post_process, share_embeddings_and_output_weights=True)
+
+
+def make_item(pipeline: int, iteration: int, microbatch: int) -> dict:
+    """The micro-batch pipeline ``pipeline``'s data iterator yields at (iteration, microbatch)."""
+    import torch
+
+    g = torch.Generator().manual_seed(1000 * iteration + 100 * pipeline + microbatch)
+    tokens = torch.randint(0, VOCAB, (MBS, SEQ + 1), generator=g)
+    mask = torch.ones(MBS, SEQ)
+    mask[:, : microbatch + 1] = 0.0  # a different number of counted tokens per micro-batch
+    return {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": mask,
+            "position_ids": torch.arange(SEQ).unsqueeze(0).expand(MBS, -1),
+            "attention_mask": torch.triu(torch.ones(1, 1, SEQ, SEQ), diagonal=1) > 0.5}
+
+
+def loss_func(loss_mask, output_tensor):
+    """Megatron-LM's current form: (sum of the masked losses, tokens counted, logging dict)."""
+    import torch
+
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    total = torch.sum(losses * mask)
+    tokens = mask.sum().to(torch.int)
+    return total, tokens, {"lm loss": torch.stack([total.detach(), tokens.float()])}
+
+
+def forward_step(data_iterator, model):
+    """Megatron-LM's forward_step: read the micro-batch, run the model, return the loss function."""
+    item = next(data_iterator)
+    output = model(item["tokens"], item["position_ids"], item["attention_mask"], labels=item["labels"])
+    return output, functools.partial(loss_func, item["loss_mask"])
+
+
+def reference(rank: int, world: int, init_path: str, iterations: int, dp: int, microbatches: int, clip: float):
+    """One process, the whole model: each iteration averages every micro-batch of every pipeline,
+    clips by the global norm (Megatron's coefficient) and steps Adam."""
+    import torch
+
+    _megatron(1, 1)
+    torch.manual_seed(0)
+    model = _model()
+    torch.save({k: v.detach().clone() for k, v in model.named_parameters()}, init_path)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    losses = []
+    for it in range(iterations):
+        opt.zero_grad()
+        total = 0.0
+        for p in range(dp):
+            for m in range(microbatches):
+                output, lf = forward_step(iter([make_item(p, it, m)]), model)
+                loss_sum, tokens, _ = lf(output)
+                loss = loss_sum / tokens
+                (loss / (dp * microbatches)).backward()
+                total += float(loss)
+        norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in model.parameters()))
+        coef = clip / (float(norm) + 1e-6)
+        if clip > 0 and coef < 1.0:
+            for p in model.parameters():
+                p.grad.mul_(coef)
+        opt.step()
+        losses.append(total / (dp * microbatches))
+    return {"params": {k: v.detach().clone() for k, v in model.named_parameters()}, "losses": losses}
+
+
+def _global_name(name: str, stage: int, per_stage: int) -> str:
+    if name == "output_layer.weight":
+        return "embedding.word_embeddings.weight"  # the last stage's copy of the tied embedding
+    if name.startswith("decoder.layers."):
+        index, rest = name[len("decoder.layers."):].split(".", 1)
+        return f"decoder.layers.{int(index) + stage * per_stage}.{rest}"
+    return name
+
+
+def pipelined(rank: int, world: int, init_path: str, iterations: int, pp: int, microbatches: int, clip: float,
+              failed: list, reroute_data: bool, variant: str):
+    """Megatron-LM's training loop shape over the resilient forward-backward: the hook's arguments,
+    config_from_args, install(), get_forward_backward_func(), then optimizer.step()."""
+    import torch
+
+    from ds_resilience.megatron import add_resilience_args, config_from_args
+    from ds_resilience.megatron.schedule import ResilientForwardBackward, ResilientOptimizer, install
+    from ds_resilience.topology import parse_worker
+
+    ps = _megatron(1, pp)
+    stage = ps.get_pipeline_model_parallel_rank()
+    dp = world // pp
+    parser = add_resilience_args(argparse.ArgumentParser(allow_abbrev=False))
+    args = parser.parse_args(["--resilience", "--resilience-variant", variant, "--resilience-max-failures", "0"])
+    args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.data_parallel_size = 1, pp, dp
+    args.micro_batch_size, args.global_batch_size, args.clip_grad, args.seed = MBS, MBS * dp * microbatches, clip, 1234
+    job = config_from_args(args)
+    model = _model(pre_process=stage == 0, post_process=stage == pp - 1, pp=pp)
+    init = torch.load(init_path)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(init[_global_name(name, stage, LAYERS // pp)])
+    optimizer = ResilientOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3))
+    fb = ResilientForwardBackward(job, optimizer, batches=make_item if reroute_data else None,
+                                  simulate_failed=[parse_worker(w) for w in failed])
+    install(fb)
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    pipeline = ps.get_data_parallel_rank()
+    data = iter([make_item(pipeline, it, m) for it in range(iterations) for m in range(microbatches)])
+    logged, results = [], []
+    for _ in range(iterations):
+        optimizer.zero_grad()
+        fbf = get_forward_backward_func()
+        reduced = fbf(forward_step_func=forward_step, data_iterator=data, model=[model],
+                      num_microbatches=microbatches, seq_length=SEQ, micro_batch_size=MBS, forward_only=False)
+        results.append(optimizer.step() if fb.rt.executor.groups is not None else None)
+        logged.append(len(reduced))
+    params = {_global_name(n, stage, LAYERS // pp): p.detach().clone() for n, p in model.named_parameters()}
+    return {"stage": stage, "pipeline": pipeline, "params": params, "logged": logged,
+            "results": [(r[0], r[1]) if r else None for r in results]}
+
+
+def attention_check(rank: int, world: int) -> dict:
+    """DeviceSafeDotProductAttention on CPU against plain causal softmax attention."""
+    import math
+
+    import torch
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from ds_resilience.megatron.attention import DeviceSafeDotProductAttention
+
+    _megatron(1, 1)
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
+                               attention_dropout=0.0)
+    attn = DeviceSafeDotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                                         attention_type="self")
+    s, b, n, d = 8, 2, 4, 8
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(s, b, n, d) for _ in range(3))
+    mask = torch.triu(torch.ones(1, 1, s, s), diagonal=1) > 0.5
+    got = attn(q, k, v, mask)
+    scores = torch.einsum("sbnd,tbnd->bnst", q, k) / math.sqrt(d)
+    scores = scores.masked_fill(mask, float("-inf"))
+    want = torch.einsum("bnst,tbnd->sbnd", scores.softmax(-1), v).reshape(s, b, n * d)
+    return {"diff": float((got - want).abs().max()), "is_subclass": issubclass(type(attn), DotProductAttention)}

@@ -1,0 +1,121 @@
+"""The resilient forward-backward over megatron-core's GPTModel (tied embeddings) on CPU: PP=2 x DP=2
+over gloo against a single-process reference of the same model and samples, fault-free and with a
+failed replica's micro-batches re-routed; installation into megatron-core's factory."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+from dist_harness import run_workers
+import megatron_programs as mp
+
+ITERATIONS, PP, DP, MICRO, CLIP = 3, 2, 2, 4, 1.0
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    init = str(tmp_path_factory.mktemp("megatron") / "init.pt")
+    out = run_workers(mp.reference, 1, args=(init, ITERATIONS, DP, MICRO, CLIP), timeout_s=240)[0]
+    return init, out
+
+
+def _check(results, ref, idle=()):
+    trained = [r for r in results if (r["pipeline"], r["stage"]) not in idle]
+    assert len(trained) == PP * DP - len(idle)
+    for r in trained:
+        for name, value in r["params"].items():
+            diff = float((value - ref["params"][name]).abs().max())
+            assert diff < 1e-6, (r["stage"], r["pipeline"], name, diff)
+        assert r["logged"] == ([0] * ITERATIONS if r["stage"] < PP - 1 else r["logged"])
+        assert all(ok for ok, _ in r["results"])
+    norms = {tuple(n for _, n in r["results"]) for r in trained}
+    assert len(norms) == 1  # every stage clipped with the one global norm
+    assert max(next(iter(norms))) > CLIP  # and clipping took effect in some iteration
+
+
+@pytest.mark.timeout(600)
+def test_fault_free_pp2_dp2_matches_the_single_process_reference(reference):
+    init, ref = reference
+    results = run_workers(mp.pipelined, PP * DP, args=(init, ITERATIONS, PP, MICRO, CLIP, [], False, "recycle"),
+                          timeout_s=300)
+    _check(results, ref)
+    for r in results:  # the last stage returns megatron-core's logging dicts, one per micro-batch
+        assert r["logged"] == ([MICRO] * ITERATIONS if r["stage"] == PP - 1 else [0] * ITERATIONS)
+
+
+@pytest.mark.timeout(600)
+def test_a_failed_replicas_micro_batches_rerouted_keep_the_reference_step(reference):
+    """Replica p1s0 idles; its micro-batches run on p0s0 (decoupled B/W, staggered steps), and every
+    surviving stage ends equal to the reference that trained every sample."""
+    init, ref = reference
+    results = run_workers(mp.pipelined, PP * DP, args=(init, ITERATIONS, PP, MICRO, CLIP, ["1:0"], True, "recycle"),
+                          timeout_s=300)
+    _check(results, ref, idle=[(1, 0)])
+    idle = next(r for r in results if (r["pipeline"], r["stage"]) == (1, 0))
+    assert idle["results"] == [None] * ITERATIONS
+    # the last stage of pipeline 0 computed its own micro-batches; pipeline 1's last stage too (re-routing
+    # only moves the dead replica's stage)
+    assert all(r["logged"] == [MICRO] * ITERATIONS for r in results if r["stage"] == PP - 1)
+
+
+# --- installation and the interface ----------------------------------------------------------------
+def test_install_reaches_the_training_loop_whatever_the_import_order(monkeypatch):
+    import megatron.core.pipeline_parallel as package
+    from megatron.core.pipeline_parallel import schedules
+
+    from ds_resilience.megatron.schedule import install, uninstall
+
+    original = schedules.get_forward_backward_func
+    before = types.ModuleType("megatron_training_before")  # Megatron-LM's training.py, imported first
+    before.get_forward_backward_func = original
+    monkeypatch.setitem(sys.modules, before.__name__, before)
+    marker = object()
+    try:
+        factory = install(marker)  # type: ignore[arg-type]
+        assert before.get_forward_backward_func is factory
+        assert package.get_forward_backward_func is factory and schedules.get_forward_backward_func is factory
+        assert factory() is marker and factory(pp_size=2, vp_size=None, schedule_pg_collection=None) is marker
+        with pytest.raises(Exception, match="interleaving"):
+            factory(vp_size=2)
+        after = types.ModuleType("megatron_training_after")  # imported after install(): by name from the package
+        exec("from megatron.core.pipeline_parallel import get_forward_backward_func", after.__dict__)
+        assert after.get_forward_backward_func() is marker
+    finally:
+        uninstall()
+    assert before.get_forward_backward_func is original and package.get_forward_backward_func is original
+
+
+def test_unknown_keywords_are_named_and_the_training_loops_step_needs_a_schedule_step():
+    from ds_resilience.errors import ResilienceError
+    from ds_resilience.megatron.schedule import ResilientForwardBackward, ResilientOptimizer
+
+    from ds_resilience.megatron.args import add_resilience_args, config_from_args
+    import argparse
+
+    args = add_resilience_args(argparse.ArgumentParser()).parse_args(["--resilience"])
+    args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.data_parallel_size = 1, 2, 2
+    args.micro_batch_size, args.global_batch_size = 1, 4
+    job = config_from_args(args)
+    layer = torch.nn.Linear(2, 2)
+    opt = ResilientOptimizer(torch.optim.SGD(layer.parameters(), lr=0.1))
+    fb = ResilientForwardBackward(job, opt)
+    with pytest.raises(TypeError, match=r"unknown keywords \['overlap_moe'\]"):
+        fb(forward_step_func=None, data_iterator=None, model=layer, num_microbatches=2, seq_length=1,
+           micro_batch_size=1, overlap_moe=True)
+    with pytest.raises(ResilienceError, match="forward_only"):
+        fb(forward_step_func=None, data_iterator=None, model=layer, num_microbatches=2, seq_length=1,
+           micro_batch_size=1, forward_only=True)
+    with pytest.raises(ResilienceError, match="without a resilient forward-backward"):
+        opt.step()
+    assert opt.param_groups[0]["lr"] == 0.1  # the rest is the wrapped optimizer's
+    with pytest.raises(TypeError, match="ResilientOptimizer"):
+        ResilientForwardBackward(job, torch.optim.SGD(layer.parameters(), lr=0.1))
+
+
+def test_the_device_safe_core_attention_is_causal_softmax_attention():
+    out = run_workers(mp.attention_check, 1, timeout_s=120)[0]
+    assert out["diff"] < 1e-5 and out["is_subclass"]
