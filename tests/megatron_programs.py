@@ -74,7 +74,14 @@ def forward_step(data_iterator, model):
     return output, functools.partial(loss_func, item["loss_mask"])
 
 
-def reference(rank: int, world: int, init_path: str, iterations: int, dp: int, microbatches: int, clip: float):
+def _optimizer(params, kind: str):
+    import torch
+
+    return torch.optim.Adam(params, lr=1e-3) if kind == "adam" else torch.optim.SGD(params, lr=0.5)
+
+
+def reference(rank: int, world: int, init_path: str, iterations: int, dp: int, microbatches: int, clip: float,
+              opt_kind: str = "adam"):
     """One process, the whole model: each iteration averages every micro-batch of every pipeline,
     clips by the global norm (Megatron's coefficient) and steps Adam."""
     import torch
@@ -83,7 +90,7 @@ def reference(rank: int, world: int, init_path: str, iterations: int, dp: int, m
     torch.manual_seed(0)
     model = _model()
     torch.save({k: v.detach().clone() for k, v in model.named_parameters()}, init_path)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    opt = _optimizer(model.parameters(), opt_kind)
     losses = []
     for it in range(iterations):
         opt.zero_grad()
@@ -114,8 +121,15 @@ def _global_name(name: str, stage: int, per_stage: int) -> str:
     return name
 
 
+def _shard(full, param, tp_rank: int, tp: int):
+    """This tensor-parallel rank's part of a whole weight (megatron-core marks the split dimension)."""
+    if tp > 1 and getattr(param, "tensor_model_parallel", False):
+        return full.chunk(tp, dim=param.partition_dim)[tp_rank]
+    return full
+
+
 def pipelined(rank: int, world: int, init_path: str, iterations: int, pp: int, microbatches: int, clip: float,
-              failed: list, reroute_data: bool, variant: str):
+              failed: list, reroute_data: bool, variant: str, tp: int = 1, opt_kind: str = "adam"):
     """Megatron-LM's training loop shape over the resilient forward-backward: the hook's arguments,
     config_from_args, install(), get_forward_backward_func(), then optimizer.step()."""
     import torch
@@ -124,20 +138,21 @@ def pipelined(rank: int, world: int, init_path: str, iterations: int, pp: int, m
     from ds_resilience.megatron.schedule import ResilientForwardBackward, ResilientOptimizer, install
     from ds_resilience.topology import parse_worker
 
-    ps = _megatron(1, pp)
+    ps = _megatron(tp, pp)
     stage = ps.get_pipeline_model_parallel_rank()
-    dp = world // pp
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    dp = world // (pp * tp)
     parser = add_resilience_args(argparse.ArgumentParser(allow_abbrev=False))
     args = parser.parse_args(["--resilience", "--resilience-variant", variant, "--resilience-max-failures", "0"])
-    args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.data_parallel_size = 1, pp, dp
+    args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.data_parallel_size = tp, pp, dp
     args.micro_batch_size, args.global_batch_size, args.clip_grad, args.seed = MBS, MBS * dp * microbatches, clip, 1234
     job = config_from_args(args)
-    model = _model(pre_process=stage == 0, post_process=stage == pp - 1, pp=pp)
+    model = _model(pre_process=stage == 0, post_process=stage == pp - 1, pp=pp, tp=tp)
     init = torch.load(init_path)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(init[_global_name(name, stage, LAYERS // pp)])
-    optimizer = ResilientOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3))
+            p.copy_(_shard(init[_global_name(name, stage, LAYERS // pp)], p, tp_rank, tp))
+    optimizer = ResilientOptimizer(_optimizer(model.parameters(), opt_kind))
     fb = ResilientForwardBackward(job, optimizer, batches=make_item if reroute_data else None,
                                   simulate_failed=[parse_worker(w) for w in failed])
     install(fb)
@@ -154,7 +169,11 @@ def pipelined(rank: int, world: int, init_path: str, iterations: int, pp: int, m
         results.append(optimizer.step() if fb.rt.executor.groups is not None else None)
         logged.append(len(reduced))
     params = {_global_name(n, stage, LAYERS // pp): p.detach().clone() for n, p in model.named_parameters()}
-    return {"stage": stage, "pipeline": pipeline, "params": params, "logged": logged,
+    split = {_global_name(n, stage, LAYERS // pp): (p.partition_dim if tp > 1 and getattr(p, "tensor_model_parallel",
+                                                                                           False) else None)
+             for n, p in model.named_parameters()}
+    return {"stage": stage, "pipeline": pipeline, "tp_rank": tp_rank, "tp": tp, "split": split, "params": params,
+            "logged": logged,
             "results": [(r[0], r[1]) if r else None for r in results]}
 
 

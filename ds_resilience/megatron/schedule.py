@@ -28,7 +28,13 @@ step the schedule took.
 ``megatron.core.pipeline_parallel`` and in every module that imported the factory by name
 (Megatron-LM's ``megatron/training/training.py`` does at import), whatever the import order.
 
-Supported today: tensor-parallel size 1, one model chunk per rank (no interleaving), unwrapped
+With tensor parallelism every tensor-parallel rank runs the schedule in its *plane* (the ranks of
+its tensor-parallel rank): messages go to the same tensor-parallel rank of the next stage, as in
+Megatron; gradients are reduced per shard over the stage's surviving replicas; the global norm
+sums every shard once (whole-held weights on tensor-parallel rank 0 only); a replica (its whole
+tensor-parallel group) fails as one.
+
+Supported today: one model chunk per rank (no interleaving), unwrapped
 megatron-core modules (not Megatron's ``DistributedDataParallel``: this schedule reduces the
 gradients itself), fp32.
 """
@@ -44,18 +50,18 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from ..comm.groups import build_groups, world_group
+from ..comm.groups import GenerationGroups, new_group, world_group
 from ..costs import CostModel
 from ..errors import ConfigError, ResilienceError
 from ..ir import ActionKind, Schedule
 from ..ir.pairs import early_posts
 from ..planning.provider import ScheduleProvider
 from ..runtime.executor import Executor, StageSpec
-from ..topology import Worker
+from ..topology import Topology, Worker
 from .args import MegatronJob
 from .grid import PTDPGrid
 
-__all__ = ["ResilientForwardBackward", "ResilientOptimizer", "install", "uninstall"]
+__all__ = ["ResilientForwardBackward", "ResilientOptimizer", "install", "plane_groups", "uninstall"]
 
 # megatron-core 0.16's forward_backward_func keywords, and those Megatron-LM's training loop passes
 _KNOWN = frozenset({
@@ -140,9 +146,6 @@ class ResilientForwardBackward:
     def __init__(self, job: MegatronJob, optimizer: ResilientOptimizer, *,
                  batches: Callable[[int, int, int], Any] | None = None, simulate_failed: Iterable[Worker] = (),
                  cost: CostModel | None = None, timeout_s: float | None = None) -> None:
-        if job.tp != 1:
-            raise ConfigError("--tensor-model-parallel-size", f"{job.tp}: the resilient forward-backward runs "
-                                                              f"tensor-parallel size 1 today")
         if not isinstance(optimizer, ResilientOptimizer):
             raise TypeError(f"optimizer must be a ResilientOptimizer (wrap yours: ResilientOptimizer(opt)), got "
                             f"{type(optimizer).__name__}")
@@ -208,7 +211,7 @@ class ResilientForwardBackward:
         if not dist.is_initialized() or dist.get_world_size() != grid.world_size:
             raise ResilienceError(f"torch.distributed must be initialized with {grid.world_size} ranks "
                                   f"(tp x pp x dp = {job.tp} x {job.pp} x {job.dp})")
-        me, _ = grid.coord(dist.get_rank())
+        me, tp_rank = grid.coord(dist.get_rank())
         topology = grid.topology()
         params = [p for p in model.parameters() if p.requires_grad]
         tied_groups, tied_params = self._tied(model, me.stage)
@@ -227,12 +230,15 @@ class ResilientForwardBackward:
                          timeout_s=self.timeout_s)
         executor = Executor(
             spec, module=model, parameters=params, loss_fn=self._loss, batch_source=self._batch,
-            rank_of=lambda i: grid.rank(topology.worker(i)), step=self.optimizer.run_step, forward_fn=self._forward,
-            tied=tied_params, counted_tied=[g for g, stages in enumerate(tied_groups) if stages[0] == me.stage])
+            rank_of=lambda i: grid.rank(topology.worker(i), tp_rank), step=self.optimizer.run_step,
+            forward_fn=self._forward, tied=tied_params,
+            counted_tied=[g for g, stages in enumerate(tied_groups) if stages[0] == me.stage],
+            # a weight every tensor-parallel rank holds whole (norms, row-parallel biases) counts once
+            counted_param=lambda p: tp_rank == 0 or bool(getattr(p, "tensor_model_parallel", False)))
         self.optimizer.grad_norm = lambda: executor.last_grad_norm
         if alive:
-            executor.install(build_groups(topology.without(failed), me, session=session, timeout_s=self.timeout_s,
-                                          tied=tied_groups))
+            executor.install(plane_groups(grid, topology.without(failed), me, tp_rank, session=session,
+                                          timeout_s=self.timeout_s, tied=tied_groups))
         schedule = choice.schedule
         index = topology.worker_index(me)
         self.rt = _Runtime(grid=grid, me=me, model=model, executor=executor, schedule=schedule,
@@ -311,6 +317,27 @@ class _Item:
     """A first-stage micro-batch on its way through the executor (not a tensor: passed as is)."""
 
     item: Any
+
+
+def plane_groups(grid: PTDPGrid, topology: Topology, me: Worker, tp_rank: int, *, session: str, timeout_s: float,
+                 tied: Sequence[Sequence[int]] = (), generation: int = 0) -> GenerationGroups:
+    """The groups of ``me``'s tensor-parallel plane (every rank of tensor-parallel rank ``tp_rank``
+    runs the schedule's copy of the grid): the stage's surviving replicas in the plane (gradient
+    reduce, per tensor-parallel shard), the tied groups in the plane, and one world group of every
+    surviving rank of every plane (messages within the plane, the global gradient norm over all
+    shards)."""
+    name = f"{session}/g{generation}"
+    rank = grid.rank(me, tp_rank)
+    world = new_group([r for w in topology.alive_workers() for r in grid.replica(w)], name=f"{name}/world",
+                      timeout_s=timeout_s, me=rank)
+    stage = new_group([grid.rank(w, tp_rank) for w in topology.stage_peers(me.stage)],
+                      name=f"{name}/t{tp_rank}/stage{me.stage}", timeout_s=timeout_s, me=rank)
+    groups = {}
+    for g, stages in enumerate(tied):  # in group order on every member
+        if me.stage in stages:
+            groups[g] = new_group([grid.rank(w, tp_rank) for s in stages for w in topology.stage_peers(s)],
+                                  name=f"{name}/t{tp_rank}/tied{g}", timeout_s=timeout_s, me=rank)
+    return GenerationGroups(generation=generation, world=world, stage=stage, tied=groups)
 
 
 # --- installation --------------------------------------------------------------------------------

@@ -192,6 +192,9 @@ class Executor:
             surviving worker of the group's stages. ``counted_tied`` lists the groups whose copies
             this stage counts in the global gradient norm (the first stage of each group), so a
             tied weight is counted once.
+        counted_param: which of the stage's parameters this worker counts in the global gradient
+            norm (default: all but the uncounted tied copies); with tensor parallelism a rank > 0
+            leaves out the parameters every rank of the group holds whole.
     """
 
     def __init__(self, spec: StageSpec, *, module: Callable[[Any], Any], parameters: Sequence[torch.nn.Parameter],
@@ -201,7 +204,8 @@ class Executor:
                  fault_hook: Callable[[str, int], None] | None = None, hooks: ExecutorHooks | None = None,
                  tied: dict[int, Sequence[torch.nn.Parameter]] | None = None,
                  counted_tied: Sequence[int] = (), precision: Any = None, validator: Any = None,
-                 zero_grad: Callable[[], None] | None = None) -> None:
+                 zero_grad: Callable[[], None] | None = None,
+                 counted_param: Callable[[torch.nn.Parameter], bool] | None = None) -> None:
         self.spec = spec
         self.stage, self.pipeline = spec.stage, spec.pipeline
         self.num_stages, self.dp, self.microbatches = spec.num_stages, spec.dp, spec.microbatches
@@ -225,6 +229,8 @@ class Executor:
         tied_ids = {id(p) for ps in self.tied.values() for p in ps}
         self.untied = [p for p in self.grad_parameters if id(p) not in tied_ids]
         uncounted = {id(p) for g, ps in self.tied.items() if g not in set(counted_tied) for p in ps}
+        if counted_param is not None:  # e.g. a tensor-parallel rank > 0 skips the parameters every rank duplicates
+            uncounted |= {id(master(p)) for p in self.parameters if not counted_param(p)}
         self.counted = [p for p in self.grad_parameters if id(p) not in uncounted]
         self.last_grad_norm: float | None = None
         self.pending: int | None = None  # the iteration whose speculative step awaits validation
