@@ -138,13 +138,14 @@ class ResilientForwardBackward:
             (what that pipeline's data iterator would yield); needed where a failure re-routes
             another pipeline's micro-batches to this rank. Without it, the rank reads its own
             pipeline's micro-batches from the ``data_iterator`` Megatron passes, in order.
-        simulate_failed: replicas left idle from the start (tests, what-if runs).
+        simulate_failed: replicas left idle from the start (tests, what-if runs); default: the
+            config's ``resilience.simulate_failed``.
         cost: the cost model the planner rates schedules with (default: the config's).
         timeout_s: how long a message or collective may wait.
     """
 
     def __init__(self, job: MegatronJob, optimizer: ResilientOptimizer, *,
-                 batches: Callable[[int, int, int], Any] | None = None, simulate_failed: Iterable[Worker] = (),
+                 batches: Callable[[int, int, int], Any] | None = None, simulate_failed: Iterable[Worker] | None = None,
                  cost: CostModel | None = None, timeout_s: float | None = None) -> None:
         if not isinstance(optimizer, ResilientOptimizer):
             raise TypeError(f"optimizer must be a ResilientOptimizer (wrap yours: ResilientOptimizer(opt)), got "
@@ -152,7 +153,7 @@ class ResilientForwardBackward:
         self.job = job
         self.optimizer = optimizer
         self.batches = batches
-        self.simulate_failed = frozenset(simulate_failed)
+        self.simulate_failed = frozenset(job.config.simulate_failed if simulate_failed is None else simulate_failed)
         self.cost = cost or job.config.cost()
         self.timeout_s = timeout_s if timeout_s is not None else job.config.detector.pg_timeout_s
         self.iteration = 0
@@ -195,8 +196,9 @@ class ResilientForwardBackward:
         self._forward_step, self._data = kwargs["forward_step_func"], data
         rt.losses = []
         ex = rt.executor
-        if ex.groups is None:  # a simulated-failed replica idles
+        if ex.groups is None:  # a simulated-failed replica idles: its training loop's step() reports no update
             self.iteration += 1
+            self.optimizer._result = (False, None, None)
             return []
         ex.begin_iteration(self.iteration, rt.actions, rt.posts)
         ex.run(rt.actions)

@@ -110,7 +110,8 @@ class Agent:
     """Launch ``num_workers`` copies of ``script`` and watch them (see the module docstring).
 
     Args:
-        script: the training script; ``script_args`` follow it, then ``--local_rank=r``.
+        script: the training script; ``script_args`` follow it, then ``--local_rank=r`` (unless
+            ``local_rank_arg`` is false: Megatron-LM's parser rejects it and reads ``LOCAL_RANK``).
         num_workers: worker processes per node (ranks ``0..N-1`` on one node; node k holds ranks
             ``k*N .. k*N+N-1``).
         nnodes: nodes; with more than one, this agent is node 0's and leads: the other nodes run
@@ -143,7 +144,7 @@ class Agent:
                  store_timeout_s: float | None = None,
                  max_restarts: int = 0, host_dir: str | os.PathLike[str] | None = None, keep_snapshots: bool = False,
                  env: Mapping[str, str] | None = None, log_dir: str | os.PathLike[str] | None = None,
-                 echo: Callable[[str], None] | None = None, nnodes: int = 1) -> None:
+                 echo: Callable[[str], None] | None = None, nnodes: int = 1, local_rank_arg: bool = True) -> None:
         if num_workers < 1:
             raise AgentError(f"num_workers must be >= 1, got {num_workers}")
         if nnodes < 1:
@@ -162,6 +163,7 @@ class Agent:
         if not Path(script).is_file():
             raise AgentError(f"training script {str(script)!r} not found")
         self.script, self.script_args = str(script), tuple(script_args)
+        self.local_rank_arg = local_rank_arg
         self.nproc, self.nnodes = num_workers, nnodes
         self.num_workers = num_workers * nnodes  # the world
         self.master_addr, self.port = master_addr, master_port
@@ -280,7 +282,8 @@ class Agent:
             log.parent.mkdir(parents=True, exist_ok=True)
             out = open(log, "wb")  # noqa: SIM115 - child keeps it
         try:
-            proc = subprocess.Popen([sys.executable, "-u", self.script, *self.script_args, f"--local_rank={local}"],
+            proc = subprocess.Popen([sys.executable, "-u", self.script, *self.script_args,
+                                     *([f"--local_rank={local}"] if self.local_rank_arg else [])],
                                     env=env, stdin=subprocess.DEVNULL, stdout=out,
                                     stderr=subprocess.STDOUT if out else None)
         finally:
@@ -562,6 +565,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--stop_grace", type=float, default=300.0, metavar="S",
                    help="time survivors get to save a checkpoint and exit after a stop")
     p.add_argument("--log_dir", default=None, help="write each worker's output to LOG_DIR/rank{r}.{n}.log")
+    p.add_argument("--no_local_rank", action="store_true",
+                   help="do not pass --local_rank to the script (as DeepSpeed's launcher: Megatron-LM scripts "
+                        "read LOCAL_RANK from the environment and reject the flag)")
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     return p
@@ -600,7 +606,8 @@ def main_run(argv: Sequence[str]) -> int:
             if not 0 < args.node_rank < args.nnodes:
                 raise AgentError(f"--node_rank {args.node_rank} is out of range for --nnodes {args.nnodes}")
             return NodeAgent(args.script, args.script_args, node_rank=args.node_rank, master_addr=args.master_addr,
-                             master_port=args.master_port, log_dir=args.log_dir).run()
+                             master_port=args.master_port, log_dir=args.log_dir,
+                             local_rank_arg=not args.no_local_rank).run()
         if max_restarts and args.nnodes > 1:
             print("ds-resilience run: a restart from the snapshots is not supported across nodes yet: beyond "
                   "tolerance the job stops after its survivors save", file=sys.stderr)
@@ -608,7 +615,7 @@ def main_run(argv: Sequence[str]) -> int:
                       master_port=args.master_port, heartbeat_interval_s=interval,
                       heartbeat_timeout_s=timeout, rejoin_after_s=args.rejoin_after,
                       stop_grace_s=args.stop_grace, store_timeout_s=store_timeout, log_dir=args.log_dir,
-                      max_restarts=max_restarts, host_dir=host_dir)
+                      max_restarts=max_restarts, host_dir=host_dir, local_rank_arg=not args.no_local_rank)
         return agent.run()
     except ResilienceError as exc:
         print(f"ds-resilience run: error: {exc}", file=sys.stderr)

@@ -112,7 +112,8 @@ class NodeAgent:
     """The follower agent of node ``node_rank`` (see the module docstring).
 
     Args:
-        script, script_args: the training script and its arguments (``--local_rank=r`` is added).
+        script, script_args: the training script and its arguments (``--local_rank=r`` is added
+            unless ``local_rank_arg`` is false).
         node_rank: this node's index, >= 1.
         master_addr, master_port: the leader's store.
         connect_timeout_s: how long to wait for the leader's store.
@@ -123,12 +124,13 @@ class NodeAgent:
 
     def __init__(self, script: str, script_args: Sequence[str] = (), *, node_rank: int, master_addr: str,
                  master_port: int, connect_timeout_s: float = 300.0, log_dir: str | os.PathLike[str] | None = None,
-                 tick_s: float = 0.05, echo: Callable[[str], None] | None = None) -> None:
+                 tick_s: float = 0.05, echo: Callable[[str], None] | None = None, local_rank_arg: bool = True) -> None:
         if node_rank < 1:
             raise ResilienceError(f"a follower's node_rank must be >= 1, got {node_rank} (node 0 runs the leader)")
         if not master_port:
             raise ResilienceError("a follower needs the leader's --master_port (not 0)")
         self.script, self.script_args = script, tuple(script_args)
+        self.local_rank_arg = local_rank_arg
         self.node, self.addr, self.port = node_rank, master_addr, master_port
         self.connect_timeout_s, self.tick_s = connect_timeout_s, tick_s
         self.log_dir = Path(log_dir) if log_dir is not None else None
@@ -188,8 +190,9 @@ class NodeAgent:
             Path(log).parent.mkdir(parents=True, exist_ok=True)
             out = open(log, "wb")  # noqa: SIM115 - the child keeps it
         try:
-            proc = subprocess.Popen([sys.executable, "-u", self.script, *self.script_args,
-                                     f"--local_rank={request['local_rank']}"], env=env, stdin=subprocess.DEVNULL,
+            extra = [f"--local_rank={request['local_rank']}"] if self.local_rank_arg else []
+            proc = subprocess.Popen([sys.executable, "-u", self.script, *self.script_args, *extra], env=env,
+                                    stdin=subprocess.DEVNULL,
                                     stdout=out, stderr=subprocess.STDOUT if out else None)
         finally:
             if out is not None:
