@@ -9,6 +9,7 @@ import functools
 from unittest import mock
 
 LAYERS, HIDDEN, HEADS, VOCAB, SEQ, MBS = 4, 32, 4, 64, 16, 2
+EVAL_MICRO, EVAL_ITERATION = 2, 100
 
 
 def _megatron(tp: int, pp: int):
@@ -109,7 +110,14 @@ def reference(rank: int, world: int, init_path: str, iterations: int, dp: int, m
                 p.grad.mul_(coef)
         opt.step()
         losses.append(total / (dp * microbatches))
-    return {"params": {k: v.detach().clone() for k, v in model.named_parameters()}, "losses": losses}
+    evals = {}
+    with torch.no_grad():
+        for p in range(dp):
+            for m in range(EVAL_MICRO):
+                output, lf = forward_step(iter([make_item(p, EVAL_ITERATION, m)]), model)
+                loss_sum, tokens, _ = lf(output)
+                evals[(p, m)] = (float(loss_sum), int(tokens))
+    return {"params": {k: v.detach().clone() for k, v in model.named_parameters()}, "losses": losses, "evals": evals}
 
 
 def _global_name(name: str, stage: int, per_stage: int) -> str:
@@ -154,7 +162,9 @@ def pipelined(rank: int, world: int, init_path: str, iterations: int, pp: int, m
             p.copy_(_shard(init[_global_name(name, stage, LAYERS // pp)], p, tp_rank, tp))
     optimizer = ResilientOptimizer(_optimizer(model.parameters(), opt_kind))
     fb = ResilientForwardBackward(job, optimizer, batches=make_item if reroute_data else None,
-                                  simulate_failed=[parse_worker(w) for w in failed])
+                                  simulate_failed=[parse_worker(w) for w in failed],
+                                  eval_batches=(lambda p, e, m: make_item(p, EVAL_ITERATION + e, m)) if reroute_data
+                                  else None)
     install(fb)
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -168,12 +178,17 @@ def pipelined(rank: int, world: int, init_path: str, iterations: int, pp: int, m
                       num_microbatches=microbatches, seq_length=SEQ, micro_batch_size=MBS, forward_only=False)
         results.append(optimizer.step() if fb.rt.executor.groups is not None else None)
         logged.append(len(reduced))
+    evaluation = iter([make_item(pipeline, EVAL_ITERATION, m) for m in range(EVAL_MICRO)])
+    reduced = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=evaluation, model=[model],
+                                          num_microbatches=EVAL_MICRO, seq_length=SEQ, micro_batch_size=MBS,
+                                          forward_only=True)
+    evals = [(float(d["lm loss"][0]), int(d["lm loss"][1])) for d in reduced]
     params = {_global_name(n, stage, LAYERS // pp): p.detach().clone() for n, p in model.named_parameters()}
     split = {_global_name(n, stage, LAYERS // pp): (p.partition_dim if tp > 1 and getattr(p, "tensor_model_parallel",
                                                                                            False) else None)
              for n, p in model.named_parameters()}
     return {"stage": stage, "pipeline": pipeline, "tp_rank": tp_rank, "tp": tp, "split": split, "params": params,
-            "logged": logged,
+            "logged": logged, "evals": evals,
             "results": [(r[0], r[1]) if r else None for r in results]}
 
 

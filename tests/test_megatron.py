@@ -44,6 +44,20 @@ def _check(results, ref, idle=(), tp=1, clip=CLIP):
             assert diff < 1e-6, (r["stage"], r["pipeline"], name, diff)
         assert r["logged"] == ([0] * ITERATIONS if r["stage"] < PP - 1 else r["logged"])
         assert all(ok for ok, _ in r["results"])
+    # evaluation (forward_only): the last stage returns the logging dicts of the micro-batches it
+    # evaluated (its tensor-parallel ranks alike); over the surviving last stages, every micro-batch
+    # of every pipeline once, each equal to the reference's
+    got = sorted(v for r in trained if r["stage"] == PP - 1 and r["tp_rank"] == 0 for v in r["evals"])
+    want = sorted(ref["evals"].values())
+    assert [t for _, t in got] == [t for _, t in want]
+    assert all(abs(a - b) < 1e-4 for (a, _), (b, _) in zip(got, want)), (got, want)
+    for r in trained:
+        if r["stage"] < PP - 1:
+            assert r["evals"] == []
+        elif tp > 1:
+            twin = next(x for x in trained if (x["stage"], x["pipeline"]) == (r["stage"], r["pipeline"])
+                        and x["tp_rank"] != r["tp_rank"])
+            assert twin["evals"] == r["evals"]
     norms = {tuple(n for _, n in r["results"]) for r in trained}
     assert len(norms) == 1  # every stage clipped with the one global norm
     assert max(next(iter(norms))) > clip  # and clipping took effect in some iteration
@@ -133,9 +147,6 @@ def test_unknown_keywords_are_named_and_the_training_loops_step_needs_a_schedule
     with pytest.raises(TypeError, match=r"unknown keywords \['overlap_moe'\]"):
         fb(forward_step_func=None, data_iterator=None, model=layer, num_microbatches=2, seq_length=1,
            micro_batch_size=1, overlap_moe=True)
-    with pytest.raises(ResilienceError, match="forward_only"):
-        fb(forward_step_func=None, data_iterator=None, model=layer, num_microbatches=2, seq_length=1,
-           micro_batch_size=1, forward_only=True)
     with pytest.raises(ResilienceError, match="without a resilient forward-backward"):
         opt.step()
     assert opt.param_groups[0]["lr"] == 0.1  # the rest is the wrapped optimizer's

@@ -34,6 +34,9 @@ Megatron; gradients are reduced per shard over the stage's surviving replicas; t
 sums every shard once (whole-held weights on tensor-parallel rank 0 only); a replica (its whole
 tensor-parallel group) fails as one.
 
+Evaluation (``forward_only=True``) runs forward passes only, a failed replica's re-routed to its
+stage's survivors, and returns the last stage's logging dicts as megatron-core does.
+
 Supported today: one model chunk per rank (no interleaving), unwrapped
 megatron-core modules (not Megatron's ``DistributedDataParallel``: this schedule reduces the
 gradients itself), fp32.
@@ -55,6 +58,7 @@ from ..costs import CostModel
 from ..errors import ConfigError, ResilienceError
 from ..ir import ActionKind, Schedule
 from ..ir.pairs import early_posts
+from ..planning.inference import inference_actions
 from ..planning.provider import ScheduleProvider
 from ..runtime.executor import Executor, StageSpec
 from ..topology import Topology, Worker
@@ -121,6 +125,7 @@ class _Runtime:
     me: Worker
     model: Any
     executor: Executor
+    topology: Topology
     schedule: Schedule
     actions: tuple
     posts: dict[int, tuple[int, ...]]
@@ -142,11 +147,14 @@ class ResilientForwardBackward:
             config's ``resilience.simulate_failed``.
         cost: the cost model the planner rates schedules with (default: the config's).
         timeout_s: how long a message or collective may wait.
+        eval_batches: ``eval_batches(pipeline, evaluation, microbatch) -> item`` for evaluation
+            (``forward_only``) micro-batches re-routed from a failed replica's pipeline.
     """
 
     def __init__(self, job: MegatronJob, optimizer: ResilientOptimizer, *,
                  batches: Callable[[int, int, int], Any] | None = None, simulate_failed: Iterable[Worker] | None = None,
-                 cost: CostModel | None = None, timeout_s: float | None = None) -> None:
+                 cost: CostModel | None = None, timeout_s: float | None = None,
+                 eval_batches: Callable[[int, int, int], Any] | None = None) -> None:
         if not isinstance(optimizer, ResilientOptimizer):
             raise TypeError(f"optimizer must be a ResilientOptimizer (wrap yours: ResilientOptimizer(opt)), got "
                             f"{type(optimizer).__name__}")
@@ -156,7 +164,9 @@ class ResilientForwardBackward:
         self.simulate_failed = frozenset(job.config.simulate_failed if simulate_failed is None else simulate_failed)
         self.cost = cost or job.config.cost()
         self.timeout_s = timeout_s if timeout_s is not None else job.config.detector.pg_timeout_s
+        self.eval_batches = eval_batches
         self.iteration = 0
+        self.evaluations = 0
         self.rt: _Runtime | None = None
         self._own: dict[tuple[int, int], Any] = {}  # (iteration, microbatch) -> item, own pipeline
         self._data: Iterator | None = None
@@ -172,9 +182,6 @@ class ResilientForwardBackward:
         missing = [k for k in ("forward_step_func", "data_iterator", "model", "num_microbatches") if k not in kwargs]
         if missing:
             raise TypeError(f"resilient forward_backward_func needs {missing}")
-        if kwargs.get("forward_only"):
-            raise ResilienceError("forward_only (evaluation) is not run by the resilient schedule yet; evaluate "
-                                  "with megatron-core's own function (uninstall() around it)")
         if kwargs.get("collect_non_loss_data"):
             raise ResilienceError("collect_non_loss_data is not supported by the resilient schedule")
         model = kwargs["model"]
@@ -187,6 +194,9 @@ class ResilientForwardBackward:
         if isinstance(data, (list, tuple)):
             data = data[0] if data else None
         m = kwargs["num_microbatches"]
+        if kwargs.get("forward_only"):
+            rt = self.rt if self.rt is not None else self._build(model)
+            return self._evaluate(rt, kwargs["forward_step_func"], data, m)
         if m != self.job.microbatches:
             raise ConfigError("--global-batch-size", f"num_microbatches={m} but the job was planned for "
                               f"{self.job.microbatches} micro-batches per pipeline (a batch-size ramp-up?)")
@@ -204,6 +214,37 @@ class ResilientForwardBackward:
         ex.run(rt.actions)
         self.iteration += 1
         self._own = {k: v for k, v in self._own.items() if k[0] >= self.iteration}
+        return rt.losses if ex.is_last else []
+
+    def _evaluate(self, rt: _Runtime, forward_step: Callable, data: Iterator | None, microbatches: int) -> list:
+        """Megatron's evaluation (``forward_only=True``): forward passes of ``microbatches``
+        micro-batches per pipeline, a failed replica's re-routed to its stage's survivors
+        (``planning.inference``); the last stage returns the loss functions' logging dicts."""
+        ex = rt.executor
+        rt.losses = []
+        if ex.groups is None:
+            return []
+        own: list = []
+
+        def item(pipeline: int, _iteration: int, microbatch: int) -> Any:
+            if pipeline != rt.me.pipeline:
+                if self.eval_batches is None:
+                    raise ResilienceError(f"evaluation micro-batch {microbatch} of pipeline {pipeline} was re-routed "
+                                          f"to this rank: give ResilientForwardBackward(eval_batches=...) to read any "
+                                          f"pipeline's evaluation micro-batches")
+                return self.eval_batches(pipeline, self.evaluations, microbatch)
+            while len(own) <= microbatch:
+                own.append(next(data) if data is not None else None)
+            return own[microbatch]
+
+        self._item = item  # type: ignore[method-assign]  # the stages read evaluation data meanwhile
+        self._forward_step = forward_step
+        try:
+            actions = inference_actions(rt.topology, microbatches)[rt.topology.worker_index(rt.me)]
+            ex.evaluate(actions, load=lambda p, k: ((_Item(item(p, 0, k)),), None), microbatches=microbatches)
+        finally:
+            del self._item  # the training reader again
+            self.evaluations += 1
         return rt.losses if ex.is_last else []
 
     # --- construction -----------------------------------------------------------------------------
@@ -243,7 +284,8 @@ class ResilientForwardBackward:
                                           timeout_s=self.timeout_s, tied=tied_groups))
         schedule = choice.schedule
         index = topology.worker_index(me)
-        self.rt = _Runtime(grid=grid, me=me, model=model, executor=executor, schedule=schedule,
+        self.rt = _Runtime(grid=grid, me=me, model=model, executor=executor, topology=topology.without(failed),
+                           schedule=schedule,
                            actions=schedule.workers[index], posts=early_posts(schedule)[index] if alive else {},
                            source=choice.source)
         if dist.get_rank() == 0:

@@ -487,7 +487,8 @@ class Executor:
                         inputs = tuple(received.pop(key))
                     if self.is_last and labels is None:
                         _, labels = load(a.pipeline, a.microbatch)
-                    outputs = self.module(inputs[0] if len(inputs) == 1 else inputs)
+                    self.current = (a.pipeline, self.iteration, a.microbatch)
+                    outputs = (self.forward_fn or self.module)(inputs[0] if len(inputs) == 1 else inputs)
                     if not self.is_last:
                         outputs_of[key] = outputs
                         continue
