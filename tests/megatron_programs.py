@@ -217,3 +217,27 @@ def attention_check(rank: int, world: int) -> dict:
     scores = scores.masked_fill(mask, float("-inf"))
     want = torch.einsum("bnst,tbnd->sbnd", scores.softmax(-1), v).reshape(s, b, n * d)
     return {"diff": float((got - want).abs().max()), "is_subclass": issubclass(type(attn), DotProductAttention)}
+
+
+def ddp_refusal(rank: int, world: int) -> str:
+    """A chunk whose parameters carry megatron-core DDP's main_grad is refused with the fix named."""
+    import torch
+
+    from ds_resilience.errors import ConfigError
+    from ds_resilience.megatron import add_resilience_args, config_from_args
+    from ds_resilience.megatron.schedule import ResilientForwardBackward, ResilientOptimizer
+
+    _megatron(1, 1)
+    args = add_resilience_args(argparse.ArgumentParser()).parse_args(["--resilience"])
+    args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.data_parallel_size = 1, 1, 1
+    args.micro_batch_size, args.global_batch_size = MBS, MBS
+    model = _model()
+    for p in model.parameters():
+        p.main_grad = torch.zeros_like(p)  # what megatron-core's DistributedDataParallel adds
+    fb = ResilientForwardBackward(config_from_args(args), ResilientOptimizer(torch.optim.SGD(model.parameters(), 0.1)))
+    try:
+        fb(forward_step_func=forward_step, data_iterator=iter([]), model=[model], num_microbatches=1,
+           seq_length=SEQ, micro_batch_size=MBS)
+    except ConfigError as exc:
+        return str(exc)
+    return "not refused"

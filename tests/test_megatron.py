@@ -157,3 +157,54 @@ def test_unknown_keywords_are_named_and_the_training_loops_step_needs_a_schedule
 def test_the_device_safe_core_attention_is_causal_softmax_attention():
     out = run_workers(mp.attention_check, 1, timeout_s=120)[0]
     assert out["diff"] < 1e-5 and out["is_subclass"]
+
+
+class _MegatronLikeOptimizer:
+    """megatron-core's optimizer protocol (FP32Optimizer / Float16OptimizerWithFloat16Params): step()
+    = prepare_grads, clip over the model-parallel group, step_with_ready_grads."""
+
+    def __init__(self, params, clip_grad=1.0, grad_scaler=None):
+        self.inner = torch.optim.SGD(params, lr=1.0)
+        self.config = types.SimpleNamespace(clip_grad=clip_grad)
+        self.grad_scaler = grad_scaler
+        self.calls = []
+
+    def prepare_grads(self):
+        self.calls.append("prepare_grads")
+        return False
+
+    def step_with_ready_grads(self):
+        self.calls.append("step_with_ready_grads")
+        self.inner.step()
+        return True
+
+    def step(self):
+        raise AssertionError("megatron-core's step() would clip over the model-parallel group")
+
+    def zero_grad(self, set_to_none=True):
+        self.calls.append("zero_grad")
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+
+def test_a_megatron_core_optimizer_steps_without_its_model_parallel_clipping():
+    from ds_resilience.errors import ConfigError
+    from ds_resilience.megatron.schedule import ResilientOptimizer
+
+    layer = torch.nn.Linear(2, 1, bias=False)
+    inner = _MegatronLikeOptimizer(layer.parameters(), clip_grad=1.0)
+    opt = ResilientOptimizer(inner)
+    assert opt.megatron and inner.config.clip_grad == 0.0 and opt.megatron_clip_grad == 1.0
+    layer.weight.grad = torch.ones_like(layer.weight)
+    before = layer.weight.detach().clone()
+    opt.grad_norm = lambda: 3.5
+    opt.run_step()
+    assert inner.calls == ["prepare_grads", "step_with_ready_grads", "zero_grad"]
+    assert torch.equal(layer.weight, before - 1.0)
+    assert opt.step() == (True, 3.5, None)
+    with pytest.raises(ConfigError, match="--fp16"):
+        ResilientOptimizer(_MegatronLikeOptimizer(layer.parameters(), grad_scaler=object()))
+
+
+def test_a_model_wrapped_in_megatrons_ddp_is_refused_not_trained_wrong():
+    results = run_workers(mp.ddp_refusal, 1, timeout_s=120)
+    assert "wrap_with_ddp=False" in results[0]

@@ -90,13 +90,28 @@ class ResilientOptimizer:
         self._result: tuple[bool, float | None, int | None] | None = None
         self.grad_norm: Callable[[], float | None] = lambda: None
         self.steps = 0
+        # megatron-core's optimizers (FP32Optimizer, Float16OptimizerWithFloat16Params): their step
+        # clips by a norm all-reduced over the model-parallel group (a barrier across stages that a
+        # dead rank hangs) and fp16's loss scaler all-reduces its overflow flag the same way
+        self.megatron = all(hasattr(optimizer, a) for a in ("prepare_grads", "step_with_ready_grads", "config"))
+        if self.megatron:
+            if getattr(optimizer, "grad_scaler", None) is not None:
+                raise ConfigError("--fp16", "megatron-core's loss scaler all-reduces its overflow flag over the "
+                                            "model-parallel group, which a staggered step cannot wait for; use "
+                                            "--bf16 (no loss scaling) or fp32")
+            self.megatron_clip_grad = float(optimizer.config.clip_grad)
+            optimizer.config.clip_grad = 0.0  # the schedule clips by the global norm over the survivors
 
     def run_step(self, *, zero_grad: bool = True, skip: bool = False) -> None:
-        """The stage's step, called by the executor."""
+        """The stage's step, called by the executor (gradients reduced and clipped already)."""
+        ok = not skip
         if not skip:
-            self.optimizer.step()
+            if self.megatron:  # its gradient preparation (bf16: copy into the fp32 main grads) and update
+                ok = not self.optimizer.prepare_grads() and bool(self.optimizer.step_with_ready_grads())
+            else:
+                self.optimizer.step()
             self.steps += 1
-        self._result = (not skip, self.grad_norm(), None)
+        self._result = (ok, self.grad_norm(), None)
         if zero_grad:
             self.optimizer.zero_grad()
 
@@ -254,6 +269,11 @@ class ResilientForwardBackward:
         if not dist.is_initialized() or dist.get_world_size() != grid.world_size:
             raise ResilienceError(f"torch.distributed must be initialized with {grid.world_size} ranks "
                                   f"(tp x pp x dp = {job.tp} x {job.pp} x {job.dp})")
+        if hasattr(model, "ddp_config") or any(hasattr(p, "main_grad") for p in model.parameters()):
+            raise ConfigError("model", "a model chunk wrapped in megatron-core's DistributedDataParallel: its "
+                                       "gradient hooks would take the gradients this schedule reduces (training "
+                                       "silently wrong); pass the unwrapped chunks (Megatron-LM: get_model(..., "
+                                       "wrap_with_ddp=False))")
         me, tp_rank = grid.coord(dist.get_rank())
         topology = grid.topology()
         params = [p for p in model.parameters() if p.requires_grad]
