@@ -12,15 +12,25 @@ LAYERS, HIDDEN, HEADS, VOCAB, SEQ, MBS = 4, 32, 4, 64, 16, 2
 EVAL_MICRO, EVAL_ITERATION = 2, 100
 
 
-def _megatron(tp: int, pp: int):
+def _megatron(tp: int, pp: int, device: str = "cpu"):
+    import os
+
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    if device == "cuda":  # megatron-core's own CUDA path: NCCL, one GPU per rank, its CUDA RNG tracker
+        torch.cuda.set_device(int(os.environ.get("RANK", "0")) % torch.cuda.device_count())
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("gloo")
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    if device == "cuda":
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(1234)
     return parallel_state
 
 
@@ -38,7 +48,8 @@ def _model(pre_process: bool = True, post_process: bool = True, pp: int = 1, tp:
                                tensor_model_parallel_size=tp)
     # megatron-core moves the tied output weight to CUDA before its first-to-last-stage all-reduce
     # (LanguageModule.setup_embeddings_and_output_layer); on CPU that copy is the identity
-    with mock.patch.object(torch.Tensor, "cuda", lambda self, *a, **k: self):
+    cpu = mock.patch.object(torch.Tensor, "cuda", lambda self, *a, **k: self)
+    with cpu if not torch.cuda.is_available() else mock.MagicMock():
         return GPTModel(config=config, transformer_layer_spec=device_safe_layer_spec(get_gpt_layer_local_spec()),
                         vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="learned_absolute",
                         pre_process=pre_process, post_process=post_process, share_embeddings_and_output_weights=True)
@@ -71,6 +82,8 @@ def loss_func(loss_mask, output_tensor):
 def forward_step(data_iterator, model):
     """Megatron-LM's forward_step: read the micro-batch, run the model, return the loss function."""
     item = next(data_iterator)
+    device = next(model.parameters()).device  # Megatron-LM's get_batch moves the batch to the GPU
+    item = {k: v.to(device) for k, v in item.items()}
     output = model(item["tokens"], item["position_ids"], item["attention_mask"], labels=item["labels"])
     return output, functools.partial(loss_func, item["loss_mask"])
 
@@ -82,21 +95,30 @@ def _optimizer(params, kind: str):
 
 
 def reference(rank: int, world: int, init_path: str, iterations: int, dp: int, microbatches: int, clip: float,
-              opt_kind: str = "adam"):
+              opt_kind: str = "adam", device: str = "cpu"):
     """One process, the whole model: each iteration averages every micro-batch of every pipeline,
     clips by the global norm (Megatron's coefficient) and steps Adam."""
     import torch
 
-    _megatron(1, 1)
+    _megatron(1, 1, device)
     torch.manual_seed(0)
     model = _model()
     torch.save({k: v.detach().clone() for k, v in model.named_parameters()}, init_path)
+    model = model.to(device)
     opt = _optimizer(model.parameters(), opt_kind)
     losses = []
     for it in range(iterations):
         opt.zero_grad()
         total = 0.0
-        for p in range(dp):
+        if device == "cuda":  # megatron-core's own schedule (forward_backward_no_pipelining, its CUDA path)
+            from megatron.core.pipeline_parallel import get_forward_backward_func
+
+            items = iter([make_item(p, it, m) for p in range(dp) for m in range(microbatches)])
+            reduced = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=items, model=[model],
+                                                  num_microbatches=dp * microbatches, seq_length=SEQ,
+                                                  micro_batch_size=MBS, forward_only=False)
+            total = sum(float(d["lm loss"][0] / d["lm loss"][1]) for d in reduced)
+        for p in range(dp if device != "cuda" else 0):
             for m in range(microbatches):
                 output, lf = forward_step(iter([make_item(p, it, m)]), model)
                 loss_sum, tokens, _ = lf(output)
@@ -117,7 +139,8 @@ def reference(rank: int, world: int, init_path: str, iterations: int, dp: int, m
                 output, lf = forward_step(iter([make_item(p, EVAL_ITERATION, m)]), model)
                 loss_sum, tokens, _ = lf(output)
                 evals[(p, m)] = (float(loss_sum), int(tokens))
-    return {"params": {k: v.detach().clone() for k, v in model.named_parameters()}, "losses": losses, "evals": evals}
+    return {"params": {k: v.detach().cpu().clone() for k, v in model.named_parameters()}, "losses": losses,
+            "evals": evals}
 
 
 def _global_name(name: str, stage: int, per_stage: int) -> str:
@@ -137,7 +160,8 @@ def _shard(full, param, tp_rank: int, tp: int):
 
 
 def pipelined(rank: int, world: int, init_path: str, iterations: int, pp: int, microbatches: int, clip: float,
-              failed: list, reroute_data: bool, variant: str, tp: int = 1, opt_kind: str = "adam"):
+              failed: list, reroute_data: bool, variant: str, tp: int = 1, opt_kind: str = "adam",
+              device: str = "cpu"):
     """Megatron-LM's training loop shape over the resilient forward-backward: the hook's arguments,
     config_from_args, install(), get_forward_backward_func(), then optimizer.step()."""
     import torch
@@ -146,7 +170,7 @@ def pipelined(rank: int, world: int, init_path: str, iterations: int, pp: int, m
     from ds_resilience.megatron.schedule import ResilientForwardBackward, ResilientOptimizer, install
     from ds_resilience.topology import parse_worker
 
-    ps = _megatron(tp, pp)
+    ps = _megatron(tp, pp, device)
     stage = ps.get_pipeline_model_parallel_rank()
     tp_rank = ps.get_tensor_model_parallel_rank()
     dp = world // (pp * tp)
@@ -160,6 +184,7 @@ def pipelined(rank: int, world: int, init_path: str, iterations: int, pp: int, m
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(_shard(init[_global_name(name, stage, LAYERS // pp)], p, tp_rank, tp))
+    model = model.to(device)
     optimizer = ResilientOptimizer(_optimizer(model.parameters(), opt_kind))
     fb = ResilientForwardBackward(job, optimizer, batches=make_item if reroute_data else None,
                                   simulate_failed=[parse_worker(w) for w in failed],
@@ -183,7 +208,7 @@ def pipelined(rank: int, world: int, init_path: str, iterations: int, pp: int, m
                                           num_microbatches=EVAL_MICRO, seq_length=SEQ, micro_batch_size=MBS,
                                           forward_only=True)
     evals = [(float(d["lm loss"][0]), int(d["lm loss"][1])) for d in reduced]
-    params = {_global_name(n, stage, LAYERS // pp): p.detach().clone() for n, p in model.named_parameters()}
+    params = {_global_name(n, stage, LAYERS // pp): p.detach().cpu().clone() for n, p in model.named_parameters()}
     split = {_global_name(n, stage, LAYERS // pp): (p.partition_dim if tp > 1 and getattr(p, "tensor_model_parallel",
                                                                                            False) else None)
              for n, p in model.named_parameters()}

@@ -70,3 +70,23 @@ def test_pp2_dp2_bf16_on_nccl_matches_vanilla_and_reroutes_exactly():
     for r in results:
         if r["rerouted"]["alive"]:
             assert r["rerouted"]["matching"] == "fifo"  # NCCL groups
+
+
+@pytest.mark.multigpu(4)
+@pytest.mark.timeout(900)
+def test_megatron_resilient_pp2_dp2_on_nccl_matches_megatron_cores_own_schedule(tmp_path):
+    """megatron-core's GPTModel on its CUDA path: the reference trains on one GPU with megatron-core's
+    own forward_backward_func; the resilient forward-backward trains PP=2 x DP=2 on four GPUs over
+    NCCL, fault-free and with replica p1s0 idle (re-routed); both end at the reference's weights."""
+    import megatron_programs as mp
+
+    init = str(tmp_path / "init.pt")
+    ref = run_workers(mp.reference, 1, args=(init, 3, 2, 4, 0.6, "sgd", "cuda"), timeout_s=400)[0]
+    for failed in ([], ["1:0"]):
+        results = run_workers(mp.pipelined, 4, args=(init, 3, 2, 4, 0.6, failed, True, "recycle", 1, "sgd", "cuda"),
+                              timeout_s=400)
+        for r in results:
+            if r["results"][0] is None:
+                continue
+            for name, value in r["params"].items():
+                assert torch.allclose(value, ref["params"][name], rtol=1e-4, atol=1e-5), (failed, name)

@@ -47,16 +47,17 @@ from __future__ import annotations
 import sys
 import types
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
-from ..comm.groups import GenerationGroups, new_group, world_group
+from ..comm.groups import GenerationGroups, new_group
 from ..costs import CostModel
 from ..errors import ConfigError, ResilienceError
-from ..ir import ActionKind, Schedule
+from ..ir import Schedule
 from ..ir.pairs import early_posts
 from ..planning.inference import inference_actions
 from ..planning.provider import ScheduleProvider
@@ -285,12 +286,13 @@ class ResilientForwardBackward:
             max_failures=0, all_coverable=False, cache_dir=None, workers=1, tied=tied_groups)
         failed = self.simulate_failed
         choice = provider.schedule_for(failed)  # the heuristic: every rank computes the same plan
-        session = world_group(self.timeout_s).broadcast_json(
-            {"session": f"megatron-{uuid.uuid4().hex[:10]}"} if dist.get_rank() == 0 else None, src=0)["session"]
+        session = _agree_session(self.timeout_s)
         alive = me not in failed
+        device = params[0].device if params else torch.device("cpu")
+        on_gpu = device.type == "cuda"
         spec = StageSpec(stage=me.stage, pipeline=me.pipeline, num_stages=job.pp, dp=job.dp,
                          microbatches=job.microbatches, seed=job.seed, gradient_clipping=job.clip_grad,
-                         timeout_s=self.timeout_s)
+                         timeout_s=self.timeout_s, device=str(device) if on_gpu else "cpu")
         executor = Executor(
             spec, module=model, parameters=params, loss_fn=self._loss, batch_source=self._batch,
             rank_of=lambda i: grid.rank(topology.worker(i), tp_rank), step=self.optimizer.run_step,
@@ -301,7 +303,8 @@ class ResilientForwardBackward:
         self.optimizer.grad_norm = lambda: executor.last_grad_norm
         if alive:
             executor.install(plane_groups(grid, topology.without(failed), me, tp_rank, session=session,
-                                          timeout_s=self.timeout_s, tied=tied_groups))
+                                          timeout_s=self.timeout_s, tied=tied_groups,
+                                          device=device if on_gpu else None))
         schedule = choice.schedule
         index = topology.worker_index(me)
         self.rt = _Runtime(grid=grid, me=me, model=model, executor=executor, topology=topology.without(failed),
@@ -383,24 +386,40 @@ class _Item:
     item: Any
 
 
+_SESSIONS = [0]
+
+
+def _agree_session(timeout_s: float) -> str:
+    """A name every rank gives this job's groups: rank 0 draws it and publishes it in the default
+    store (any backend: no collective on the default group, which may be NCCL)."""
+    store = dist.distributed_c10d._get_default_store()
+    key = f"dsr/megatron/session{_SESSIONS[0]}"
+    _SESSIONS[0] += 1
+    if dist.get_rank() == 0:
+        store.set(key, f"megatron-{uuid.uuid4().hex[:10]}")
+    store.wait([key], timedelta(seconds=timeout_s))
+    return store.get(key).decode()
+
+
 def plane_groups(grid: PTDPGrid, topology: Topology, me: Worker, tp_rank: int, *, session: str, timeout_s: float,
-                 tied: Sequence[Sequence[int]] = (), generation: int = 0) -> GenerationGroups:
+                 tied: Sequence[Sequence[int]] = (), generation: int = 0,
+                 device: torch.device | None = None) -> GenerationGroups:
     """The groups of ``me``'s tensor-parallel plane (every rank of tensor-parallel rank ``tp_rank``
     runs the schedule's copy of the grid): the stage's surviving replicas in the plane (gradient
     reduce, per tensor-parallel shard), the tied groups in the plane, and one world group of every
     surviving rank of every plane (messages within the plane, the global gradient norm over all
-    shards)."""
+    shards). ``device``: a GPU makes them NCCL groups on it."""
     name = f"{session}/g{generation}"
     rank = grid.rank(me, tp_rank)
     world = new_group([r for w in topology.alive_workers() for r in grid.replica(w)], name=f"{name}/world",
-                      timeout_s=timeout_s, me=rank)
+                      timeout_s=timeout_s, me=rank, device=device)
     stage = new_group([grid.rank(w, tp_rank) for w in topology.stage_peers(me.stage)],
-                      name=f"{name}/t{tp_rank}/stage{me.stage}", timeout_s=timeout_s, me=rank)
+                      name=f"{name}/t{tp_rank}/stage{me.stage}", timeout_s=timeout_s, me=rank, device=device)
     groups = {}
     for g, stages in enumerate(tied):  # in group order on every member
         if me.stage in stages:
             groups[g] = new_group([grid.rank(w, tp_rank) for s in stages for w in topology.stage_peers(s)],
-                                  name=f"{name}/t{tp_rank}/tied{g}", timeout_s=timeout_s, me=rank)
+                                  name=f"{name}/t{tp_rank}/tied{g}", timeout_s=timeout_s, me=rank, device=device)
     return GenerationGroups(generation=generation, world=world, stage=stage, tied=groups)
 
 
