@@ -12,31 +12,14 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from .argtypes import memory_cap, positive_int
 from .errors import ResilienceError
 from .vocab import SCHEDULES, SOLVERS, VARIANT_CHOICES, VARIANTS
 
 __all__ = ["main", "build_parser"]
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
-def _memory_cap(text: str) -> float | str:
-    """A plain number (the cost model's unit) or a size with a unit (bytes), checked now."""
-    from .costs import parse_size
-
-    try:
-        value, in_bytes = parse_size(text, what="--memory-cap")
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text if in_bytes else value
+_MEMORY_CAP = memory_cap("--memory-cap")
 
 
 def _tied_group(text: str) -> tuple[int, ...]:
@@ -51,9 +34,9 @@ def _tied_group(text: str) -> tuple[int, ...]:
 
 
 def _add_grid(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dp", type=_positive_int, required=True, help="pipelines (data-parallel degree)")
-    p.add_argument("--pp", type=_positive_int, required=True, help="pipeline stages")
-    p.add_argument("--microbatches", "-m", type=_positive_int, required=True, help="micro-batches per pipeline")
+    p.add_argument("--dp", type=positive_int, required=True, help="pipelines (data-parallel degree)")
+    p.add_argument("--pp", type=positive_int, required=True, help="pipeline stages")
+    p.add_argument("--microbatches", "-m", type=positive_int, required=True, help="micro-batches per pipeline")
     p.add_argument("--cost", metavar="FILE", help="cost model JSON (default: unit costs t_F = t_B = t_W = 1)")
 
 
@@ -78,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--solver", choices=SOLVERS, default="cpsat", help="with --fail (default cpsat)")
     plan.add_argument("--time-limit", type=float, default=10.0, help="solver time limit in seconds (default 10)")
-    plan.add_argument("--memory-cap", type=_memory_cap, metavar="CAP",
+    plan.add_argument("--memory-cap", type=_MEMORY_CAP, metavar="CAP",
                       help="memory per worker for micro-batch states: a number in the cost model's unit (bytes "
                            "with memory figures, else states) or a size such as 24GiB (default: fault-free "
                            "1F1B's peak)")
@@ -99,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     table.add_argument("--variant", choices=VARIANT_CHOICES, default="recycle")
     table.add_argument("--solver", choices=SOLVERS, default="heuristic")
     table.add_argument("--time-limit", type=float, default=10.0)
-    table.add_argument("--memory-cap", type=_memory_cap, metavar="CAP", help="as for plan")
+    table.add_argument("--memory-cap", type=_MEMORY_CAP, metavar="CAP", help="as for plan")
     table.add_argument("--workers", type=int, default=0, help="parallel processes (default: CPU count)")
     table.add_argument("--out", metavar="DIR", default=".plan_cache", help="cache directory (default .plan_cache)")
     table.add_argument("--json", action="store_true")
@@ -256,7 +239,7 @@ def _profile(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(prog="ds-resilience profile", description=_profile.__doc__)
     parser.add_argument("--out", required=True, metavar="FILE", help="where the cost-model JSON goes")
-    parser.add_argument("--profile-steps", type=_positive_int, default=3,
+    parser.add_argument("--profile-steps", type=positive_int, default=3,
                         help="iterations of each kind, fused 1F1B and decoupled (default 3; one more with the memory hook)")
     own = []
     while argv and argv[0] in ("--out", "--profile-steps") and len(argv) >= 2:

@@ -23,6 +23,7 @@ LAYERS: dict[str, int] = {
     "ds_resilience.errors": 0,
     "ds_resilience.topology": 0,
     "ds_resilience.costs": 0,
+    "ds_resilience.argtypes": 0,
     "ds_resilience.vocab": 0,
     "ds_resilience.config": 0,
     "ds_resilience.launch": 0,

@@ -28,47 +28,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from ..argtypes import int_at_least, memory_cap, positive_int
 from ..config import CheckpointConfig, PlannerConfig, ResilienceConfig, load_resilience_config
-from ..costs import parse_size
 from ..errors import ConfigError
 from ..vocab import SCHEDULES, SOLVERS, VARIANT_CHOICES
 
 __all__ = ["FLAGS", "MegatronJob", "add_resilience_args", "config_from_args", "with_resilience_args"]
 
 GROUP_TITLE = "resilience"
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
-
-
-def _memory_cap(text: str) -> float | str:
-    """A number (the cost model's memory unit) or a size such as ``24GiB`` (kept as written)."""
-    try:
-        number = float(text)
-    except ValueError:
-        number = None
-    try:
-        parse_size(number if number is not None else text, what="--resilience-memory-cap")
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return number if number is not None else text
 
 
 @dataclass(frozen=True)
@@ -80,18 +47,18 @@ class _Flag:
 
 
 FLAGS: tuple[_Flag, ...] = (
-    _Flag("--resilience-max-failures", ("max_failures",), {"type": _non_negative_int},
+    _Flag("--resilience-max-failures", ("max_failures",), {"type": int_at_least(0)},
           "plans are precomputed for every set of up to this many failed replicas (a replica is a "
           "tensor-parallel group)"),
     _Flag("--resilience-variant", ("variant",), {"choices": VARIANT_CHOICES},
           "when degraded: re-routing only (adaptive), + decoupled backward, + staggered optimizer "
           "(recycle), or auto (the fastest the cost model predicts)"),
     _Flag("--resilience-schedule", ("schedule",), {"choices": SCHEDULES}, "the fault-free schedule"),
-    _Flag("--resilience-snapshot-interval", ("checkpoint", "interval"), {"type": _positive_int},
+    _Flag("--resilience-snapshot-interval", ("checkpoint", "interval"), {"type": positive_int},
           "iterations between in-memory snapshots"),
-    _Flag("--resilience-snapshot-replicas", ("checkpoint", "replicas"), {"type": _positive_int},
+    _Flag("--resilience-snapshot-replicas", ("checkpoint", "replicas"), {"type": positive_int},
           "copies of each in-memory snapshot, the own one included"),
-    _Flag("--resilience-memory-cap", ("planner", "memory_cap"), {"type": _memory_cap},
+    _Flag("--resilience-memory-cap", ("planner", "memory_cap"), {"type": memory_cap("--resilience-memory-cap")},
           "memory a worker's micro-batch states may take (a size such as 24GiB, or a number in the "
           "cost model's unit); default: what fault-free 1F1B holds"),
     _Flag("--resilience-solver", ("planner", "solver"), {"choices": SOLVERS}, "the planner's optimizer"),
