@@ -32,9 +32,9 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-from ds_resilience.megatron import add_resilience_args, config_from_args
+from ds_resilience.megatron import (ResilientForwardBackward, ResilientOptimizer, add_resilience_args,
+                                   config_from_args, install)
 from ds_resilience.megatron.attention import device_safe_layer_spec
-from ds_resilience.megatron.schedule import ResilientForwardBackward, ResilientOptimizer, install
 
 SEQ, VOCAB = 32, 128
 

@@ -166,8 +166,8 @@ def pipelined(rank: int, world: int, init_path: str, iterations: int, pp: int, m
     config_from_args, install(), get_forward_backward_func(), then optimizer.step()."""
     import torch
 
-    from ds_resilience.megatron import add_resilience_args, config_from_args
-    from ds_resilience.megatron.schedule import ResilientForwardBackward, ResilientOptimizer, install
+    from ds_resilience.megatron import (ResilientForwardBackward, ResilientOptimizer, add_resilience_args,
+                                       config_from_args, install)
     from ds_resilience.topology import parse_worker
 
     ps = _megatron(tp, pp, device)
@@ -249,8 +249,7 @@ def ddp_refusal(rank: int, world: int) -> str:
     import torch
 
     from ds_resilience.errors import ConfigError
-    from ds_resilience.megatron import add_resilience_args, config_from_args
-    from ds_resilience.megatron.schedule import ResilientForwardBackward, ResilientOptimizer
+    from ds_resilience.megatron import ResilientForwardBackward, ResilientOptimizer, add_resilience_args, config_from_args
 
     _megatron(1, 1)
     args = add_resilience_args(argparse.ArgumentParser()).parse_args(["--resilience"])

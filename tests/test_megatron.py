@@ -108,7 +108,7 @@ def test_install_reaches_the_training_loop_whatever_the_import_order(monkeypatch
     import megatron.core.pipeline_parallel as package
     from megatron.core.pipeline_parallel import schedules
 
-    from ds_resilience.megatron.schedule import install, uninstall
+    from ds_resilience.megatron.factory import install, uninstall
 
     original = schedules.get_forward_backward_func
     before = types.ModuleType("megatron_training_before")  # Megatron-LM's training.py, imported first
@@ -132,7 +132,7 @@ def test_install_reaches_the_training_loop_whatever_the_import_order(monkeypatch
 
 def test_unknown_keywords_are_named_and_the_training_loops_step_needs_a_schedule_step():
     from ds_resilience.errors import ResilienceError
-    from ds_resilience.megatron.schedule import ResilientForwardBackward, ResilientOptimizer
+    from ds_resilience.megatron import ResilientForwardBackward, ResilientOptimizer
 
     from ds_resilience.megatron.args import add_resilience_args, config_from_args
     import argparse
@@ -188,7 +188,7 @@ class _MegatronLikeOptimizer:
 
 def test_a_megatron_core_optimizer_steps_without_its_model_parallel_clipping():
     from ds_resilience.errors import ConfigError
-    from ds_resilience.megatron.schedule import ResilientOptimizer
+    from ds_resilience.megatron import ResilientOptimizer
 
     layer = torch.nn.Linear(2, 1, bias=False)
     inner = _MegatronLikeOptimizer(layer.parameters(), clip_grad=1.0)

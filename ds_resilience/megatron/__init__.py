@@ -7,10 +7,32 @@ In a Megatron-LM training script (``pretrain_gpt.py``)::
     pretrain(..., extra_args_provider=add_resilience_args)
 
 then, after Megatron validated its arguments, :func:`config_from_args` (``get_args()``) gives the
-job's :class:`MegatronJob`. Importing this package needs neither torch nor megatron.
+job's :class:`MegatronJob`, and :class:`ResilientOptimizer`, :class:`ResilientForwardBackward` and
+:func:`install` put the resilient schedule in Megatron's training loop (README, "Megatron").
+Importing this package needs neither torch nor megatron: those three load on first use.
 """
+
+from typing import Any
 
 from .args import FLAGS, MegatronJob, add_resilience_args, config_from_args, with_resilience_args
 from .grid import PTDPGrid
 
-__all__ = ["FLAGS", "MegatronJob", "PTDPGrid", "add_resilience_args", "config_from_args", "with_resilience_args"]
+__all__ = ["FLAGS", "MegatronJob", "PTDPGrid", "ResilientForwardBackward", "ResilientOptimizer",
+           "add_resilience_args", "config_from_args", "install", "uninstall", "with_resilience_args"]
+
+
+def __getattr__(name: str) -> Any:
+    """The torch-side names, imported when first asked for (the argument hooks stay light)."""
+    if name == "ResilientForwardBackward":
+        from .schedule import ResilientForwardBackward
+
+        return ResilientForwardBackward
+    if name == "ResilientOptimizer":
+        from .optimizer import ResilientOptimizer
+
+        return ResilientOptimizer
+    if name in ("install", "uninstall"):
+        from . import factory
+
+        return getattr(factory, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

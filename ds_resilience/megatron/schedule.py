@@ -1,4 +1,4 @@
-"""The resilient forward-backward for megatron-core model chunks, and its installation.
+"""The resilient forward-backward for megatron-core model chunks.
 
 :class:`ResilientForwardBackward` is called exactly as megatron-core's ``forward_backward_func``
 (``forward_step_func, data_iterator, model, num_microbatches, seq_length, micro_batch_size,
@@ -20,13 +20,11 @@ yields that micro-batch; a stage other than the first gets its input through
 returns the logging dicts.
 
 Each stage steps its optimizer inside the schedule (the staggered step): wrap the optimizer in
-:class:`ResilientOptimizer`, whose ``step()`` the training loop still calls after the
-forward-backward and which returns ``(update_successful, grad_norm, num_zeros_in_grad)`` of the
-step the schedule took.
+:class:`~ds_resilience.megatron.optimizer.ResilientOptimizer`, whose ``step()`` the training loop
+still calls after the forward-backward.
 
-:func:`install` makes ``get_forward_backward_func()`` return the resilient function in
-``megatron.core.pipeline_parallel`` and in every module that imported the factory by name
-(Megatron-LM's ``megatron/training/training.py`` does at import), whatever the import order.
+:func:`~ds_resilience.megatron.factory.install` makes ``get_forward_backward_func()`` return it
+where Megatron's training loop looks, whatever the import order.
 
 With tensor parallelism every tensor-parallel rank runs the schedule in its *plane* (the ranks of
 its tensor-parallel rank): messages go to the same tensor-parallel rank of the next stage, as in
@@ -44,8 +42,6 @@ gradients itself), fp32.
 
 from __future__ import annotations
 
-import sys
-import types
 import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -65,8 +61,9 @@ from ..runtime.executor import Executor, StageSpec
 from ..topology import Topology, Worker
 from .args import MegatronJob
 from .grid import PTDPGrid
+from .optimizer import ResilientOptimizer
 
-__all__ = ["ResilientForwardBackward", "ResilientOptimizer", "install", "plane_groups", "uninstall"]
+__all__ = ["ResilientForwardBackward", "plane_groups"]
 
 # megatron-core 0.16's forward_backward_func keywords, and those Megatron-LM's training loop passes
 _KNOWN = frozenset({
@@ -74,63 +71,6 @@ _KNOWN = frozenset({
     "decoder_seq_length", "forward_only", "collect_non_loss_data", "first_val_step", "adjust_tensor_shapes_fn",
     "p2p_communicator", "pg_collection", "force_all_reduce",
 })
-
-
-class ResilientOptimizer:
-    """A megatron-core (or torch) optimizer whose step the resilient schedule takes per stage.
-
-    Inside the schedule, at the stage's OPT_STEP, :meth:`run_step` steps the wrapped optimizer
-    (gradients already reduced over the survivors and clipped by the global norm). The training
-    loop's own ``optimizer.step()`` afterwards returns what that step did, as megatron-core's
-    optimizers do: ``(update_successful, grad_norm, num_zeros_in_grad)``. Everything else
-    (``zero_grad``, ``state_dict``, ``param_groups``, ...) is the wrapped optimizer's.
-    """
-
-    def __init__(self, optimizer: Any) -> None:
-        self.optimizer = optimizer
-        self._result: tuple[bool, float | None, int | None] | None = None
-        self.grad_norm: Callable[[], float | None] = lambda: None
-        self.steps = 0
-        # megatron-core's optimizers (FP32Optimizer, Float16OptimizerWithFloat16Params): their step
-        # clips by a norm all-reduced over the model-parallel group (a barrier across stages that a
-        # dead rank hangs) and fp16's loss scaler all-reduces its overflow flag the same way
-        self.megatron = all(hasattr(optimizer, a) for a in ("prepare_grads", "step_with_ready_grads", "config"))
-        if self.megatron:
-            if getattr(optimizer, "grad_scaler", None) is not None:
-                raise ConfigError("--fp16", "megatron-core's loss scaler all-reduces its overflow flag over the "
-                                            "model-parallel group, which a staggered step cannot wait for; use "
-                                            "--bf16 (no loss scaling) or fp32")
-            self.megatron_clip_grad = float(optimizer.config.clip_grad)
-            optimizer.config.clip_grad = 0.0  # the schedule clips by the global norm over the survivors
-
-    def run_step(self, *, zero_grad: bool = True, skip: bool = False) -> None:
-        """The stage's step, called by the executor (gradients reduced and clipped already)."""
-        ok = not skip
-        if not skip:
-            if self.megatron:  # its gradient preparation (bf16: copy into the fp32 main grads) and update
-                ok = not self.optimizer.prepare_grads() and bool(self.optimizer.step_with_ready_grads())
-            else:
-                self.optimizer.step()
-            self.steps += 1
-        self._result = (ok, self.grad_norm(), None)
-        if zero_grad:
-            self.optimizer.zero_grad()
-
-    def step(self, *args: Any, **kwargs: Any) -> tuple[bool, float | None, int | None]:
-        """What the training loop calls after the forward-backward: the schedule's step result.
-
-        Raises:
-            ResilienceError: no step was taken since the last call (the resilient forward-backward
-                did not run, or ran ``forward_only``).
-        """
-        if self._result is None:
-            raise ResilienceError("optimizer.step() without a resilient forward-backward before it: the schedule "
-                                  "steps each stage itself; call the function get_forward_backward_func() returns")
-        result, self._result = self._result, None
-        return result
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["optimizer"], name)
 
 
 @dataclass
@@ -421,59 +361,3 @@ def plane_groups(grid: PTDPGrid, topology: Topology, me: Worker, tp_rank: int, *
             groups[g] = new_group([grid.rank(w, tp_rank) for s in stages for w in topology.stage_peers(s)],
                                   name=f"{name}/t{tp_rank}/tied{g}", timeout_s=timeout_s, me=rank, device=device)
     return GenerationGroups(generation=generation, world=world, stage=stage, tied=groups)
-
-
-# --- installation --------------------------------------------------------------------------------
-_ORIGINAL: dict[str, Any] = {}
-
-
-def install(forward_backward: ResilientForwardBackward) -> Callable[..., Any]:
-    """Make ``get_forward_backward_func()`` return ``forward_backward``: in
-    ``megatron.core.pipeline_parallel`` (and its ``schedules`` module) and in every loaded module that
-    imported the factory by name (Megatron-LM's training module); a module imported later gets
-    it from the package. Returns the factory installed.
-    """
-    import megatron.core.pipeline_parallel as package
-    import megatron.core.pipeline_parallel.schedules as schedules
-
-    original = _ORIGINAL.setdefault("factory", schedules.get_forward_backward_func)
-
-    def get_forward_backward_func(pp_size: int | None = None, vp_size: int | None = None,
-                                  schedule_pg_collection: Any = None) -> ResilientForwardBackward:
-        """ds_resilience's factory (megatron-core's and Megatron-LM's keywords)."""
-        if vp_size not in (None, 1):
-            raise ConfigError("--num-layers-per-virtual-pipeline-stage", f"virtual pipeline size {vp_size}: "
-                                                                         f"interleaving is not supported yet")
-        return forward_backward
-
-    get_forward_backward_func.ds_resilience = forward_backward  # type: ignore[attr-defined]
-    for module in _holders(lambda f: f is original or _ours(f)):
-        module.get_forward_backward_func = get_forward_backward_func
-    package.get_forward_backward_func = get_forward_backward_func
-    schedules.get_forward_backward_func = get_forward_backward_func
-    return get_forward_backward_func
-
-
-def _ours(function: Any) -> bool:
-    return isinstance(function, types.FunctionType) and "ds_resilience" in function.__dict__
-
-
-def _holders(test: Callable[[Any], bool]) -> list[types.ModuleType]:
-    """Loaded modules whose global ``get_forward_backward_func`` passes ``test`` (read from the
-    module's namespace: a module's own ``__getattr__`` is never triggered)."""
-    out = []
-    for module in list(sys.modules.values()):
-        if isinstance(module, types.ModuleType):
-            space = getattr(module, "__dict__", None)
-            if isinstance(space, dict) and test(space.get("get_forward_backward_func")):
-                out.append(module)
-    return out
-
-
-def uninstall() -> None:
-    """Put megatron-core's own factory back wherever :func:`install` replaced it."""
-    original = _ORIGINAL.get("factory")
-    if original is None:
-        return
-    for module in _holders(_ours):
-        module.get_forward_backward_func = original
