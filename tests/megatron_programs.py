@@ -161,7 +161,7 @@ def _shard(full, param, tp_rank: int, tp: int):
 
 def pipelined(rank: int, world: int, init_path: str, iterations: int, pp: int, microbatches: int, clip: float,
               failed: list, reroute_data: bool, variant: str, tp: int = 1, opt_kind: str = "adam",
-              device: str = "cpu"):
+              device: str = "cpu", save_dir: str | None = None, load_dir: str | None = None):
     """Megatron-LM's training loop shape over the resilient forward-backward: the hook's arguments,
     config_from_args, install(), get_forward_backward_func(), then optimizer.step()."""
     import torch
@@ -194,26 +194,39 @@ def pipelined(rank: int, world: int, init_path: str, iterations: int, pp: int, m
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     pipeline = ps.get_data_parallel_rank()
-    data = iter([make_item(pipeline, it, m) for it in range(iterations) for m in range(microbatches)])
+    start = 0
+    if load_dir is not None:  # a restart from a Megatron-format checkpoint
+        from ds_resilience.megatron.checkpoint import load_checkpoint
+
+        start = load_checkpoint(load_dir, model=model, optimizer=optimizer, tp_rank=tp_rank, pp_rank=stage, pp=pp,
+                                forward_backward=fb)
+    data = iter([make_item(pipeline, it, m) for it in range(start, iterations) for m in range(microbatches)])
     logged, results = [], []
-    for _ in range(iterations):
+    for _ in range(start, iterations):
         optimizer.zero_grad()
         fbf = get_forward_backward_func()
         reduced = fbf(forward_step_func=forward_step, data_iterator=data, model=[model],
                       num_microbatches=microbatches, seq_length=SEQ, micro_batch_size=MBS, forward_only=False)
         results.append(optimizer.step() if fb.rt.executor.groups is not None else None)
         logged.append(len(reduced))
+    saved = None
+    if save_dir is not None:
+        from ds_resilience.megatron.checkpoint import save_checkpoint
+
+        saved = save_checkpoint(fb, save_dir, iterations, model=model, optimizer=optimizer, args=args)
+        saved = str(saved) if saved is not None else None
     evaluation = iter([make_item(pipeline, EVAL_ITERATION, m) for m in range(EVAL_MICRO)])
     reduced = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=evaluation, model=[model],
                                           num_microbatches=EVAL_MICRO, seq_length=SEQ, micro_batch_size=MBS,
                                           forward_only=True)
     evals = [(float(d["lm loss"][0]), int(d["lm loss"][1])) for d in reduced]
+    torch.distributed.barrier()  # an idle rank 0 hosts the store: it leaves with everyone
     params = {_global_name(n, stage, LAYERS // pp): p.detach().cpu().clone() for n, p in model.named_parameters()}
     split = {_global_name(n, stage, LAYERS // pp): (p.partition_dim if tp > 1 and getattr(p, "tensor_model_parallel",
                                                                                            False) else None)
              for n, p in model.named_parameters()}
     return {"stage": stage, "pipeline": pipeline, "tp_rank": tp_rank, "tp": tp, "split": split, "params": params,
-            "logged": logged, "evals": evals,
+            "logged": logged, "evals": evals, "saved": saved, "start": start,
             "results": [(r[0], r[1]) if r else None for r in results]}
 
 

@@ -103,6 +103,32 @@ def test_tp2_inside_each_stage_with_a_failed_replica_keeps_the_reference_step(re
     assert any(r["split"][n] is not None for r in results for n in r["split"])  # sharded weights were compared
 
 
+@pytest.mark.timeout(600)
+def test_a_megatron_format_checkpoint_written_by_survivors_restarts_exactly(reference, tmp_path):
+    """Two iterations with replica p0s0 (data-parallel rank 0 of stage 0) idle: its stage's shard
+    is written by p1s0, in Megatron-LM's layout; a fresh fault-free job loads it (weights, Adam's
+    moments and step) and trains the third iteration: the reference's three-iteration weights."""
+    from ds_resilience.megatron.checkpoint import TRACKER, checkpoint_file
+
+    init, ref = reference
+    saved = run_workers(mp.pipelined, PP * DP, args=(init, ITERATIONS - 1, PP, MICRO, CLIP, ["0:0"], True, "recycle",
+                                                     1, "adam", "cpu", str(tmp_path)), timeout_s=300)
+    writers = sorted((r["pipeline"], r["stage"]) for r in saved if r["saved"])
+    assert writers == [(0, 1), (1, 0)]  # stage 0's writer is the surviving replica
+    assert (tmp_path / TRACKER).read_text() == str(ITERATIONS - 1)
+    for stage in range(PP):
+        assert checkpoint_file(tmp_path, ITERATIONS - 1, 0, stage, PP).is_file()
+    shard = torch.load(checkpoint_file(tmp_path, ITERATIONS - 1, 0, 0, PP), weights_only=False)
+    assert shard["checkpoint_version"] == 3.0 and shard["iteration"] == ITERATIONS - 1
+    assert {"model", "optimizer", "rng_state", "args"} <= set(shard)
+    resumed = run_workers(mp.pipelined, PP * DP, args=(init, ITERATIONS, PP, MICRO, CLIP, [], False, "recycle", 1,
+                                                       "adam", "cpu", None, str(tmp_path)), timeout_s=300)
+    assert all(r["start"] == ITERATIONS - 1 for r in resumed)
+    for r in resumed:
+        for name, value in r["params"].items():
+            assert float((value - ref["params"][name]).abs().max()) < 1e-6, (r["stage"], r["pipeline"], name)
+
+
 # --- installation and the interface ----------------------------------------------------------------
 def test_install_reaches_the_training_loop_whatever_the_import_order(monkeypatch):
     import megatron.core.pipeline_parallel as package
