@@ -190,7 +190,7 @@ def pretrain(datasets_provider, model_provider_func, forward_step_func, extra_ar
             print(f" iteration {iteration:4d}/{args.train_iters} | pipeline {pipeline} | lm loss "
                   f"{float(total[0] / total[1]):.6f} | grad norm {grad_norm or 0.0:.4f} | "
                   f"{(time.perf_counter() - started) * 1e3:.0f} ms", flush=True)
-    dist.barrier()
+    # no barrier on the default group: after a failure it holds a dead rank (the agent's store outlives us)
     if dist.get_rank() == 0:
         print(f"[megatron_gpt] done: {args.train_iters} iterations, TP={args.tensor_model_parallel_size} "
               f"PP={pp} DP={dp}", flush=True)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from ..errors import ResilienceError
 from ..topology import Worker
 
-__all__ = ["CHECKPOINT_VERSION", "TRACKER", "checkpoint_file", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CHECKPOINT_VERSION", "TRACKER", "checkpoint_file", "load_checkpoint", "save_checkpoint", "write_shard"]
 
 CHECKPOINT_VERSION = 3.0
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -64,6 +64,24 @@ def _model_state(model: Any) -> dict[str, Any]:
     return save() if callable(save) else model.state_dict()
 
 
+def write_shard(directory: str | os.PathLike[str], iteration: int, *, model: Any, optimizer: Any, tp_rank: int,
+                pp_rank: int, pp: int, scheduler: Any = None, args: Any = None) -> Path:
+    """Write one (tensor, pipeline) shard, atomically (a temporary name, then a rename)."""
+    state = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
+             "model": _model_state(model), "rng_state": _rng_state()}
+    inner = getattr(optimizer, "optimizer", optimizer)  # ResilientOptimizer: the wrapped one's state
+    if inner is not None:
+        state["optimizer"] = inner.state_dict()
+    if scheduler is not None:
+        state["opt_param_scheduler"] = scheduler.state_dict()
+    path = checkpoint_file(directory, iteration, tp_rank, pp_rank, pp)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+    return path
+
+
 def save_checkpoint(forward_backward: Any, directory: str | os.PathLike[str], iteration: int, *, model: Any,
                     optimizer: Any, scheduler: Any = None, args: Any = None, timeout_s: float = 300.0) -> Path | None:
     """Write this stage's shard if this rank is its writer; every rank of the job calls it (the
@@ -91,18 +109,8 @@ def save_checkpoint(forward_backward: Any, directory: str | os.PathLike[str], it
     writer = min(topology.stage_peers(me.stage), key=lambda w: w.pipeline)
     path = None
     if me == writer:
-        state = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
-                 "model": _model_state(model), "rng_state": _rng_state()}
-        inner = getattr(optimizer, "optimizer", optimizer)  # ResilientOptimizer: the wrapped one's state
-        if inner is not None:
-            state["optimizer"] = inner.state_dict()
-        if scheduler is not None:
-            state["opt_param_scheduler"] = scheduler.state_dict()
-        path = checkpoint_file(directory, iteration, tp_rank, me.stage, grid.pp)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-        torch.save(state, tmp)
-        os.replace(tmp, path)
+        path = write_shard(directory, iteration, model=model, optimizer=optimizer, scheduler=scheduler, args=args,
+                           tp_rank=tp_rank, pp_rank=me.stage, pp=grid.pp)
         store.set(f"{key}/s{me.stage}t{tp_rank}", "1")
     if dist.get_rank() == min(grid.rank(w, 0) for w in alive):  # the tracker, once every shard is there
         store.wait([f"{key}/s{s}t{t}" for s in range(grid.pp) for t in range(grid.tp)], timedelta(seconds=timeout_s))
@@ -149,6 +157,7 @@ def load_checkpoint(directory: str | os.PathLike[str], *, model: Any, optimizer:
     if scheduler is not None and "opt_param_scheduler" in state:
         scheduler.load_state_dict(state["opt_param_scheduler"])
     loaded = int(state.get("iteration", iteration))
-    if forward_backward is not None:
-        forward_backward.iteration = loaded
+    if forward_backward is not None:  # the schedule goes on from there (micro-batch ids and RNG streams)
+        forward_backward.iteration = forward_backward.steps = forward_backward.base = loaded
+        forward_backward.calls = 0
     return loaded

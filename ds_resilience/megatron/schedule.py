@@ -35,6 +35,9 @@ tensor-parallel group) fails as one.
 Evaluation (``forward_only=True``) runs forward passes only, a failed replica's re-routed to its
 stage's survivors, and returns the last stage's logging dicts as megatron-core does.
 
+Under ``ds-resilience run`` (tensor-parallel size 1) a rank that dies is handled live
+(:mod:`.live`): the call that notices it recovers and replays from the resume iteration.
+
 Supported today: one model chunk per rank (no interleaving), unwrapped
 megatron-core modules (not Megatron's ``DistributedDataParallel``: this schedule reduces the
 gradients itself), fp32.
@@ -42,6 +45,7 @@ gradients itself), fp32.
 
 from __future__ import annotations
 
+import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -50,17 +54,20 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from ..comm.groups import GenerationGroups, new_group
+from ..comm.groups import GenerationGroups, build_groups, new_group
 from ..costs import CostModel
 from ..errors import ConfigError, ResilienceError
 from ..ir import Schedule
 from ..ir.pairs import early_posts
 from ..planning.inference import inference_actions
 from ..planning.provider import ScheduleProvider
+from ..launch import launch_env
 from ..runtime.executor import Executor, StageSpec
+from ..runtime.recovery import is_failure
 from ..topology import Topology, Worker
 from .args import MegatronJob
 from .grid import PTDPGrid
+from .live import live_parts, make_recovery
 from .optimizer import ResilientOptimizer
 
 __all__ = ["ResilientForwardBackward", "plane_groups"]
@@ -86,6 +93,7 @@ class _Runtime:
     actions: tuple
     posts: dict[int, tuple[int, ...]]
     source: str
+    live: Any = None  # LiveParts under the agent
     losses: list = field(default_factory=list)
 
 
@@ -121,7 +129,10 @@ class ResilientForwardBackward:
         self.cost = cost or job.config.cost()
         self.timeout_s = timeout_s if timeout_s is not None else job.config.detector.pg_timeout_s
         self.eval_batches = eval_batches
-        self.iteration = 0
+        self.iteration = 0  # the next iteration to run
+        self.steps = 0  # optimizer steps this stage took (the tier's counters)
+        self.calls = 0  # training calls since the start (or the load)
+        self.base = 0  # the iteration the job started from (a loaded checkpoint's)
         self.evaluations = 0
         self.rt: _Runtime | None = None
         self._own: dict[tuple[int, int], Any] = {}  # (iteration, microbatch) -> item, own pipeline
@@ -164,13 +175,75 @@ class ResilientForwardBackward:
         ex = rt.executor
         if ex.groups is None:  # a simulated-failed replica idles: its training loop's step() reports no update
             self.iteration += 1
+            self.calls += 1
             self.optimizer._result = (False, None, None)
             return []
-        ex.begin_iteration(self.iteration, rt.actions, rt.posts)
-        ex.run(rt.actions)
-        self.iteration += 1
-        self._own = {k: v for k, v in self._own.items() if k[0] >= self.iteration}
+        self.calls += 1
+        target = self.base + self.calls  # iterations done when this call returns
+        while True:
+            try:
+                if rt.live is not None:
+                    rt.live.coordinator.check()
+                while self.iteration < target:  # after a rollback: the resume iteration first
+                    rt.losses = []
+                    self._one_iteration(rt)
+                break
+            except Exception as exc:  # noqa: BLE001 - filtered by is_failure
+                if rt.live is None or not is_failure(exc):
+                    raise
+                rt.live.recovery.recover(exc)  # rolls back, new groups and schedule (self._adopt)
+                self.iteration = self.steps
+        self._own = {k: v for k, v in self._own.items() if k[0] >= self.iteration - 1}  # one back: a replay
         return rt.losses if ex.is_last else []
+
+    def _one_iteration(self, rt: _Runtime) -> None:
+        ex = rt.executor
+        live = rt.live
+        ex.begin_iteration(self.iteration, rt.actions, rt.posts)
+        if live is not None:
+            live.tier.begin_iteration(rt.schedule, rt.topology.worker_index(rt.me), self.cost)
+        started = time.perf_counter()
+        ex.run(rt.actions)
+        if live is not None:
+            live.tier.end_iteration(time.perf_counter() - started)
+        self.iteration += 1
+
+    def _step(self, *, zero_grad: bool = True, skip: bool = False) -> None:
+        """The executor's step: the optimizer's, and the stage's step count (the tier's counters)."""
+        self.optimizer.run_step(zero_grad=zero_grad, skip=skip)
+        self.steps += 1
+
+    # --- live recovery's callbacks ------------------------------------------------------------------
+    def _on_epoch(self, record: Any) -> None:
+        """Watcher thread: a new membership epoch; release whatever the main thread waits on."""
+        rt = self.rt
+        if rt is None:
+            return
+        groups = rt.executor.groups
+        if groups is not None and record.kind != "rejoin":
+            groups.poison()
+        if rt.live is not None:
+            rt.live.tier.drop(record.failed)
+
+    def _adopt(self, generation: Any) -> None:
+        """A recovery's new generation: its schedule and this worker's actions."""
+        rt = self.rt
+        index = rt.topology.worker_index(rt.me)
+        rt.schedule, rt.topology, rt.source = generation.schedule, generation.topology, generation.source
+        rt.actions = generation.schedule.workers[index]
+        rt.posts = early_posts(generation.schedule)[index] if generation.groups is not None else {}
+        if dist.get_rank() == min(rt.grid.rank(w, 0) for w in generation.topology.alive_workers()):
+            failed = ",".join(sorted(str(w) for w in generation.topology.failed)) or "none"
+            print(f"[ds_resilience] megatron: epoch {generation.epoch}, failed {failed}: {generation.source} "
+                  f"{generation.schedule.name} schedule", flush=True)
+
+    def _export(self, directory: str, step: int, writer: bool = True) -> None:
+        """Beyond tolerance: this stage's shard in Megatron-LM's layout under ``directory``."""
+        if writer:
+            from .checkpoint import write_shard
+
+            write_shard(directory, step, model=self.rt.model, optimizer=self.optimizer, tp_rank=0,
+                        pp_rank=self.rt.me.stage, pp=self.job.pp)
 
     def _evaluate(self, rt: _Runtime, forward_step: Callable, data: Iterator | None, microbatches: int) -> list:
         """Megatron's evaluation (``forward_only=True``): forward passes of ``microbatches``
@@ -220,13 +293,23 @@ class ResilientForwardBackward:
         params = [p for p in model.parameters() if p.requires_grad]
         tied_groups, tied_params = self._tied(model, me.stage)
         cfg = job.config
+        launch = launch_env()
+        if launch is not None and self.simulate_failed:
+            raise ConfigError("resilience.simulate_failed", "simulated failures and the live agent do not mix")
         provider = ScheduleProvider.build(
             topology, job.microbatches, self.cost, schedule=cfg.schedule, variant=cfg.variant, solver="heuristic",
             time_limit_s=cfg.planner.time_limit_s, memory_cap=cfg.planner.memory_cap,
-            max_failures=0, all_coverable=False, cache_dir=None, workers=1, tied=tied_groups)
+            max_failures=cfg.max_failures if launch is not None else 0, all_coverable=False, cache_dir=None,
+            workers=1, tied=tied_groups)
         failed = self.simulate_failed
         choice = provider.schedule_for(failed)  # the heuristic: every rank computes the same plan
-        session = _agree_session(self.timeout_s)
+        live = None
+        if launch is not None:  # under the agent: heartbeats, epochs, rollback, recovery
+            session = "live-megatron"
+            live = live_parts(self, launch, me=me, rank=dist.get_rank(), topology=topology, params=params,
+                              provider=provider, session=session)
+        else:
+            session = _agree_session(self.timeout_s)
         alive = me not in failed
         device = params[0].device if params else torch.device("cpu")
         on_gpu = device.type == "cuda"
@@ -235,13 +318,20 @@ class ResilientForwardBackward:
                          timeout_s=self.timeout_s, device=str(device) if on_gpu else "cpu")
         executor = Executor(
             spec, module=model, parameters=params, loss_fn=self._loss, batch_source=self._batch,
-            rank_of=lambda i: grid.rank(topology.worker(i), tp_rank), step=self.optimizer.run_step,
+            rank_of=lambda i: grid.rank(topology.worker(i), tp_rank), step=self._step,
             forward_fn=self._forward, tied=tied_params,
+            hooks=live.tier if live is not None else None, fault_hook=live.faults.maybe_fire if live else None,
             counted_tied=[g for g, stages in enumerate(tied_groups) if stages[0] == me.stage],
             # a weight every tensor-parallel rank holds whole (norms, row-parallel biases) counts once
             counted_param=lambda p: tp_rank == 0 or bool(getattr(p, "tensor_model_parallel", False)))
         self.optimizer.grad_norm = lambda: executor.last_grad_norm
-        if alive:
+        if live is not None:
+            live.recovery = make_recovery(self, live, topology=topology, me=me, executor=executor, provider=provider,
+                                          session=session)
+            executor.install(build_groups(topology, me, session=session, timeout_s=self.timeout_s,
+                                          store=live.coordinator.store, tied=tied_groups,
+                                          device=device if on_gpu else None))
+        elif alive:
             executor.install(plane_groups(grid, topology.without(failed), me, tp_rank, session=session,
                                           timeout_s=self.timeout_s, tied=tied_groups,
                                           device=device if on_gpu else None))
@@ -250,7 +340,7 @@ class ResilientForwardBackward:
         self.rt = _Runtime(grid=grid, me=me, model=model, executor=executor, topology=topology.without(failed),
                            schedule=schedule,
                            actions=schedule.workers[index], posts=early_posts(schedule)[index] if alive else {},
-                           source=choice.source)
+                           source=choice.source, live=live)
         if dist.get_rank() == 0:
             what = ",".join(sorted(str(w) for w in failed)) or "none"
             print(f"[ds_resilience] megatron: {job.dp} x {job.pp} replicas, failed {what}: {choice.source} "
