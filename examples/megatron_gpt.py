@@ -35,6 +35,7 @@ import torch.distributed as dist
 from ds_resilience.megatron import (ResilientForwardBackward, ResilientOptimizer, add_resilience_args,
                                    config_from_args, install)
 from ds_resilience.megatron.attention import device_safe_layer_spec
+from ds_resilience.runtime.recovery import BeyondTolerance
 
 SEQ, VOCAB = 32, 128
 
@@ -181,9 +182,13 @@ def pretrain(datasets_provider, model_provider_func, forward_step_func, extra_ar
     for iteration in range(1, args.train_iters + 1):
         started = time.perf_counter()
         optimizer.zero_grad()
-        losses = get_forward_backward_func()(forward_step_func=forward_step_func, data_iterator=data,
-                                             model=[model], num_microbatches=m, seq_length=SEQ,
-                                             micro_batch_size=mbs, forward_only=False)
+        try:
+            losses = get_forward_backward_func()(forward_step_func=forward_step_func, data_iterator=data,
+                                                 model=[model], num_microbatches=m, seq_length=SEQ,
+                                                 micro_batch_size=mbs, forward_only=False)
+        except BeyondTolerance as exc:  # a stage lost every replica: the survivors saved, the job stops
+            print(f"[megatron_gpt] rank {dist.get_rank()} stopped: {exc}", flush=True)
+            return
         update_ok, grad_norm, _ = optimizer.step()
         if last and losses and iteration % args.log_interval == 0:
             total = torch.stack([d["lm loss"] for d in losses]).sum(0)

@@ -75,3 +75,29 @@ def test_a_sigkilled_rank_under_the_agent_is_rerouted_live_and_the_losses_stay_t
     for key, (loss, norm) in healthy.items():
         assert abs(float(survived[key][0]) - float(loss)) <= 2e-6, (key, survived[key], loss)
         assert abs(float(survived[key][1]) - float(norm)) <= 2e-4, (key, survived[key], norm)
+
+
+@pytest.mark.timeout(600)
+def test_beyond_tolerance_the_surviving_stage_is_saved_in_megatrons_layout_and_the_job_stops(tmp_path):
+    """Both replicas of stage 0 die (rank 1 in iteration 1, rank 0 in iteration 2): the agent stops
+    the job (exit code 3), and stage 1's survivors write its shard in Megatron-LM's layout with a
+    manifest naming what was saved and lost."""
+    import torch
+
+    config = tmp_path / "kill2.json"
+    config.write_text(json.dumps({"max_failures": 1, "fault_injection": [
+        {"rank": 1, "step": 1, "point": "mid_backward", "kind": "sigkill"},
+        {"rank": 0, "step": 2, "point": "before_forward", "kind": "sigkill"}]}))
+    cmd = [sys.executable, "-m", "ds_resilience.cli", "run", "--no_local_rank", "--num_gpus", "4",
+           os.path.join(REPO, "examples", "megatron_gpt.py"), *ARGS, "--resilience-config", str(config)]
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 3, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "stopped cleanly after step 2" in out.stdout
+    manifest = json.loads((tmp_path / "checkpoints" / "global_step2" / "manifest.json").read_text())
+    assert manifest["stages_saved"] == [1] and manifest["stages_lost"] == [0]
+    assert "Megatron-LM torch layout" in manifest["format"]
+    shard = torch.load(tmp_path / "checkpoints" / "global_step2" / "iter_0000002" / "mp_rank_00_001" /
+                       "model_optim_rng.pt", weights_only=False)
+    assert shard["iteration"] == 2 and shard["checkpoint_version"] == 3.0
+    assert "output_layer.weight" in shard["model"] and shard["optimizer"]["state"]

@@ -87,4 +87,6 @@ def make_recovery(forward_backward: Any, parts: LiveParts, *, topology, me, exec
         provider=provider, session=session, timeout_s=forward_backward.timeout_s,
         grace_s=cfg.detector.heartbeat_timeout_s + 5.0, adopt=forward_backward._adopt,
         export=forward_backward._export, persistent_dir=cfg.checkpoint.persistent_dir,
-        fault_hook=parts.faults.maybe_fire)
+        fault_hook=parts.faults.maybe_fire,
+        export_format="Megatron-LM torch layout: iter_<7 digits>/mp_rank_<tp:02d>_<pp:03d>/model_optim_rng.pt "
+                      "(checkpoint version 3.0), one shard per surviving stage")

@@ -107,6 +107,10 @@ class Generation:
     groups: GenerationGroups | None
 
 
+_DEEPSPEED_EXPORT = ("deepspeed layer files (layer_XX-model_states.pt) + stageN-optim_states.pt (ZeRO-1: "
+                     "stageN-pipelineP-optim_states.pt, each replica's shard)")
+
+
 class LiveRecovery:
     """Applies recovery plans for one worker under the agent (see the module docstring).
 
@@ -124,6 +128,7 @@ class LiveRecovery:
             replicas of the stage call it with ``writer=False`` (their ZeRO-1 optimizer shards).
         persistent_dir: where that export goes (default ``./checkpoints``).
         fault_hook: ``fault_hook(point, step)`` at ``in_recovery`` and ``in_rejoin`` (tests).
+        export_format: what ``export`` writes, for the stop's manifest (default: DeepSpeed's layout).
         on_membership: ``on_membership(record, plan, previous, generation, joining=...)`` after the
             new groups are installed and the handovers done: state that depends on the membership
             (ZeRO-1's optimizer shards) moves here. ``previous`` is the topology before the epoch
@@ -134,7 +139,7 @@ class LiveRecovery:
                  tier: CheckpointTier, provider: ScheduleProvider, session: str, timeout_s: float, grace_s: float,
                  adopt: Callable[[Generation], None], export: Callable[[str, int], None],
                  persistent_dir: str | None, fault_hook: Callable[[str, int], None] | None = None,
-                 on_membership: Callable[..., None] | None = None) -> None:
+                 on_membership: Callable[..., None] | None = None, export_format: str | None = None) -> None:
         self.topology, self.me = topology, me
         self.rank = topology.rank(me)
         self.coordinator = coordinator
@@ -149,6 +154,7 @@ class LiveRecovery:
         self.persistent_dir = persistent_dir
         self.fault_hook = fault_hook or (lambda point, step: None)
         self.on_membership = on_membership
+        self.export_format = export_format or _DEEPSPEED_EXPORT
         self.current: Topology = topology  # the membership applied last
         self.log: list[dict[str, Any]] = []
 
@@ -311,8 +317,7 @@ class LiveRecovery:
                 "reason": record.reason or f"stage {lost} lost every replica",
                 "dp": self.topology.dp,
                 "pp": self.topology.pp,
-                "format": "deepspeed layer files (layer_XX-model_states.pt) + stageN-optim_states.pt (ZeRO-1: "
-                          "stageN-pipelineP-optim_states.pt, each replica's shard)",
+                "format": self.export_format,
             }
             Path(ckpt_dir).mkdir(parents=True, exist_ok=True)
             tmp = Path(ckpt_dir) / "manifest.json.tmp"
