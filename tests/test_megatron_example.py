@@ -34,6 +34,15 @@ def _run(extra, tmp_path, launcher="agent"):
     return out.stdout + out.stderr, {(int(i), int(p)): (loss, norm) for i, p, loss, norm in lines}
 
 
+def _assert_same_losses(got, healthy):
+    """The same losses and norms up to summation order (a stage's gradients summed over one replica
+    instead of two): printed to six and four decimals, they differ in the last digit at most."""
+    assert set(got) == set(healthy)
+    for key, (loss, norm) in healthy.items():
+        assert abs(float(got[key][0]) - float(loss)) <= 2e-6, (key, got[key], loss)
+        assert abs(float(got[key][1]) - float(norm)) <= 2e-4, (key, got[key], norm)
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -50,12 +59,7 @@ def test_the_megatron_example_trains_and_a_failed_replica_leaves_its_losses_unch
     config.write_text(json.dumps({"simulate_failed": ["1:0"]}))
     text, degraded = _run(["--resilience-config", str(config)], tmp_path, launcher="torchrun")
     assert "failed 1:0: planner recycle schedule" in text
-    # the same losses and norms up to summation order (the stage's gradients are summed over one
-    # replica instead of two): printed to six and four decimals, they differ in the last digit at most
-    assert set(degraded) == set(healthy)
-    for key, (loss, norm) in healthy.items():
-        assert abs(float(degraded[key][0]) - float(loss)) <= 2e-6, (key, degraded[key], loss)
-        assert abs(float(degraded[key][1]) - float(norm)) <= 2e-4, (key, degraded[key], norm)
+    _assert_same_losses(degraded, healthy)
 
 
 @pytest.mark.timeout(600)
@@ -71,10 +75,7 @@ def test_a_sigkilled_rank_under_the_agent_is_rerouted_live_and_the_losses_stay_t
     assert "rank 1 crashed (killed by SIGKILL)" in text
     assert '"action": "continue"' in text and "failed 1:0: table recycle schedule" in text
     assert "exit code 0: all live workers finished (1 failed)" in text
-    assert set(survived) == set(healthy)
-    for key, (loss, norm) in healthy.items():
-        assert abs(float(survived[key][0]) - float(loss)) <= 2e-6, (key, survived[key], loss)
-        assert abs(float(survived[key][1]) - float(norm)) <= 2e-4, (key, survived[key], norm)
+    _assert_same_losses(survived, healthy)
 
 
 @pytest.mark.timeout(600)
