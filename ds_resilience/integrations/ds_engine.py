@@ -44,7 +44,7 @@ from ..runtime.coordinator import Coordinator
 from ..runtime.executor import BatchSource, Executor, StageSpec
 from ..runtime.faults import FaultInjector
 from ..runtime.precision import DynamicLossScaler, MixedPrecisionOptimizer
-from ..runtime.recovery import Generation, LiveRecovery, is_failure
+from ..runtime.recovery import Generation, LiveRecovery, is_failure, release_on_epoch
 from ..runtime.validation import StepValidator
 from ..runtime.zero import ShardedOptimizer
 from ..topology import Topology, Worker
@@ -456,10 +456,7 @@ class ResilientPipelineEngine(PipelineEngine):
         boundary, without aborting anything.
         """
         groups = self.generation.groups if getattr(self, "generation", None) is not None else None
-        if groups is not None and record.kind != "rejoin":
-            groups.poison()
-        if getattr(self, "tier", None) is not None:
-            self.tier.drop(record.failed)
+        release_on_epoch(record, groups, getattr(self, "tier", None))
 
     # --- training --------------------------------------------------------------------------------
     def train_batch(self, data_iter=None):

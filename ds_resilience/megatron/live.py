@@ -54,8 +54,7 @@ class LiveParts:
     faults: FaultInjector
 
 
-def live_parts(forward_backward: Any, launch: LaunchEnv, *, me, rank: int, topology, params, provider,
-               session: str) -> LiveParts:
+def live_parts(forward_backward: Any, launch: LaunchEnv, *, me, rank: int, topology, params) -> LiveParts:
     """The coordinator, tier and fault injector (the recovery comes once the executor exists)."""
     job = forward_backward.job
     if job.tp != 1:

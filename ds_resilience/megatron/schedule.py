@@ -63,7 +63,7 @@ from ..planning.inference import inference_actions
 from ..planning.provider import ScheduleProvider
 from ..launch import launch_env
 from ..runtime.executor import Executor, StageSpec
-from ..runtime.recovery import is_failure
+from ..runtime.recovery import is_failure, release_on_epoch
 from ..topology import Topology, Worker
 from .args import MegatronJob
 from .grid import PTDPGrid
@@ -217,13 +217,8 @@ class ResilientForwardBackward:
     def _on_epoch(self, record: Any) -> None:
         """Watcher thread: a new membership epoch; release whatever the main thread waits on."""
         rt = self.rt
-        if rt is None:
-            return
-        groups = rt.executor.groups
-        if groups is not None and record.kind != "rejoin":
-            groups.poison()
-        if rt.live is not None:
-            rt.live.tier.drop(record.failed)
+        if rt is not None:
+            release_on_epoch(record, rt.executor.groups, rt.live.tier if rt.live is not None else None)
 
     def _adopt(self, generation: Any) -> None:
         """A recovery's new generation: its schedule and this worker's actions."""
@@ -306,8 +301,7 @@ class ResilientForwardBackward:
         live = None
         if launch is not None:  # under the agent: heartbeats, epochs, rollback, recovery
             session = "live-megatron"
-            live = live_parts(self, launch, me=me, rank=dist.get_rank(), topology=topology, params=params,
-                              provider=provider, session=session)
+            live = live_parts(self, launch, me=me, rank=dist.get_rank(), topology=topology, params=params)
         else:
             session = _agree_session(self.timeout_s)
         alive = me not in failed

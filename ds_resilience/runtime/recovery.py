@@ -337,6 +337,16 @@ class LiveRecovery:
         )
 
 
+def release_on_epoch(record: EpochRecord, groups: Any, tier: CheckpointTier | None) -> None:
+    """An engine's watcher-thread reaction to a newly latched epoch: poison the current groups so
+    whatever the main thread waits on returns (a re-join changes nothing for the running iteration:
+    it is applied at the next boundary), and stop replicating to the failed peers."""
+    if groups is not None and record.kind != "rejoin":
+        groups.poison()
+    if tier is not None:
+        tier.drop(record.failed)
+
+
 def _log_plan(plan: RecoveryPlan, rank: int) -> None:
     """One JSON line per plan, on the worker's stderr and the ``ds_resilience.recovery`` logger."""
     line = plan.to_json()
