@@ -85,6 +85,19 @@ def test_lost_stages_is_the_topology_rule_on_every_failure_set():
             assert lost_stages(stage_of, failed) == grid.without(workers).uncovered_stages(), failed
 
 
+def test_with_tensor_parallel_replicas_one_dead_rank_takes_its_replica_out():
+    """A replica of TP ranks (the agent keys it by the (pipeline, stage) the ranks registered): a stage
+    is lost once each of its replicas lost a rank, even with ranks of it still alive; with one rank
+    per replica the rule is the plain one."""
+    stage_of = {r: r // 4 for r in range(8)}  # 2 stages x 2 replicas x 2 tensor-parallel ranks
+    replica_of = {r: (r // 2) % 2 for r in range(8)}
+    replica_of = {r: (replica_of[r], stage_of[r]) for r in range(8)}
+    assert lost_stages(stage_of, [1], replica_of) == ()
+    assert lost_stages(stage_of, [1, 3], replica_of) == (0,)  # ranks 0 and 2 live, neither replica is whole
+    assert lost_stages(stage_of, [0, 1], replica_of) == ()  # one replica, both its ranks
+    assert lost_stages(stage_of, [1, 3]) == ()  # the plain rule counts ranks
+
+
 def test_random_epochs_never_step_a_stage_twice():
     rng = random.Random(3)
     for _ in range(200):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
 
 from ..epochs import EpochRecord
 from ..errors import PlanningError
@@ -29,18 +29,25 @@ ACTIONS = ("continue", "restart", "stop")
 tolerance with no restart left, the survivors export what they hold and the job stops."""
 
 
-def lost_stages(stage_of: Mapping[int, int], failed: Iterable[int]) -> tuple[int, ...]:
-    """Stages every rank of which has failed (what makes a failure set beyond re-routing).
+def lost_stages(stage_of: Mapping[int, int], failed: Iterable[int],
+                replica_of: Mapping[int, Hashable] | None = None) -> tuple[int, ...]:
+    """Stages every replica of which has failed (what makes a failure set beyond re-routing).
 
     Args:
         stage_of: global rank -> stage, for every rank of the job.
         failed: the failed global ranks.
+        replica_of: global rank -> its replica (default: each rank is a replica). With tensor
+            parallelism a replica is a tensor-parallel group: one dead rank takes its replica
+            out, so a stage is lost once every replica has lost a rank.
     """
     gone = set(failed)
-    members: dict[int, list[int]] = {}
+    replica_of = replica_of or {r: r for r in stage_of}
+    replicas: dict[int, dict[Hashable, bool]] = {}  # stage -> replica -> still whole
     for rank, stage in stage_of.items():
-        members.setdefault(stage, []).append(rank)
-    return tuple(sorted(s for s, ranks in members.items() if all(r in gone for r in ranks)))
+        whole = replicas.setdefault(stage, {})
+        key = replica_of[rank]
+        whole[key] = whole.get(key, True) and rank not in gone
+    return tuple(sorted(s for s, whole in replicas.items() if not any(whole.values())))
 
 
 def voters(record: EpochRecord) -> tuple[int, ...]:

@@ -266,10 +266,12 @@ class Executor:
         """The one dispatch table: every compute and communication kind a training schedule uses."""
 
     # --- the generation's groups ---------------------------------------------------------------
-    def install(self, groups: GenerationGroups) -> None:
-        """Use ``groups`` (a new membership generation's) for every message and collective."""
+    def install(self, groups: GenerationGroups | None) -> None:
+        """Use ``groups`` (a new membership generation's) for every message and collective;
+        ``None``: this worker is out of the membership (it idles)."""
         self.groups = groups
-        self.messenger = Messenger(group=groups.world, timeout_s=self.spec.timeout_s, dynamic=self.spec.dynamic_shapes)
+        self.messenger = (Messenger(group=groups.world, timeout_s=self.spec.timeout_s, dynamic=self.spec.dynamic_shapes)
+                          if groups is not None else None)
 
     @property
     def stage_replicas(self) -> int:

@@ -41,7 +41,8 @@ from ..topology import Topology, Worker
 from .coordinator import Coordinator, Reconfigure
 from .executor import Executor
 
-__all__ = ["BeyondTolerance", "Generation", "LiveRecovery", "STICKY_CUDA_ERRORS", "is_failure", "is_fatal"]
+__all__ = ["BeyondTolerance", "Generation", "LiveRecovery", "RankView", "STICKY_CUDA_ERRORS", "is_failure",
+           "is_fatal"]
 
 logger = logging.getLogger("ds_resilience.recovery")
 
@@ -107,6 +108,35 @@ class Generation:
     groups: GenerationGroups | None
 
 
+class RankView:
+    """How the agent's global ranks map onto the grid's workers (replicas): one rank per worker,
+    the worker's grid rank (the default, DeepSpeed's pipelines). A job whose replica is a group of
+    ranks (a tensor-parallel group) overrides it: one dead rank takes its whole replica out, the
+    replica's other ranks leave the membership, and each rank recovers its own shard.
+
+    Attributes:
+        rank: this process's global rank (its keys in the agent's store).
+        leader: whether this rank writes what a replica writes once (the stop's manifest).
+    """
+
+    leader = True
+
+    def __init__(self, topology: Topology, me: Worker) -> None:
+        self.rank = topology.rank(me)
+
+    def workers(self, record: EpochRecord) -> EpochRecord:
+        """``record`` with grid ranks (workers) for global ranks."""
+        return record
+
+    def ranks(self, worker_ranks: Any) -> list[int]:
+        """The global ranks of the workers ``worker_ranks``."""
+        return list(worker_ranks)
+
+    def worker_steps(self, steps: dict[int, int]) -> dict[int, int]:
+        """Each worker's step count from its ranks' (the fewest: where the replica may resume)."""
+        return dict(steps)
+
+
 _DEEPSPEED_EXPORT = ("deepspeed layer files (layer_XX-model_states.pt) + stageN-optim_states.pt (ZeRO-1: "
                      "stageN-pipelineP-optim_states.pt, each replica's shard)")
 
@@ -129,6 +159,9 @@ class LiveRecovery:
         persistent_dir: where that export goes (default ``./checkpoints``).
         fault_hook: ``fault_hook(point, step)`` at ``in_recovery`` and ``in_rejoin`` (tests).
         export_format: what ``export`` writes, for the stop's manifest (default: DeepSpeed's layout).
+        view: how global ranks map onto workers (default :class:`RankView`: one rank per worker).
+        groups_for: ``groups_for(target, epoch)`` builds this rank's groups of a new generation
+            (default: :func:`~ds_resilience.comm.groups.build_groups` for ``me``).
         on_membership: ``on_membership(record, plan, previous, generation, joining=...)`` after the
             new groups are installed and the handovers done: state that depends on the membership
             (ZeRO-1's optimizer shards) moves here. ``previous`` is the topology before the epoch
@@ -139,9 +172,15 @@ class LiveRecovery:
                  tier: CheckpointTier, provider: ScheduleProvider, session: str, timeout_s: float, grace_s: float,
                  adopt: Callable[[Generation], None], export: Callable[[str, int], None],
                  persistent_dir: str | None, fault_hook: Callable[[str, int], None] | None = None,
-                 on_membership: Callable[..., None] | None = None, export_format: str | None = None) -> None:
+                 on_membership: Callable[..., None] | None = None, export_format: str | None = None,
+                 view: RankView | None = None,
+                 groups_for: Callable[[Topology, int], GenerationGroups] | None = None) -> None:
         self.topology, self.me = topology, me
-        self.rank = topology.rank(me)
+        self.view = view or RankView(topology, me)
+        self.rank = self.view.rank
+        self.groups_for = groups_for
+        self.retired = False  # this rank's replica failed while it lives on (tensor parallelism): it idles
+        self._steps: dict[int, int] = {}  # the step counts of the last plan
         self.coordinator = coordinator
         self.executor = executor
         self.tier = tier
@@ -165,10 +204,13 @@ class LiveRecovery:
         target = self.topology.without(failed)
         groups = None
         if build:
-            self._arrive(epoch, [self.topology.rank(w) for w in target.alive_workers()])
-            groups = build_groups(target, self.me, session=self.session, generation=epoch, timeout_s=self.timeout_s,
-                                  store=self.coordinator.store, tied=self.provider.tied,
-                                  device=self.executor.spec.device)
+            self._arrive(epoch, self.view.ranks(self.topology.rank(w) for w in target.alive_workers()))
+            if self.groups_for is not None:
+                groups = self.groups_for(target, epoch)
+            else:
+                groups = build_groups(target, self.me, session=self.session, generation=epoch,
+                                      timeout_s=self.timeout_s, store=self.coordinator.store, tied=self.provider.tied,
+                                      device=self.executor.spec.device)
         return Generation(epoch=epoch, topology=target, schedule=choice.schedule, source=choice.source,
                           lookup_s=choice.seconds, figures=choice.figures, groups=groups)
 
@@ -208,17 +250,23 @@ class LiveRecovery:
 
     def plan(self, record: EpochRecord) -> RecoveryPlan:
         """Post this worker's step count, read the survivors', and plan (pure)."""
-        steps = self.coordinator.gather_steps(record.epoch, self.tier.host.counters()[0], voters(record))
-        return plan_recovery(record, self.topology, steps, covered=self.provider.covers, tied=self.provider.tied)
+        workers = self.view.workers(record)
+        self._steps = self.coordinator.gather_steps(record.epoch, self.tier.host.counters()[0],
+                                                    self.view.ranks(voters(workers)))
+        return plan_recovery(workers, self.topology, self.view.worker_steps(self._steps),
+                             covered=self.provider.covers, tied=self.provider.tied)
 
     def apply(self, record: EpochRecord) -> None:
         started = time.perf_counter()
         self.coordinator.begin(record)
         self.executor.reset()
+        if self.topology.rank(self.me) in self.view.workers(record).failed:
+            self._retire(record)
+            return
         plan = self.plan(record)
         _log_plan(plan, self.rank)
         self.fault_hook("in_recovery", plan.resume_step)
-        if self.rank in plan.rollbacks:
+        if self._steps[self.rank] > plan.resume_step:  # it took the resume step already (plan.rollbacks)
             self.tier.rollback(plan.resume_step)
             self.executor.forget_pending()  # the speculative step, if any, is undone with it
         if self.executor.validator is not None and plan.action == "continue":
@@ -250,6 +298,16 @@ class LiveRecovery:
             # new epoch published by the agent -> ready for the first new step (same host clock)
             "recovery_s": time.time() - record.detected_at if record.detected_at else None,
         })
+
+    def _retire(self, record: EpochRecord) -> None:
+        """This rank lives but its replica lost a rank: it leaves the membership and idles (the
+        replica's work is re-routed like any failed replica's); it never votes or rolls back."""
+        self.executor.install(None)
+        self.retired = True
+        self.coordinator.mark_applied(record)
+        self.log.append({"epoch": record.epoch, "kind": "retired", "failed": list(record.failed)})
+        print(f"[ds_resilience] rank {self.rank}: replica {self.me} lost a rank (failed ranks {list(record.failed)}); "
+              f"this rank leaves the membership and idles", file=sys.stderr, flush=True)
 
     # --- re-join -----------------------------------------------------------------------------------
     def join(self) -> None:
@@ -299,17 +357,18 @@ class LiveRecovery:
             )
         base = self.persistent_dir or os.path.join(os.getcwd(), "checkpoints")
         ckpt_dir = os.path.join(base, f"global_step{step}")
-        target = self.topology.without(frozenset(self.topology.coord(r)[0] for r in record.failed))
+        failed = self.view.workers(record).failed
+        target = self.topology.without(frozenset(self.topology.coord(r)[0] for r in failed))
         writers = {s: min(target.stage_peers(s)) for s in range(target.pp) if s not in lost}
         store = self.coordinator.store
         if writers.get(self.me.stage) == self.me:
             self.export(ckpt_dir, step)
-            store.set(f"dsr/saved/{record.epoch}/{self.me.stage}", "1")
+            store.set(f"dsr/saved/{record.epoch}/r{self.rank}", "1")
         elif self.me.stage not in lost:
             self.export(ckpt_dir, step, writer=False)  # ZeRO-1: every replica's optimizer shard
-        if self.me == min(target.alive_workers()):
-            for s in writers:
-                self.coordinator.wait_key(f"dsr/saved/{record.epoch}/{s}")
+        if self.me == min(target.alive_workers()) and self.view.leader:
+            for r in self.view.ranks(self.topology.rank(w) for w in writers.values()):  # every shard of each
+                self.coordinator.wait_key(f"dsr/saved/{record.epoch}/r{r}")
             manifest = {
                 "step": step,
                 "stages_saved": sorted(writers),
