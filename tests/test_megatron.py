@@ -14,6 +14,10 @@ from dist_harness import run_workers
 import megatron_programs as mp
 
 ITERATIONS, PP, DP, MICRO, CLIP = 3, 2, 2, 4, 1.0
+# summation order (a stage's gradients summed over its replicas, re-routed micro-batches on one rank)
+# differs from the reference in the last bits; Adam's normalisation lifts that to ~1e-6 on some
+# machines' kernels. A lost or doubled micro-batch moves weights by a step's size (~1e-3).
+TOL = 1e-5
 SGD_CLIP = 0.6  # SGD's steps shrink the norm below 1.0: clip lower so that clipping is exercised
 
 
@@ -41,7 +45,7 @@ def _check(results, ref, idle=(), tp=1, clip=CLIP):
             if dim is not None:  # this tensor-parallel rank's shard of the reference weight
                 want = want.chunk(tp, dim=dim)[r["tp_rank"]]
             diff = float((value - want).abs().max())
-            assert diff < 1e-6, (r["stage"], r["pipeline"], name, diff)
+            assert diff < TOL, (r["stage"], r["pipeline"], name, diff)
         assert r["logged"] == ([0] * ITERATIONS if r["stage"] < PP - 1 else r["logged"])
         assert all(ok for ok, _ in r["results"])
     # evaluation (forward_only): the last stage returns the logging dicts of the micro-batches it
@@ -126,7 +130,7 @@ def test_a_megatron_format_checkpoint_written_by_survivors_restarts_exactly(refe
     assert all(r["start"] == ITERATIONS - 1 for r in resumed)
     for r in resumed:
         for name, value in r["params"].items():
-            assert float((value - ref["params"][name]).abs().max()) < 1e-6, (r["stage"], r["pipeline"], name)
+            assert float((value - ref["params"][name]).abs().max()) < TOL, (r["stage"], r["pipeline"], name)
 
 
 # --- installation and the interface ----------------------------------------------------------------
@@ -234,3 +238,50 @@ def test_a_megatron_core_optimizer_steps_without_its_model_parallel_clipping():
 def test_a_model_wrapped_in_megatrons_ddp_is_refused_not_trained_wrong():
     results = run_workers(mp.ddp_refusal, 1, timeout_s=120)
     assert "wrap_with_ddp=False" in results[0]
+
+
+def test_the_plane_view_sees_replicas_where_the_agent_sees_ranks():
+    """Under the agent a tensor-parallel job's recovery plans over replicas: a dead rank fails its
+    replica (its live tensor-parallel peer is out too), a replica's ranks vote together and it
+    resumes at the fewest steps any of them took."""
+    from ds_resilience.epochs import EpochRecord
+    from ds_resilience.megatron.grid import PTDPGrid
+    from ds_resilience.megatron.live import PlaneView
+
+    grid = PTDPGrid(tp=2, pp=2, dp=2)
+    topology = grid.topology()
+    view = PlaneView(grid, topology, rank=5)
+    assert not view.leader and PlaneView(grid, topology, rank=4).leader
+    record = EpochRecord(epoch=2, failed=(3,), alive=(0, 1, 2, 4, 5, 6, 7), kind="crash", reason="rank 3 crashed")
+    workers = view.workers(record)
+    dead = grid.coord(3)[0]
+    assert [topology.coord(r)[0] for r in workers.failed] == [dead]
+    assert sorted(topology.coord(r)[0] for r in workers.alive) == sorted(w for w in topology.workers() if w != dead)
+    assert view.ranks(workers.failed) == list(grid.replica(dead)) == [2, 3]
+    assert view.worker_steps({0: 4, 1: 5, 4: 5, 5: 5}) == {topology.rank(grid.coord(0)[0]): 4,
+                                                           topology.rank(grid.coord(4)[0]): 5}
+
+
+def test_the_resilient_scheduler_is_stepped_by_the_schedule_and_checks_the_loops_increment():
+    """megatron-core's OptimizerParamScheduler, wrapped: the schedule steps it by the global batch
+    size right after each update (what Megatron-LM's train_step does after optimizer.step()); the
+    loop's own call changes nothing, and a different increment (a ramp-up) is an error."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from ds_resilience.errors import ConfigError
+    from ds_resilience.megatron.optimizer import ResilientScheduler
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+    inner = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1.0, min_lr=0.1, lr_warmup_steps=32, lr_decay_steps=160,
+                                    lr_decay_style="linear", start_wd=0.0, end_wd=0.0, wd_incr_steps=160,
+                                    wd_incr_style="constant")
+    sched = ResilientScheduler(inner)
+    sched.increment = 16
+    sched.run_step()
+    assert inner.num_steps == 16 and opt.param_groups[0]["lr"] == pytest.approx(0.5)
+    sched.step(increment=16)  # the training loop's call: already done
+    assert inner.num_steps == 16 and sched.state_dict()["num_steps"] == 16
+    with pytest.raises(ConfigError, match="global batch size 16"):
+        sched.step(increment=8)
+    with pytest.raises(TypeError, match="load_state_dict"):
+        ResilientScheduler(object())
