@@ -76,7 +76,7 @@ from .vocab import FAULT_KINDS, FAULT_POINTS, SCHEDULES, SOLVERS, VARIANT_CHOICE
 
 __all__ = [
     "ResilienceConfig", "PlannerConfig", "DetectorConfig", "FaultInjection", "CheckpointConfig",
-    "load_resilience_config", "SCHEDULES", "VARIANTS", "SOLVERS", "FAULT_POINTS", "FAULT_KINDS",
+    "load_resilience_config", "load_resilience_file", "SCHEDULES", "VARIANTS", "SOLVERS", "FAULT_POINTS", "FAULT_KINDS",
 ]
 
 UNIT_COSTS = "unit"
@@ -440,3 +440,17 @@ def load_resilience_config(ds_config: dict[str, Any] | str | Path) -> Resilience
         raise ConfigError("resilience", f"expected an object (omit the section for the defaults), "
                           f"got {_show(section)}")
     return ResilienceConfig.from_dict(section)
+
+
+def load_resilience_file(path: str | Path) -> ResilienceConfig:
+    """The resilience settings in the JSON file ``path`` as Megatron's ``--resilience-config`` reads
+    it: a DeepSpeed config holding a ``"resilience"`` section, or the section alone."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(str(path), f"cannot read the config: {exc.strerror or exc}") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(str(path), f"the config is not valid JSON: {exc}") from exc
+    if isinstance(data, dict) and "resilience" not in data:
+        return ResilienceConfig.from_dict(data)
+    return load_resilience_config(data if isinstance(data, dict) else str(path))

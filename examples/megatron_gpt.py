@@ -7,7 +7,7 @@ tokens, logging dict)``), ``train_valid_test_datasets_provider``, and ``pretrain
 :func:`pretrain` below is a small stand-in with its contract (Megatron-LM's argument names and
 defaults, ``extra_args_provider``, model-parallel initialization, then a training loop that calls
 ``get_forward_backward_func()`` and ``optimizer.step()``); in a Megatron-LM checkout, drop it and
-import ``megatron.training.pretrain``. The resilience lines are the four the README lists.
+import ``megatron.training.pretrain``. The resilience lines are the five the README lists.
 
 Runs on CPU (gloo), e.g. PP=2 x DP=2 and TP=2 x PP=2 on four processes (``--no_local_rank``: as
 with DeepSpeed's launcher, Megatron-LM's parser reads ``LOCAL_RANK`` and rejects the flag)::
@@ -32,8 +32,8 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-from ds_resilience.megatron import (ResilientForwardBackward, ResilientOptimizer, add_resilience_args,
-                                   config_from_args, install)
+from ds_resilience.megatron import (ResilientForwardBackward, ResilientOptimizer, ResilientScheduler,
+                                   add_resilience_args, config_from_args, install, save_checkpoint)
 from ds_resilience.megatron.attention import device_safe_layer_spec
 from ds_resilience.runtime.recovery import BeyondTolerance
 
@@ -130,10 +130,15 @@ def _parse(extra_args_provider) -> argparse.Namespace:
     g.add_argument("--global-batch-size", type=int, default=None)
     g.add_argument("--train-iters", type=int, default=20)
     g.add_argument("--lr", type=float, default=3e-3)
+    g.add_argument("--min-lr", type=float, default=3e-4)
+    g.add_argument("--lr-warmup-iters", type=int, default=2)
+    g.add_argument("--lr-decay-style", type=str, default="cosine")
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--log-interval", type=int, default=1)
     g.add_argument("--bf16", action="store_true")
+    g = parser.add_argument_group(title="checkpointing")
+    g.add_argument("--save", type=str, default=None, help="write a Megatron-format checkpoint here at the end")
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
     args = parser.parse_args()
@@ -152,6 +157,7 @@ def pretrain(datasets_provider, model_provider_func, forward_step_func, extra_ar
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     from megatron.core import parallel_state as ps
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     ps.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size,
                                  pipeline_model_parallel_size=args.pipeline_model_parallel_size)
@@ -172,29 +178,41 @@ def pretrain(datasets_provider, model_provider_func, forward_step_func, extra_ar
     if not job.enabled:
         raise SystemExit("megatron_gpt.py runs megatron-core's model through ds_resilience's schedule: pass "
                          "--resilience (megatron-core's own schedule allocates on CUDA)")
+    gbs = args.global_batch_size  # megatron.training.training.get_optimizer_param_scheduler's sample-based schedule
+    opt_param_scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters * gbs,
+        lr_decay_steps=args.train_iters * gbs, lr_decay_style=args.lr_decay_style, start_wd=0.01, end_wd=0.01,
+        wd_incr_steps=args.train_iters * gbs, wd_incr_style="constant")
     optimizer = ResilientOptimizer(optimizer)
-    install(ResilientForwardBackward(job, optimizer, batches=batch))
+    opt_param_scheduler = ResilientScheduler(opt_param_scheduler)
+    forward_backward = ResilientForwardBackward(job, optimizer, batches=batch, scheduler=opt_param_scheduler)
+    install(forward_backward)
+    start = forward_backward.resume([model])  # Megatron's args.iteration = load_checkpoint(...)
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     pipeline = ps.get_data_parallel_rank()
     data = (batch(pipeline, it, k) for it in range(args.train_iters) for k in range(m))
     last = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
-    for iteration in range(1, args.train_iters + 1):
+    for iteration in range(start + 1, args.train_iters + 1):
         started = time.perf_counter()
         optimizer.zero_grad()
         try:
             losses = get_forward_backward_func()(forward_step_func=forward_step_func, data_iterator=data,
                                                  model=[model], num_microbatches=m, seq_length=SEQ,
                                                  micro_batch_size=mbs, forward_only=False)
-        except BeyondTolerance as exc:  # a stage lost every replica: the survivors saved, the job stops
-            print(f"[megatron_gpt] rank {dist.get_rank()} stopped: {exc}", flush=True)
+        except BeyondTolerance as exc:  # a stage lost every replica: the survivors saved (or the agent
+            print(f"[megatron_gpt] rank {dist.get_rank()} stopped: {exc}", flush=True)  # restarts from memory)
             return
         update_ok, grad_norm, _ = optimizer.step()
+        if update_ok:  # train_step: the scheduler after a successful update
+            opt_param_scheduler.step(increment=gbs)
         if last and losses and iteration % args.log_interval == 0:
             total = torch.stack([d["lm loss"] for d in losses]).sum(0)
             print(f" iteration {iteration:4d}/{args.train_iters} | pipeline {pipeline} | lm loss "
                   f"{float(total[0] / total[1]):.6f} | grad norm {grad_norm or 0.0:.4f} | "
                   f"{(time.perf_counter() - started) * 1e3:.0f} ms", flush=True)
+    if args.save:  # the first surviving replica of each stage writes its tensor-parallel shards
+        save_checkpoint(forward_backward, args.save, args.train_iters, model=model, optimizer=optimizer)
     # no barrier on the default group: after a failure it holds a dead rank (the agent's store outlives us)
     if dist.get_rank() == 0:
         print(f"[megatron_gpt] done: {args.train_iters} iterations, TP={args.tensor_model_parallel_size} "

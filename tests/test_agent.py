@@ -488,3 +488,23 @@ def test_agent_reports_a_taken_port(tmp_path):
     agent = Agent(WORKER, num_workers=1, master_port=taken.port, echo=lambda m: None)
     with pytest.raises(AgentError, match="cannot host the store"):
         agent.run()
+
+
+def test_the_agent_reads_a_megatron_scripts_resilience_config(tmp_path):
+    """`ds-resilience run ... pretrain_gpt.py --resilience-config F`: the agent takes its restart
+    budget and heartbeat settings from F (the section alone, or a DeepSpeed config holding it), as
+    it does from DeepSpeed's --deepspeed_config; without either it keeps its defaults."""
+    alone = tmp_path / "section.json"
+    alone.write_text(json.dumps({"checkpoint": {"max_restarts": 0}, "detector": {"heartbeat_interval_s": 0.2}}))
+    wrapped = tmp_path / "ds.json"
+    wrapped.write_text(json.dumps({"train_batch_size": 8, "resilience": {"checkpoint": {"max_restarts": 2}}}))
+    read = agent_mod._script_resilience
+    assert read(["--num-layers", "4", "--resilience-config", str(alone)]).checkpoint.max_restarts == 0
+    assert read([f"--resilience-config={alone}"]).detector.heartbeat_interval_s == 0.2
+    assert read(["--resilience-config", str(wrapped)]).checkpoint.max_restarts == 2
+    assert read(["--deepspeed_config", str(wrapped)]).checkpoint.max_restarts == 2
+    assert read(["--resilience"]) is None
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"checkpoint": {"max_restarts": -1}}))
+    with pytest.raises(ConfigError, match="max_restarts"):
+        read(["--resilience-config", str(bad)])

@@ -1,9 +1,14 @@
-"""The optimizer wrapper of the resilient forward-backward: each stage steps inside the schedule.
+"""The optimizer and scheduler wrappers of the resilient forward-backward: each stage steps inside
+the schedule.
 
 Megatron-LM's training loop calls ``optimizer.step()`` after the forward-backward and expects
 ``(update_successful, grad_norm, num_zeros_in_grad)``. Under the staggered optimizer each stage has
 stepped already, at its OPT_STEP; :class:`ResilientOptimizer` takes that step (:meth:`run_step`, the
-executor's step function) and its ``step()`` returns what it did.
+executor's step function) and its ``step()`` returns what it did. :class:`ResilientScheduler` does
+the same for megatron-core's ``OptimizerParamScheduler``: the schedule steps it right after the
+stage's update (so a snapshot or a rollback holds weights, moments and learning-rate schedule of
+one and the same step), and the loop's ``opt_param_scheduler.step(increment=...)`` is checked and
+otherwise a no-op.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from typing import Any, Callable
 
 from ..errors import ConfigError, ResilienceError
 
-__all__ = ["ResilientOptimizer"]
+__all__ = ["ResilientOptimizer", "ResilientScheduler"]
 
 
 class ResilientOptimizer:
@@ -70,3 +75,40 @@ class ResilientOptimizer:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["optimizer"], name)
+
+
+class ResilientScheduler:
+    """megatron-core's ``OptimizerParamScheduler`` (or any scheduler with ``step(increment)``,
+    ``state_dict()`` and ``load_state_dict()``), stepped by the resilient schedule.
+
+    Give it to :class:`~ds_resilience.megatron.schedule.ResilientForwardBackward` (``scheduler=``):
+    right after each successful update of the stage the schedule calls the wrapped scheduler's
+    ``step(increment=global batch size)``, which is what Megatron-LM's ``train_step`` does after
+    ``optimizer.step()``; the loop's own call then only checks its increment. Everything else is
+    the wrapped scheduler's.
+    """
+
+    def __init__(self, scheduler: Any) -> None:
+        for name in ("step", "state_dict", "load_state_dict"):
+            if not callable(getattr(scheduler, name, None)):
+                raise TypeError(f"ResilientScheduler wraps a scheduler with step(increment), state_dict() and "
+                                f"load_state_dict(); {type(scheduler).__name__} has no {name}()")
+        self.scheduler = scheduler
+        self.increment: int | None = None  # the global batch size (set by the forward-backward)
+
+    def run_step(self) -> None:
+        """The schedule's scheduler step, right after the stage's update."""
+        if self.increment is None:
+            raise ResilienceError("ResilientScheduler stepped before a resilient forward-backward adopted it")
+        self.scheduler.step(increment=self.increment)
+
+    def step(self, increment: int | None = None, *args: Any, **kwargs: Any) -> None:
+        """The training loop's call: the schedule stepped already; a different increment (a batch-size
+        ramp-up, which this schedule does not run) is an error."""
+        if increment is not None and self.increment is not None and increment != self.increment:
+            raise ConfigError("--rampup-batch-size", f"opt_param_scheduler.step(increment={increment}) but the "
+                                                     f"resilient schedule steps it by the global batch size "
+                                                     f"{self.increment} per iteration")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["scheduler"], name)

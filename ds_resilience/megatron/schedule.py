@@ -35,8 +35,9 @@ tensor-parallel group) fails as one.
 Evaluation (``forward_only=True``) runs forward passes only, a failed replica's re-routed to its
 stage's survivors, and returns the last stage's logging dicts as megatron-core does.
 
-Under ``ds-resilience run`` (tensor-parallel size 1) a rank that dies is handled live
-(:mod:`.live`): the call that notices it recovers and replays from the resume iteration.
+Under ``ds-resilience run`` a rank that dies is handled live (:mod:`.live`): the call that notices
+it recovers and replays from the resume iteration; the other ranks of its tensor-parallel group
+leave the membership and idle.
 
 Supported today: one model chunk per rank (no interleaving), unwrapped
 megatron-core modules (not Megatron's ``DistributedDataParallel``: this schedule reduces the
@@ -45,8 +46,10 @@ gradients itself), fp32.
 
 from __future__ import annotations
 
+import atexit
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -54,7 +57,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from ..comm.groups import GenerationGroups, build_groups, new_group
+from ..comm.groups import GenerationGroups, new_group
 from ..costs import CostModel
 from ..errors import ConfigError, ResilienceError
 from ..ir import Schedule
@@ -67,8 +70,8 @@ from ..runtime.recovery import is_failure, release_on_epoch
 from ..topology import Topology, Worker
 from .args import MegatronJob
 from .grid import PTDPGrid
-from .live import live_parts, make_recovery
-from .optimizer import ResilientOptimizer
+from .live import live_parts, make_recovery, start
+from .optimizer import ResilientOptimizer, ResilientScheduler
 
 __all__ = ["ResilientForwardBackward", "plane_groups"]
 
@@ -93,6 +96,7 @@ class _Runtime:
     actions: tuple
     posts: dict[int, tuple[int, ...]]
     source: str
+    tp_rank: int = 0
     live: Any = None  # LiveParts under the agent
     losses: list = field(default_factory=list)
 
@@ -113,17 +117,27 @@ class ResilientForwardBackward:
         timeout_s: how long a message or collective may wait.
         eval_batches: ``eval_batches(pipeline, evaluation, microbatch) -> item`` for evaluation
             (``forward_only``) micro-batches re-routed from a failed replica's pipeline.
+        scheduler: megatron-core's ``OptimizerParamScheduler`` wrapped in
+            :class:`~ds_resilience.megatron.optimizer.ResilientScheduler`: stepped right after each
+            update of the stage, and part of every snapshot and rollback.
     """
 
     def __init__(self, job: MegatronJob, optimizer: ResilientOptimizer, *,
                  batches: Callable[[int, int, int], Any] | None = None, simulate_failed: Iterable[Worker] | None = None,
                  cost: CostModel | None = None, timeout_s: float | None = None,
-                 eval_batches: Callable[[int, int, int], Any] | None = None) -> None:
+                 eval_batches: Callable[[int, int, int], Any] | None = None,
+                 scheduler: ResilientScheduler | None = None) -> None:
         if not isinstance(optimizer, ResilientOptimizer):
             raise TypeError(f"optimizer must be a ResilientOptimizer (wrap yours: ResilientOptimizer(opt)), got "
                             f"{type(optimizer).__name__}")
+        if scheduler is not None and not isinstance(scheduler, ResilientScheduler):
+            raise TypeError(f"scheduler must be a ResilientScheduler (wrap yours: ResilientScheduler(sched)), got "
+                            f"{type(scheduler).__name__}")
         self.job = job
         self.optimizer = optimizer
+        self.scheduler = scheduler
+        if scheduler is not None:
+            scheduler.increment = job.micro_batch_size * job.microbatches * job.dp  # Megatron's train_step's
         self.batches = batches
         self.simulate_failed = frozenset(job.config.simulate_failed if simulate_failed is None else simulate_failed)
         self.cost = cost or job.config.cost()
@@ -193,6 +207,11 @@ class ResilientForwardBackward:
                     raise
                 rt.live.recovery.recover(exc)  # rolls back, new groups and schedule (self._adopt)
                 self.iteration = self.steps
+                if rt.live.recovery.retired:  # this rank's replica lost a rank: it idles from now on
+                    rt.topology = rt.topology.without([rt.me])
+                    self.iteration = target
+                    self.optimizer._result = (False, None, None)
+                    return []
         self._own = {k: v for k, v in self._own.items() if k[0] >= self.iteration - 1}  # one back: a replay
         return rt.losses if ex.is_last else []
 
@@ -211,7 +230,35 @@ class ResilientForwardBackward:
     def _step(self, *, zero_grad: bool = True, skip: bool = False) -> None:
         """The executor's step: the optimizer's, and the stage's step count (the tier's counters)."""
         self.optimizer.run_step(zero_grad=zero_grad, skip=skip)
+        if self.scheduler is not None and self.optimizer._result[0]:  # train_step: after a successful update
+            self.scheduler.run_step()
         self.steps += 1
+
+    def close(self) -> None:
+        """The end of training under the agent: the last snapshot committed and replicated, the
+        tier's threads and the heartbeats stopped (an exit, not a hang). Runs at interpreter exit
+        if the script does not call it; calling it twice is harmless."""
+        rt = self.rt
+        live = rt.live if rt is not None else None
+        if live is None or getattr(live, "closed", False):
+            return
+        live.closed = True
+        live.tier.close()
+        live.coordinator.close()
+
+    def resume(self, model: Any) -> int:
+        """Where Megatron-LM loads its checkpoint (``args.iteration = load_checkpoint(...)``): build
+        this rank's runtime and return the iteration to start from. A fresh start returns 0 (or
+        the iteration :func:`~ds_resilience.megatron.checkpoint.load_checkpoint` set); after the
+        agent restarted every worker beyond tolerance, the stage's state comes back from the
+        in-memory snapshots here and the newest step they hold is returned."""
+        if isinstance(model, (list, tuple)):
+            model = model[0]
+        if self.rt is None:
+            self._build(model)
+        elif model is not self.rt.model:
+            raise ResilienceError("the model passed differs from the one of the first call")
+        return self.iteration
 
     # --- live recovery's callbacks ------------------------------------------------------------------
     def _on_epoch(self, record: Any) -> None:
@@ -237,7 +284,7 @@ class ResilientForwardBackward:
         if writer:
             from .checkpoint import write_shard
 
-            write_shard(directory, step, model=self.rt.model, optimizer=self.optimizer, tp_rank=0,
+            write_shard(directory, step, model=self.rt.model, optimizer=self.optimizer, tp_rank=self.rt.tp_rank,
                         pp_rank=self.rt.me.stage, pp=self.job.pp)
 
     def _evaluate(self, rt: _Runtime, forward_step: Callable, data: Iterator | None, microbatches: int) -> list:
@@ -301,7 +348,7 @@ class ResilientForwardBackward:
         live = None
         if launch is not None:  # under the agent: heartbeats, epochs, rollback, recovery
             session = "live-megatron"
-            live = live_parts(self, launch, me=me, rank=dist.get_rank(), topology=topology, params=params)
+            live = live_parts(self, launch, me=me, rank=dist.get_rank(), topology=topology, params=params, grid=grid)
         else:
             session = _agree_session(self.timeout_s)
         alive = me not in failed
@@ -319,22 +366,32 @@ class ResilientForwardBackward:
             # a weight every tensor-parallel rank holds whole (norms, row-parallel biases) counts once
             counted_param=lambda p: tp_rank == 0 or bool(getattr(p, "tensor_model_parallel", False)))
         self.optimizer.grad_norm = lambda: executor.last_grad_norm
+        store = live.coordinator.store if live is not None else None
+
+        def groups_for(target: Topology, generation: int) -> GenerationGroups:
+            return plane_groups(grid, target, me, tp_rank, session=session, timeout_s=self.timeout_s, tied=tied_groups,
+                                generation=generation, device=device if on_gpu else None, store=store)
+
         if live is not None:
             live.recovery = make_recovery(self, live, topology=topology, me=me, executor=executor, provider=provider,
-                                          session=session)
-            executor.install(build_groups(topology, me, session=session, timeout_s=self.timeout_s,
-                                          store=live.coordinator.store, tied=tied_groups,
-                                          device=device if on_gpu else None))
-        elif alive:
-            executor.install(plane_groups(grid, topology.without(failed), me, tp_rank, session=session,
-                                          timeout_s=self.timeout_s, tied=tied_groups,
-                                          device=device if on_gpu else None))
+                                          session=session, grid=grid, rank=dist.get_rank(), groups_for=groups_for)
+        if alive:
+            executor.install(groups_for(topology.without(failed), 0))
         schedule = choice.schedule
         index = topology.worker_index(me)
         self.rt = _Runtime(grid=grid, me=me, model=model, executor=executor, topology=topology.without(failed),
                            schedule=schedule,
                            actions=schedule.workers[index], posts=early_posts(schedule)[index] if alive else {},
-                           source=choice.source, live=live)
+                           source=choice.source, tp_rank=tp_rank, live=live)
+        if live is not None:
+            atexit.register(_close_at_exit, weakref.ref(self))
+            restored = start(self, live, launch, grid)
+            if restored is not None:
+                live.recovery.log.append(restored)
+                if dist.get_rank() == 0:
+                    print(f"[ds_resilience] megatron: restart {launch.restart}: restored step {restored['resume_step']} "
+                          f"from the in-memory snapshots (sources {restored['sources']}, "
+                          f"{restored['recovery_s']:.2f} s)", flush=True)
         if dist.get_rank() == 0:
             what = ",".join(sorted(str(w) for w in failed)) or "none"
             print(f"[ds_resilience] megatron: {job.dp} x {job.pp} replicas, failed {what}: {choice.source} "
@@ -403,6 +460,12 @@ class ResilientForwardBackward:
         return loss
 
 
+def _close_at_exit(ref: "weakref.ref[ResilientForwardBackward]") -> None:
+    fb = ref()
+    if fb is not None:
+        fb.close()
+
+
 @dataclass(frozen=True)
 class _Item:
     """A first-stage micro-batch on its way through the executor (not a tensor: passed as is)."""
@@ -427,21 +490,24 @@ def _agree_session(timeout_s: float) -> str:
 
 def plane_groups(grid: PTDPGrid, topology: Topology, me: Worker, tp_rank: int, *, session: str, timeout_s: float,
                  tied: Sequence[Sequence[int]] = (), generation: int = 0,
-                 device: torch.device | None = None) -> GenerationGroups:
+                 device: torch.device | None = None, store: dist.Store | None = None) -> GenerationGroups:
     """The groups of ``me``'s tensor-parallel plane (every rank of tensor-parallel rank ``tp_rank``
     runs the schedule's copy of the grid): the stage's surviving replicas in the plane (gradient
     reduce, per tensor-parallel shard), the tied groups in the plane, and one world group of every
     surviving rank of every plane (messages within the plane, the global gradient norm over all
-    shards). ``device``: a GPU makes them NCCL groups on it."""
+    shards). ``device``: a GPU makes them NCCL groups on it; ``store``: where they meet (default:
+    the default group's; under the agent, the agent's)."""
     name = f"{session}/g{generation}"
     rank = grid.rank(me, tp_rank)
     world = new_group([r for w in topology.alive_workers() for r in grid.replica(w)], name=f"{name}/world",
-                      timeout_s=timeout_s, me=rank, device=device)
+                      timeout_s=timeout_s, me=rank, device=device, store=store)
     stage = new_group([grid.rank(w, tp_rank) for w in topology.stage_peers(me.stage)],
-                      name=f"{name}/t{tp_rank}/stage{me.stage}", timeout_s=timeout_s, me=rank, device=device)
+                      name=f"{name}/t{tp_rank}/stage{me.stage}", timeout_s=timeout_s, me=rank, device=device,
+                      store=store)
     groups = {}
     for g, stages in enumerate(tied):  # in group order on every member
         if me.stage in stages:
             groups[g] = new_group([grid.rank(w, tp_rank) for s in stages for w in topology.stage_peers(s)],
-                                  name=f"{name}/t{tp_rank}/tied{g}", timeout_s=timeout_s, me=rank, device=device)
+                                  name=f"{name}/t{tp_rank}/tied{g}", timeout_s=timeout_s, me=rank, device=device,
+                                  store=store)
     return GenerationGroups(generation=generation, world=world, stage=stage, tied=groups)

@@ -37,7 +37,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch.distributed as dist
 
-from ..config import DetectorConfig, load_resilience_config
+from ..config import DetectorConfig, load_resilience_config, load_resilience_file
 from ..errors import ResilienceError
 from ..launch import LaunchEnv, snapshot_root
 from ..planning.recovery import lost_stages
@@ -467,7 +467,7 @@ class Agent:
         on the stages the workers registered. A failed rank that never registered is a start-up
         failure (its stage is unknown)."""
         stage_of: dict[int, int] = {}
-        pipeline_of: dict[int, int] = {}
+        pipeline_of: dict[int, int] = {}  # a replica is (pipeline, stage): a tensor-parallel group's ranks share it
         for rank in range(self.num_workers):
             info = mb.read_worker(self.store, rank)
             if info is None:
@@ -478,7 +478,7 @@ class Agent:
             if info.heartbeat_interval_s is not None and abs(info.heartbeat_interval_s - self.heartbeat_interval_s) > 1e-9:
                 self._echo(f"[ds_resilience agent] rank {rank} beats every {info.heartbeat_interval_s} s, "
                            f"the agent expects {self.heartbeat_interval_s} s")
-        lost = lost_stages(stage_of, self._failed)
+        lost = lost_stages(stage_of, self._failed, {r: (pipeline_of[r], stage_of[r]) for r in stage_of})
         return EXIT_STOPPED, "; ".join(f"stage {s} lost every replica (" + ", ".join(
             f"rank {r} of pipeline {pipeline_of[r]}" for r in sorted(stage_of) if stage_of[r] == s) + ")" for s in lost)
 
@@ -573,12 +573,16 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _ds_config_path(script_args: Sequence[str]) -> str | None:
+def _script_resilience(script_args: Sequence[str]):
+    """The script's resilience settings (``None``: none given): DeepSpeed's ``--deepspeed_config``
+    or Megatron's ``--resilience-config`` (a DeepSpeed config, or the section alone)."""
+    readers = {"--deepspeed_config": load_resilience_config, "--resilience-config": load_resilience_file}
     for i, arg in enumerate(script_args):
-        if arg == "--deepspeed_config" and i + 1 < len(script_args):
-            return script_args[i + 1]
-        if arg.startswith("--deepspeed_config="):
-            return arg.split("=", 1)[1]
+        for flag, read in readers.items():
+            if arg == flag and i + 1 < len(script_args):
+                return read(script_args[i + 1])
+            if arg.startswith(flag + "="):
+                return read(arg.split("=", 1)[1])
     return None
 
 
@@ -593,9 +597,8 @@ def main_run(argv: Sequence[str]) -> int:
             num = device_count() or 1  # one process per accelerator (one on a CPU machine)
         interval, timeout, store_timeout = args.heartbeat_interval, args.heartbeat_timeout, None
         max_restarts, host_dir = 0, None
-        cfg_path = _ds_config_path(args.script_args)
-        if cfg_path is not None:
-            resilience = load_resilience_config(cfg_path)
+        resilience = _script_resilience(args.script_args)
+        if resilience is not None:
             detector = resilience.detector
             if resilience.checkpoint.enabled:
                 max_restarts, host_dir = resilience.checkpoint.max_restarts, resilience.checkpoint.host_dir
