@@ -90,11 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="stages sharing a tied module (e.g. 0,3); repeat for several groups")
     table.set_defaults(handler=_cmd_plan_table)
 
-    from .planning import placement_cli
+    from .planning import placement_cli, templates_cli
     from .sim import cli as sim_cli
 
     sim_cli.add_parser(sub)
     placement_cli.add_parser(sub)
+    templates_cli.add_parser(sub)
     sub.add_parser("run", help="launch workers under the failure-handling agent (deepspeed launcher arguments)")
     sub.add_parser("profile", help="measure the job's costs on its own ranks and write the cost-model JSON "
                                    "(--out FILE [--profile-steps K] then the run arguments)")
