@@ -34,7 +34,7 @@ def _megatron(tp: int, pp: int, device: str = "cpu"):
     return parallel_state
 
 
-def _model(pre_process: bool = True, post_process: bool = True, pp: int = 1, tp: int = 1):
+def _model(pre_process: bool = True, post_process: bool = True, pp: int = 1, tp: int = 1, recompute: str | None = None):
     import torch
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -45,7 +45,7 @@ def _model(pre_process: bool = True, post_process: bool = True, pp: int = 1, tp:
     config = TransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
                                use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
                                pipeline_dtype=torch.float32, pipeline_model_parallel_size=pp,
-                               tensor_model_parallel_size=tp)
+                               tensor_model_parallel_size=tp, **_RECOMPUTE[recompute])
     # megatron-core moves the tied output weight to CUDA before its first-to-last-stage all-reduce
     # (LanguageModule.setup_embeddings_and_output_layer); on CPU that copy is the identity
     cpu = mock.patch.object(torch.Tensor, "cuda", lambda self, *a, **k: self)
@@ -53,6 +53,13 @@ def _model(pre_process: bool = True, post_process: bool = True, pp: int = 1, tp:
         return GPTModel(config=config, transformer_layer_spec=device_safe_layer_spec(get_gpt_layer_local_spec()),
                         vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="learned_absolute",
                         pre_process=pre_process, post_process=post_process, share_embeddings_and_output_weights=True)
+
+
+# megatron-core's activation recompute settings (Megatron-LM: --recompute-granularity full
+# --recompute-method uniform --recompute-num-layers 1, or --recompute-granularity selective)
+_RECOMPUTE = {None: {}, "full": {"recompute_granularity": "full", "recompute_method": "uniform",
+                                 "recompute_num_layers": 1},
+              "selective": {"recompute_granularity": "selective"}}
 
 
 def make_item(pipeline: int, iteration: int, microbatch: int) -> dict:
@@ -161,7 +168,8 @@ def _shard(full, param, tp_rank: int, tp: int):
 
 def pipelined(rank: int, world: int, init_path: str, iterations: int, pp: int, microbatches: int, clip: float,
               failed: list, reroute_data: bool, variant: str, tp: int = 1, opt_kind: str = "adam",
-              device: str = "cpu", save_dir: str | None = None, load_dir: str | None = None):
+              device: str = "cpu", save_dir: str | None = None, load_dir: str | None = None,
+              recompute: str | None = None):
     """Megatron-LM's training loop shape over the resilient forward-backward: the hook's arguments,
     config_from_args, install(), get_forward_backward_func(), then optimizer.step()."""
     import torch
@@ -179,7 +187,7 @@ def pipelined(rank: int, world: int, init_path: str, iterations: int, pp: int, m
     args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.data_parallel_size = tp, pp, dp
     args.micro_batch_size, args.global_batch_size, args.clip_grad, args.seed = MBS, MBS * dp * microbatches, clip, 1234
     job = config_from_args(args)
-    model = _model(pre_process=stage == 0, post_process=stage == pp - 1, pp=pp, tp=tp)
+    model = _model(pre_process=stage == 0, post_process=stage == pp - 1, pp=pp, tp=tp, recompute=recompute)
     init = torch.load(init_path)
     with torch.no_grad():
         for name, p in model.named_parameters():

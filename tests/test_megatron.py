@@ -93,6 +93,20 @@ def test_a_failed_replicas_micro_batches_rerouted_keep_the_reference_step(refere
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_megatron_cores_activation_recompute_is_taken_over_at_stage_granularity(reference, recompute):
+    """The model built with megatron-core's activation recompute (Megatron-LM's --recompute-granularity
+    full / selective), whose checkpoint function is reentrant (no B/W split through it) and CUDA-only:
+    F keeps the stage input, B recomputes the chunk with megatron-core's recompute off; with a failed
+    replica re-routed, every stage ends at the reference's weights and each micro-batch is logged once."""
+    init, ref = reference
+    results = run_workers(mp.pipelined, PP * DP, args=(init, ITERATIONS, PP, MICRO, CLIP, ["1:0"], True, "recycle",
+                                                       1, "adam", "cpu", None, None, recompute), timeout_s=300)
+    _check(results, ref, idle=[(1, 0)])
+    assert all(r["logged"] == [MICRO] * ITERATIONS for r in results if r["stage"] == PP - 1)
+
+
+@pytest.mark.timeout(600)
 def test_tp2_inside_each_stage_with_a_failed_replica_keeps_the_reference_step(reference_sgd):
     """TP=2 x PP=2 x DP=2 (8 ranks): every tensor-parallel rank runs the plan in its plane; one dead
     replica (both of its tensor-parallel ranks idle) is re-routed; every shard ends equal to the

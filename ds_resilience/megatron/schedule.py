@@ -39,6 +39,9 @@ Under ``ds-resilience run`` a rank that dies is handled live (:mod:`.live`): the
 it recovers and replays from the resume iteration; the other ranks of its tensor-parallel group
 leave the membership and idle.
 
+megatron-core's activation recompute (``recompute_granularity`` full or selective) is taken over at
+stage granularity (:mod:`.recompute`): F keeps the chunk's input, B recomputes the chunk.
+
 Supported today: one model chunk per rank (no interleaving), unwrapped
 megatron-core modules (not Megatron's ``DistributedDataParallel``: this schedule reduces the
 gradients itself), fp32.
@@ -47,6 +50,7 @@ gradients itself), fp32.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import time
 import uuid
 import weakref
@@ -72,6 +76,7 @@ from .args import MegatronJob
 from .grid import PTDPGrid
 from .live import live_parts, make_recovery, start
 from .optimizer import ResilientOptimizer, ResilientScheduler
+from .recompute import recompute_switch
 
 __all__ = ["ResilientForwardBackward", "plane_groups"]
 
@@ -153,6 +158,7 @@ class ResilientForwardBackward:
         self._data: Iterator | None = None
         self._forward_step: Callable | None = None
         self._loss_funcs: dict[tuple[int, int], Callable] = {}
+        self._switch: Callable | None = None  # megatron-core's activation recompute, switched off per call
 
     # --- megatron-core's interface ---------------------------------------------------------------
     def __call__(self, **kwargs: Any) -> list:
@@ -312,7 +318,8 @@ class ResilientForwardBackward:
         self._forward_step = forward_step
         try:
             actions = inference_actions(rt.topology, microbatches)[rt.topology.worker_index(rt.me)]
-            ex.evaluate(actions, load=lambda p, k: ((_Item(item(p, 0, k)),), None), microbatches=microbatches)
+            with self._switch() if self._switch is not None else contextlib.nullcontext():  # no graph: no recompute
+                ex.evaluate(actions, load=lambda p, k: ((_Item(item(p, 0, k)),), None), microbatches=microbatches)
         finally:
             del self._item  # the training reader again
             self.evaluations += 1
@@ -334,6 +341,7 @@ class ResilientForwardBackward:
         topology = grid.topology()
         params = [p for p in model.parameters() if p.requires_grad]
         tied_groups, tied_params = self._tied(model, me.stage)
+        self._switch = recompute_switch(model)  # megatron-core's recompute: done at stage granularity here
         cfg = job.config
         launch = launch_env()
         if launch is not None and self.simulate_failed:
@@ -361,6 +369,7 @@ class ResilientForwardBackward:
             spec, module=model, parameters=params, loss_fn=self._loss, batch_source=self._batch,
             rank_of=lambda i: grid.rank(topology.worker(i), tp_rank), step=self._step,
             forward_fn=self._forward, tied=tied_params,
+            recompute=self._recompute if self._switch is not None else None,
             hooks=live.tier if live is not None else None, fault_hook=live.faults.maybe_fire if live else None,
             counted_tied=[g for g, stages in enumerate(tied_groups) if stages[0] == me.stage],
             # a weight every tensor-parallel rank holds whole (norms, row-parallel biases) counts once
@@ -444,6 +453,12 @@ class ResilientForwardBackward:
             self._loss_funcs[(pipeline, microbatch)] = loss_func
         return output
 
+    def _recompute(self, arg: Any) -> Any:
+        """Activation recompute (:mod:`.recompute`): the chunk's plain forward, run without a graph
+        in F and again, with one, in B."""
+        with self._switch():
+            return self._forward(arg)
+
     def _loss(self, output: Any, _labels: Any) -> torch.Tensor:
         pipeline, _, microbatch = self.rt.executor.current
         loss_func = self._loss_funcs.pop((pipeline, microbatch))
@@ -456,7 +471,8 @@ class ResilientForwardBackward:
         else:
             raise ResilienceError(f"loss_func returned {len(outputs)} values; megatron-core's contract is (loss, "
                                   f"logging_dict) or (loss, num_tokens, logging_dict)")
-        self.rt.losses.append(reduced)
+        if self._switch is None or not torch.is_grad_enabled():  # B's recomputation (with a graph) logs nothing
+            self.rt.losses.append(reduced)
         return loss
 
 
