@@ -49,6 +49,21 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _stopped(tmp_path, *, first: int, second: int, args, nproc: int) -> subprocess.CompletedProcess:
+    """The example under the agent with no restart allowed: rank ``first`` SIGKILLed mid-backward in
+    iteration 1, rank ``second`` before the forward of iteration 2; the job must stop (exit code 3)."""
+    config = tmp_path / "kill2.json"
+    config.write_text(json.dumps({"max_failures": 1, "checkpoint": {"max_restarts": 0}, "fault_injection": [
+        {"rank": first, "step": 1, "point": "mid_backward", "kind": "sigkill"},
+        {"rank": second, "step": 2, "point": "before_forward", "kind": "sigkill"}]}))
+    cmd = [sys.executable, "-m", "ds_resilience.cli", "run", "--no_local_rank", "--num_gpus", str(nproc),
+           os.path.join(REPO, "examples", "megatron_gpt.py"), *args, "--resilience-config", str(config)]
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 3, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
 @pytest.mark.timeout(600)
 def test_the_megatron_example_trains_and_a_failed_replica_leaves_its_losses_unchanged(tmp_path):
     text, healthy = _run(["--resilience"], tmp_path)
@@ -85,15 +100,7 @@ def test_beyond_tolerance_the_surviving_stage_is_saved_in_megatrons_layout_and_t
     manifest naming what was saved and lost."""
     import torch
 
-    config = tmp_path / "kill2.json"
-    config.write_text(json.dumps({"max_failures": 1, "checkpoint": {"max_restarts": 0}, "fault_injection": [
-        {"rank": 1, "step": 1, "point": "mid_backward", "kind": "sigkill"},
-        {"rank": 0, "step": 2, "point": "before_forward", "kind": "sigkill"}]}))
-    cmd = [sys.executable, "-m", "ds_resilience.cli", "run", "--no_local_rank", "--num_gpus", "4",
-           os.path.join(REPO, "examples", "megatron_gpt.py"), *ARGS, "--resilience-config", str(config)]
-    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240,
-                         env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"})
-    assert out.returncode == 3, out.stdout[-3000:] + out.stderr[-3000:]
+    out = _stopped(tmp_path, first=1, second=0, args=ARGS, nproc=4)
     assert "stopped cleanly after step 2" in out.stdout
     manifest = json.loads((tmp_path / "checkpoints" / "global_step2" / "manifest.json").read_text())
     assert manifest["stages_saved"] == [1] and manifest["stages_lost"] == [0]
@@ -134,6 +141,7 @@ def test_a_sigkilled_tensor_parallel_rank_takes_its_replica_out_and_the_survivor
     assert "rank 3 crashed (killed by SIGKILL)" in text
     assert "rank 2: replica 1:0 lost a rank" in text and "this rank leaves the membership and idles" in text
     assert '"failed_workers": ["1:0"]' in text and "failed 1:0: table recycle schedule" in text
+    assert '"failed_ranks": [3]' in text  # the plan names replicas; the line also names the dead rank
     assert "exit code 0: all live workers finished (1 failed)" in text
     _assert_same_losses(survived, healthy)
     want, got = _shards(tmp_path / "healthy"), _shards(tmp_path / "survived")
@@ -155,15 +163,7 @@ def test_with_tensor_parallelism_a_stage_is_lost_once_each_replica_lost_one_rank
     iteration 2. Six ranks still live, two of them in stage 0, but neither stage-0 replica is whole:
     the agent stops the job (exit code 3) and stage 1's surviving replica writes both of its
     tensor-parallel shards in Megatron's layout."""
-    config = tmp_path / "kill2.json"
-    config.write_text(json.dumps({"max_failures": 1, "checkpoint": {"max_restarts": 0}, "fault_injection": [
-        {"rank": 3, "step": 1, "point": "mid_backward", "kind": "sigkill"},
-        {"rank": 0, "step": 2, "point": "before_forward", "kind": "sigkill"}]}))
-    cmd = [sys.executable, "-m", "ds_resilience.cli", "run", "--no_local_rank", "--num_gpus", "8",
-           os.path.join(REPO, "examples", "megatron_gpt.py"), *TP2, "--resilience-config", str(config)]
-    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"})
-    assert out.returncode == 3, out.stdout[-3000:] + out.stderr[-3000:]
+    out = _stopped(tmp_path, first=3, second=0, args=TP2, nproc=8)
     assert "stage 0 lost every replica" in out.stdout + out.stderr
     manifest = json.loads((tmp_path / "checkpoints" / "global_step2" / "manifest.json").read_text())
     assert manifest["stages_saved"] == [1] and manifest["stages_lost"] == [0]
