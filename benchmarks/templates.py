@@ -10,6 +10,10 @@ for 48 layers, more than 300 s for 64 layers) and at the issue's goal, 128 layer
 < 2 s. Each row also instantiates the templates on the largest node count minus 3 (tolerance 1)
 and compares the planner's predicted iteration time with the schedule replay of the slowest chosen
 pipeline. Optimality: random small cases against brute force (partitions and instantiations).
+Re-grid plan: 128 layers on 4 pipelines x 16 stages (64 nodes), 3 nodes of stage 5 lost (one
+replica left) or all 4 (the stage lost): the 61 or 60 survivors' positions on the instantiated
+template grid by minimum-cost matching, the bytes they receive, how much of it no survivor holds
+(from the snapshots), and the busiest sender.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ds_resilience.planning.layers import LayerProfile  # noqa: E402
+from ds_resilience.planning.regrid import plan_regrid, positions  # noqa: E402
 from ds_resilience.planning.templates import Link, instantiate, partition, plan_templates  # noqa: E402
 
 OOBLECK_S = {(32, 16): 26.5, (48, 16): 143.0, (64, 16): 300.0}  # measured here; 64 layers: > 300 s (killed)
@@ -130,11 +135,34 @@ def main() -> int:
         print(f"{r['layers']:>6} {r['nodes']:>6} {r['templates']:>4} {r['smallest']:>4} {r['planning_s']:>8.3f} "
               f"{ref:>10} {speed:>8}  {r['instantiation_s']:>7.3f} {r['survivors']:>9} {chosen:<24} "
               f"{r['predicted'] / r['replayed']:>11.3f}")
+    print("\n== Re-grid plan: 128 layers, 4 x 16 grid (64 nodes), survivors onto the template grid")
+    profile = gpt_profile(128)
+    state = [profile.param_bytes[i] + profile.optimizer_bytes[i] for i in range(128)]
+    home = plan_templates(profile, 16, 16, memory_cap=24 * GIB)[16]
+    old = {(p, k): list(range(home.bounds[k], home.bounds[k + 1])) for p in range(4) for k in range(16)}
+    regrids = []
+    for lost in (3, 4):
+        held = {w: layers for w, layers in old.items() if not (w[1] == 5 and w[0] < lost)}
+        started = time.perf_counter()
+        templates = plan_templates(profile, 2, len(held), memory_cap=24 * GIB)
+        choice = instantiate(templates, len(held), 4 * 16, tolerance=1)
+        plan = plan_regrid(held, positions(choice, templates), state)
+        took = time.perf_counter() - started
+        total = sum(state) * len(choice.pipelines)
+        row = {"lost": lost, "survivors": len(held), "plan_s": took, "pipelines": len(choice.pipelines),
+               "moved_gib": plan.bytes_moved / GIB, "moved_fraction": plan.bytes_moved / total,
+               "from_snapshots_gib": plan.bytes_from_snapshots / GIB, "busiest_sender_gib": plan.busiest_sender() / GIB}
+        regrids.append(row)
+        print(f"  stage 5 lost {lost} of 4 replicas: {len(held)} survivors -> {row['pipelines']} pipelines "
+              f"({', '.join(f'{v} x {k}' for k, v in sorted(choice.counts.items()))}); planned in {took:.3f} s; "
+              f"{row['moved_gib']:.1f} GiB received ({100 * row['moved_fraction']:.0f}% of the new grid's state), "
+              f"{row['from_snapshots_gib']:.1f} GiB of it from the snapshots, busiest sender "
+              f"{row['busiest_sender_gib']:.1f} GiB")
     opt = optimality()
     print(f"\n== Optimality: {opt['partitions']} partitions and {opt['instantiations']} instantiations equal "
           f"brute force")
     if args.json:
-        Path(args.json).write_text(json.dumps({"timing": rows, "optimality": opt}, indent=1))
+        Path(args.json).write_text(json.dumps({"timing": rows, "optimality": opt, "regrid": regrids}, indent=1))
     return 0
 
 
