@@ -52,7 +52,7 @@ def model_provider(args, pre_process: bool = True, post_process: bool = True):
                                hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
                                tensor_model_parallel_size=args.tensor_model_parallel_size,
                                pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-                               pipeline_dtype=torch.float32)
+                               bf16=args.bf16, pipeline_dtype=torch.bfloat16 if args.bf16 else torch.float32)
     spec = get_gpt_layer_local_spec()
     if not torch.cuda.is_available():
         spec = device_safe_layer_spec(spec)  # megatron-core's local attention allocates on CUDA
@@ -164,6 +164,10 @@ def pretrain(datasets_provider, model_provider_func, forward_step_func, extra_ar
     stage, pp = ps.get_pipeline_model_parallel_rank(), args.pipeline_model_parallel_size
     torch.manual_seed(args.seed + 100 * stage)
     model = model_provider_func(args, pre_process=stage == 0, post_process=stage == pp - 1)
+    if args.bf16:  # Megatron-LM's get_model: the chunk in bf16 behind Float16Module
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(model.config, model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     train_ds, _, _ = datasets_provider(args)
 
@@ -183,7 +187,8 @@ def pretrain(datasets_provider, model_provider_func, forward_step_func, extra_ar
         optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters * gbs,
         lr_decay_steps=args.train_iters * gbs, lr_decay_style=args.lr_decay_style, start_wd=0.01, end_wd=0.01,
         wd_incr_steps=args.train_iters * gbs, wd_incr_style="constant")
-    optimizer = ResilientOptimizer(optimizer)
+    # bf16: fp32 master weights, gradients accumulated in fp32 (megatron-core's Float16Optimizer needs CUDA)
+    optimizer = ResilientOptimizer.with_fp32_masters(optimizer, model) if args.bf16 else ResilientOptimizer(optimizer)
     opt_param_scheduler = ResilientScheduler(opt_param_scheduler)
     forward_backward = ResilientForwardBackward(job, optimizer, batches=batch, scheduler=opt_param_scheduler)
     install(forward_backward)

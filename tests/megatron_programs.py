@@ -34,7 +34,8 @@ def _megatron(tp: int, pp: int, device: str = "cpu"):
     return parallel_state
 
 
-def _model(pre_process: bool = True, post_process: bool = True, pp: int = 1, tp: int = 1, recompute: str | None = None):
+def _model(pre_process: bool = True, post_process: bool = True, pp: int = 1, tp: int = 1, recompute: str | None = None,
+           bf16: bool = False):
     import torch
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -44,8 +45,8 @@ def _model(pre_process: bool = True, post_process: bool = True, pp: int = 1, tp:
 
     config = TransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
                                use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
-                               pipeline_dtype=torch.float32, pipeline_model_parallel_size=pp,
-                               tensor_model_parallel_size=tp, **_RECOMPUTE[recompute])
+                               pipeline_dtype=torch.bfloat16 if bf16 else torch.float32, bf16=bf16,
+                               pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp, **_RECOMPUTE[recompute])
     # megatron-core moves the tied output weight to CUDA before its first-to-last-stage all-reduce
     # (LanguageModule.setup_embeddings_and_output_layer); on CPU that copy is the identity
     cpu = mock.patch.object(torch.Tensor, "cuda", lambda self, *a, **k: self)
@@ -150,6 +151,42 @@ def reference(rank: int, world: int, init_path: str, iterations: int, dp: int, m
             "evals": evals}
 
 
+def reference_bf16(rank: int, world: int, init_path: str, iterations: int, dp: int, microbatches: int, clip: float,
+                   opt_kind: str = "adam"):
+    """The single-process reference in bf16 as Megatron-LM runs it: the model behind Float16Module,
+    fp32 master weights, each micro-batch's gradient accumulated into the masters in fp32, the
+    global norm and clipping on the masters, Adam on the masters. Returns the masters by name."""
+    import torch
+    from megatron.core.transformer.module import Float16Module
+
+    from ds_resilience.runtime.precision import MixedPrecisionOptimizer
+
+    _megatron(1, 1)
+    model = _model(bf16=True)
+    init = torch.load(init_path)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(init[name])
+    model = Float16Module(model.config, model)
+    opt = MixedPrecisionOptimizer(_optimizer(model.parameters(), opt_kind), list(model.parameters()))
+    names = [n.removeprefix("module.") for n, _ in model.named_parameters()]
+    for it in range(iterations):
+        opt.zero_grad()
+        for p in range(dp):
+            for m in range(microbatches):
+                output, lf = forward_step(iter([make_item(p, it, m)]), model)
+                loss_sum, tokens, _ = lf(output)
+                (loss_sum / tokens / (dp * microbatches)).backward()
+                opt.accumulate()
+        norm = torch.sqrt(sum(m.grad.double().pow(2).sum() for m in opt.masters))
+        coef = clip / (float(norm) + 1e-6)
+        if clip > 0 and coef < 1.0:
+            for m in opt.masters:
+                m.grad.mul_(coef)
+        opt.step()
+    return {"params": {n: m.detach().clone() for n, m in zip(names, opt.masters)}}
+
+
 def _global_name(name: str, stage: int, per_stage: int) -> str:
     if name == "output_layer.weight":
         return "embedding.word_embeddings.weight"  # the last stage's copy of the tied embedding
@@ -169,7 +206,7 @@ def _shard(full, param, tp_rank: int, tp: int):
 def pipelined(rank: int, world: int, init_path: str, iterations: int, pp: int, microbatches: int, clip: float,
               failed: list, reroute_data: bool, variant: str, tp: int = 1, opt_kind: str = "adam",
               device: str = "cpu", save_dir: str | None = None, load_dir: str | None = None,
-              recompute: str | None = None):
+              recompute: str | None = None, bf16: bool = False):
     """Megatron-LM's training loop shape over the resilient forward-backward: the hook's arguments,
     config_from_args, install(), get_forward_backward_func(), then optimizer.step()."""
     import torch
@@ -187,13 +224,19 @@ def pipelined(rank: int, world: int, init_path: str, iterations: int, pp: int, m
     args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.data_parallel_size = tp, pp, dp
     args.micro_batch_size, args.global_batch_size, args.clip_grad, args.seed = MBS, MBS * dp * microbatches, clip, 1234
     job = config_from_args(args)
-    model = _model(pre_process=stage == 0, post_process=stage == pp - 1, pp=pp, tp=tp, recompute=recompute)
+    model = _model(pre_process=stage == 0, post_process=stage == pp - 1, pp=pp, tp=tp, recompute=recompute, bf16=bf16)
     init = torch.load(init_path)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(_shard(init[_global_name(name, stage, LAYERS // pp)], p, tp_rank, tp))
     model = model.to(device)
-    optimizer = ResilientOptimizer(_optimizer(model.parameters(), opt_kind))
+    if bf16:  # Megatron-LM's bf16 chunk: Float16Module; fp32 masters in the optimizer
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(model.config, model)
+        optimizer = ResilientOptimizer.with_fp32_masters(_optimizer(model.parameters(), opt_kind), model)
+    else:
+        optimizer = ResilientOptimizer(_optimizer(model.parameters(), opt_kind))
     fb = ResilientForwardBackward(job, optimizer, batches=make_item if reroute_data else None,
                                   simulate_failed=[parse_worker(w) for w in failed],
                                   eval_batches=(lambda p, e, m: make_item(p, EVAL_ITERATION + e, m)) if reroute_data
@@ -229,10 +272,14 @@ def pipelined(rank: int, world: int, init_path: str, iterations: int, pp: int, m
                                           forward_only=True)
     evals = [(float(d["lm loss"][0]), int(d["lm loss"][1])) for d in reduced]
     torch.distributed.barrier()  # an idle rank 0 hosts the store: it leaves with everyone
-    params = {_global_name(n, stage, LAYERS // pp): p.detach().cpu().clone() for n, p in model.named_parameters()}
+    lp_named = [(n.removeprefix("module."), p) for n, p in model.named_parameters()]
+    named = lp_named
+    if bf16:  # the fp32 masters, what the reference compares
+        named = [(n, m) for (n, _), m in zip(lp_named, optimizer.optimizer.masters)]
+    params = {_global_name(n, stage, LAYERS // pp): p.detach().cpu().clone() for n, p in named}
     split = {_global_name(n, stage, LAYERS // pp): (p.partition_dim if tp > 1 and getattr(p, "tensor_model_parallel",
                                                                                            False) else None)
-             for n, p in model.named_parameters()}
+             for n, p in lp_named}
     return {"stage": stage, "pipeline": pipeline, "tp_rank": tp_rank, "tp": tp, "split": split, "params": params,
             "logged": logged, "evals": evals, "saved": saved, "start": start,
             "results": [(r[0], r[1]) if r else None for r in results]}
@@ -265,8 +312,9 @@ def attention_check(rank: int, world: int) -> dict:
     return {"diff": float((got - want).abs().max()), "is_subclass": issubclass(type(attn), DotProductAttention)}
 
 
-def ddp_refusal(rank: int, world: int) -> str:
-    """A chunk whose parameters carry megatron-core DDP's main_grad is refused with the fix named."""
+def ddp_refusal(rank: int, world: int, bf16_plain: bool = False) -> str:
+    """A chunk whose parameters carry megatron-core DDP's main_grad is refused with the fix named;
+    ``bf16_plain``: a --bf16 job whose optimizer has no fp32 masters, refused the same way."""
     import torch
 
     from ds_resilience.errors import ConfigError
@@ -277,8 +325,11 @@ def ddp_refusal(rank: int, world: int) -> str:
     args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.data_parallel_size = 1, 1, 1
     args.micro_batch_size, args.global_batch_size = MBS, MBS
     model = _model()
-    for p in model.parameters():
-        p.main_grad = torch.zeros_like(p)  # what megatron-core's DistributedDataParallel adds
+    if bf16_plain:
+        args.bf16 = True
+    else:
+        for p in model.parameters():
+            p.main_grad = torch.zeros_like(p)  # what megatron-core's DistributedDataParallel adds
     fb = ResilientForwardBackward(config_from_args(args), ResilientOptimizer(torch.optim.SGD(model.parameters(), 0.1)))
     try:
         fb(forward_step_func=forward_step, data_iterator=iter([]), model=[model], num_microbatches=1,

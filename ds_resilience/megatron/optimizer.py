@@ -47,6 +47,17 @@ class ResilientOptimizer:
             self.megatron_clip_grad = float(optimizer.config.clip_grad)
             optimizer.config.clip_grad = 0.0  # the schedule clips by the global norm over the survivors
 
+    @classmethod
+    def with_fp32_masters(cls, optimizer: Any, model: Any) -> "ResilientOptimizer":
+        """A bf16/fp16 chunk's optimizer over fp32 master weights (``runtime.precision``): each
+        micro-batch's low-precision gradient is accumulated into the masters' fp32 gradient, the
+        clipping and the update run on the masters, which are copied back into the chunk. The
+        torch ``optimizer`` is built over ``model.parameters()`` as usual; its moments are fp32."""
+        from ..runtime.precision import MixedPrecisionOptimizer
+
+        params = [p for p in model.parameters() if p.requires_grad]
+        return cls(MixedPrecisionOptimizer(optimizer, params))
+
     def run_step(self, *, zero_grad: bool = True, skip: bool = False) -> None:
         """The stage's step, called by the executor (gradients reduced and clipped already)."""
         ok = not skip

@@ -44,7 +44,9 @@ stage granularity (:mod:`.recompute`): F keeps the chunk's input, B recomputes t
 
 Supported today: one model chunk per rank (no interleaving), unwrapped
 megatron-core modules (not Megatron's ``DistributedDataParallel``: this schedule reduces the
-gradients itself), fp32.
+gradients itself), fp32, and bf16 chunks (``Float16Module``) with fp32 master weights
+(:meth:`ResilientOptimizer.with_fp32_masters`: each micro-batch's gradient is accumulated in fp32,
+clipped and stepped there, as the DeepSpeed path does) or megatron-core's mixed-precision optimizer.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ from ..planning.inference import inference_actions
 from ..planning.provider import ScheduleProvider
 from ..launch import launch_env
 from ..runtime.executor import Executor, StageSpec
+from ..runtime.precision import MixedPrecisionOptimizer
 from ..runtime.recovery import is_failure, release_on_epoch
 from ..topology import Topology, Worker
 from .args import MegatronJob
@@ -78,7 +81,7 @@ from .live import live_parts, make_recovery, start
 from .optimizer import ResilientOptimizer, ResilientScheduler
 from .recompute import recompute_switch
 
-__all__ = ["ResilientForwardBackward", "plane_groups"]
+__all__ = ["ResilientForwardBackward", "plane_groups", "unwrap"]
 
 # megatron-core 0.16's forward_backward_func keywords, and those Megatron-LM's training loop passes
 _KNOWN = frozenset({
@@ -365,16 +368,23 @@ class ResilientForwardBackward:
         spec = StageSpec(stage=me.stage, pipeline=me.pipeline, num_stages=job.pp, dp=job.dp,
                          microbatches=job.microbatches, seed=job.seed, gradient_clipping=job.clip_grad,
                          timeout_s=self.timeout_s, device=str(device) if on_gpu else "cpu")
+        inner = self.optimizer.optimizer
+        precision = inner if isinstance(inner, MixedPrecisionOptimizer) else None  # fp32 masters: accumulate there
         executor = Executor(
             spec, module=model, parameters=params, loss_fn=self._loss, batch_source=self._batch,
             rank_of=lambda i: grid.rank(topology.worker(i), tp_rank), step=self._step,
             forward_fn=self._forward, tied=tied_params,
-            recompute=self._recompute if self._switch is not None else None,
+            recompute=self._recompute if self._switch is not None else None, precision=precision,
             hooks=live.tier if live is not None else None, fault_hook=live.faults.maybe_fire if live else None,
             counted_tied=[g for g, stages in enumerate(tied_groups) if stages[0] == me.stage],
             # a weight every tensor-parallel rank holds whole (norms, row-parallel biases) counts once
             counted_param=lambda p: tp_rank == 0 or bool(getattr(p, "tensor_model_parallel", False)))
         self.optimizer.grad_norm = lambda: executor.last_grad_norm
+        if job.precision != "fp32" and precision is None and not self.optimizer.megatron:
+            raise ConfigError("--bf16" if job.precision == "bf16" else "--fp16",
+                              f"{job.precision} parameters with a plain optimizer would accumulate gradients and step in "
+                              f"{job.precision}; give ResilientOptimizer.with_fp32_masters(optimizer, model) (fp32 "
+                              f"master weights and gradient accumulation) or megatron-core's mixed-precision optimizer")
         store = live.coordinator.store if live is not None else None
 
         def groups_for(target: Topology, generation: int) -> GenerationGroups:
@@ -411,6 +421,7 @@ class ResilientForwardBackward:
         """Tied input embedding and output layer (megatron-core's ``share_embeddings_and_output_weights``):
         one tied group over the first and last stages, holding this stage's copy."""
         pp = self.job.pp
+        model = unwrap(model)  # Megatron-LM wraps a bf16/fp16 chunk in Float16Module
         shared = getattr(model, "share_embeddings_and_output_weights", False)
         if not shared or pp == 1:
             return (), {}
@@ -474,6 +485,13 @@ class ResilientForwardBackward:
         if self._switch is None or not torch.is_grad_enabled():  # B's recomputation (with a graph) logs nothing
             self.rt.losses.append(reduced)
         return loss
+
+
+def unwrap(model: Any) -> Any:
+    """The megatron-core model inside Megatron's precision wrapper (``Float16Module``)."""
+    while type(model).__name__ == "Float16Module" and hasattr(model, "module"):
+        model = model.module
+    return model
 
 
 def _close_at_exit(ref: "weakref.ref[ResilientForwardBackward]") -> None:
