@@ -380,6 +380,9 @@ class ResilientForwardBackward:
             # a weight every tensor-parallel rank holds whole (norms, row-parallel biases) counts once
             counted_param=lambda p: tp_rank == 0 or bool(getattr(p, "tensor_model_parallel", False)))
         self.optimizer.grad_norm = lambda: executor.last_grad_norm
+        if job.precision == "fp16" and precision is not None:
+            raise ConfigError("--fp16", "fp16 needs dynamic loss scaling with a global overflow decision, which the "
+                                        "resilient Megatron schedule does not run yet; use --bf16")
         if job.precision != "fp32" and precision is None and not self.optimizer.megatron:
             raise ConfigError("--bf16" if job.precision == "bf16" else "--fp16",
                               f"{job.precision} parameters with a plain optimizer would accumulate gradients and step in "
