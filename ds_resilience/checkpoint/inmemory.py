@@ -24,7 +24,6 @@ rank ``r``'s replicas go to the ranks with its local index on those machines.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 from collections import deque
@@ -212,7 +211,9 @@ class InMemoryCheckpointer:
                 with self._cond:
                     self.copied = step
                     self._cond.notify_all()
-                for c in itertools.islice(reversed(self.captures), 3):
+                # a copy of the newest three: the training thread appends to the deque meanwhile
+                # (iterating it live raised "deque mutated during iteration")
+                for c in reversed(list(self.captures)[-3:]):
                     if c["step"] == step:
                         c["copy_s"] = copy_s
                         break
