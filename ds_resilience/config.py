@@ -76,7 +76,7 @@ from .vocab import FAULT_KINDS, FAULT_POINTS, SCHEDULES, SOLVERS, VARIANT_CHOICE
 
 __all__ = [
     "ResilienceConfig", "PlannerConfig", "DetectorConfig", "FaultInjection", "CheckpointConfig",
-    "load_resilience_config", "load_resilience_file", "SCHEDULES", "VARIANTS", "SOLVERS", "FAULT_POINTS", "FAULT_KINDS",
+    "load_resilience_config", "load_resilience_file", "read_resilience_file", "SCHEDULES", "VARIANTS", "SOLVERS", "FAULT_POINTS", "FAULT_KINDS",
 ]
 
 UNIT_COSTS = "unit"
@@ -442,15 +442,24 @@ def load_resilience_config(ds_config: dict[str, Any] | str | Path) -> Resilience
     return ResilienceConfig.from_dict(section)
 
 
-def load_resilience_file(path: str | Path) -> ResilienceConfig:
+def read_resilience_file(path: str | Path) -> tuple[ResilienceConfig, dict[str, Any], str]:
     """The resilience settings in the JSON file ``path`` as Megatron's ``--resilience-config`` reads
-    it: a DeepSpeed config holding a ``"resilience"`` section, or the section alone."""
+    it (a DeepSpeed config holding a ``"resilience"`` section, or the section alone): the config,
+    the raw section and a name for messages."""
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:
-        raise ConfigError(str(path), f"cannot read the config: {exc.strerror or exc}") from exc
+        raise ConfigError("--resilience-config", f"cannot read {path}: {exc.strerror or exc}") from exc
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(str(path), f"the config is not valid JSON: {exc}") from exc
-    if isinstance(data, dict) and "resilience" not in data:
-        return ResilienceConfig.from_dict(data)
-    return load_resilience_config(data if isinstance(data, dict) else str(path))
+        raise ConfigError("--resilience-config", f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError("--resilience-config", f"{path} must hold a JSON object, got {type(data).__name__}")
+    if "resilience" in data:
+        section = data["resilience"]
+        return load_resilience_config(data), section if isinstance(section, dict) else {}, f"resilience in {path}"
+    return ResilienceConfig.from_dict(data), data, f"{path}"
+
+
+def load_resilience_file(path: str | Path) -> ResilienceConfig:
+    """:func:`read_resilience_file`'s config alone (what the agent reads from the script's flags)."""
+    return read_resilience_file(path)[0]

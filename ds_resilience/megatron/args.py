@@ -23,13 +23,11 @@ Pure Python (argparse and the config layer): importable without torch or megatro
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any, Callable
 
 from ..argtypes import int_at_least, memory_cap, positive_int
-from ..config import CheckpointConfig, PlannerConfig, ResilienceConfig, load_resilience_config
+from ..config import CheckpointConfig, PlannerConfig, ResilienceConfig, read_resilience_file
 from ..errors import ConfigError
 from ..vocab import SCHEDULES, SOLVERS, VARIANT_CHOICES
 
@@ -154,23 +152,6 @@ def _need(args: argparse.Namespace, dest: str, flag: str) -> Any:
     return getattr(args, dest)
 
 
-def _read_section(path: str) -> tuple[ResilienceConfig, dict[str, Any], str]:
-    """The section in ``path`` (a DeepSpeed config, or the section alone), its raw dict and a
-    name for messages."""
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ConfigError("--resilience-config", f"cannot read {path}: {exc.strerror or exc}") from exc
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError("--resilience-config", f"{path} is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ConfigError("--resilience-config", f"{path} must hold a JSON object, got {type(data).__name__}")
-    if "resilience" in data:
-        section = data["resilience"]
-        return load_resilience_config(data), section if isinstance(section, dict) else {}, f"resilience in {path}"
-    return ResilienceConfig.from_dict(data), data, f"{path}"
-
-
 def _lookup(raw: dict[str, Any], key: tuple[str, ...]) -> tuple[bool, Any]:
     node: Any = raw
     for part in key:
@@ -231,7 +212,7 @@ def config_from_args(args: argparse.Namespace) -> MegatronJob:
     enabled = bool(getattr(args, "resilience", False))
     path = getattr(args, "resilience_config", None)
     if path is not None:
-        config, raw, where = _read_section(path)
+        config, raw, where = read_resilience_file(path)
         if not enabled and raw.get("enabled", True):
             enabled = True  # naming a config file asks for the plugin
     else:

@@ -249,7 +249,7 @@ class ResilientForwardBackward:
         if the script does not call it; calling it twice is harmless."""
         rt = self.rt
         live = rt.live if rt is not None else None
-        if live is None or getattr(live, "closed", False):
+        if live is None or live.closed:
             return
         live.closed = True
         live.tier.close()

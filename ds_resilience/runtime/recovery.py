@@ -264,7 +264,7 @@ class LiveRecovery:
             self._retire(record)
             return
         plan = self.plan(record)
-        _log_plan(plan, self.rank, record.failed if type(self.view) is not RankView else None)
+        _log_plan(plan, self.rank, record.failed)
         self.fault_hook("in_recovery", plan.resume_step)
         if self._steps[self.rank] > plan.resume_step:  # it took the resume step already (plan.rollbacks)
             self.tier.rollback(plan.resume_step)
@@ -406,11 +406,11 @@ def release_on_epoch(record: EpochRecord, groups: Any, tier: CheckpointTier | No
         tier.drop(record.failed)
 
 
-def _log_plan(plan: RecoveryPlan, rank: int, failed_ranks: tuple[int, ...] | None = None) -> None:
+def _log_plan(plan: RecoveryPlan, rank: int, failed_ranks: tuple[int, ...]) -> None:
     """One JSON line per plan, on the worker's stderr and the ``ds_resilience.recovery`` logger.
-    ``failed_ranks``: where a worker is a group of ranks (tensor parallelism) the plan names each
-    replica by its grid rank; the line then also lists the global ranks that failed."""
-    if failed_ranks is None:
+    ``failed_ranks``: the epoch's failed global ranks; where they differ from the plan's (a worker
+    is a group of ranks under tensor parallelism, named by its grid rank) the line lists them too."""
+    if tuple(failed_ranks) == tuple(plan.failed):
         line = plan.to_json()
     else:
         line = json.dumps({**plan.to_dict(), "failed_ranks": list(failed_ranks)}, sort_keys=True)
