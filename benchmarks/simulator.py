@@ -11,6 +11,9 @@
    Oobleck, ReCycle (planner's plans) and ds_resilience; ReCycle's ratio to fault-free DeepSpeed.
    Sensitivity: repair after 1 h, and the shipped 30m trace (no repair, 30 -> 15 nodes).
 4. ds_resilience against every baseline on every shipped trace (skipped with ``--quick``).
+5. ds_resilience's tiers beyond re-routing on every shipped trace: restart from memory, re-grid
+   onto a dp x pp grid, re-grid onto pipeline templates (skipped with ``--quick``; ``--tiers``
+   runs only this section).
 Every figure is a simulation (deterministic); wall-clock times are this machine's.
 """
 
@@ -29,7 +32,8 @@ sys.path.insert(0, str(ROOT))
 
 from ds_resilience.sim import SYSTEMS, load_model, load_trace, poisson_trace, simulate_system  # noqa: E402
 from ds_resilience.sim.models import MODEL_NAMES, PlanCache  # noqa: E402
-from ds_resilience.sim.systems import mean_over_redraws  # noqa: E402
+from ds_resilience.sim.jobsim import run_policy  # noqa: E402
+from ds_resilience.sim.systems import REGRID_TIERS, make_policy, mean_over_redraws  # noqa: E402
 
 TRACES = ROOT / "configs" / "traces"
 FREQS = ("6h", "1h", "10m")
@@ -160,13 +164,52 @@ def every_trace(store: dict) -> list[dict]:
     return rows
 
 
+def tiers(store: dict) -> list[dict]:
+    """ds_resilience's three tiers beyond re-routing on every shipped trace (healthy: planned)."""
+    print("\n== 5. Beyond re-routing: restart from memory / re-grid onto dp x pp / re-grid onto templates ==")
+    names = sorted(p.name for p in TRACES.iterdir())
+    print(f"{'model':<12}{'trace':<22}{'restart':>9}{'grid':>9}{'templates':>10}{'best base':>10}"
+          f"{'grid/rst':>9}{'tmpl/grid':>10}{'tmpl/base':>10}  template layouts adopted / all layouts")
+    rows = []
+    for name in MODEL_NAMES:
+        model = load_model(name)
+        cache = PlanCache(model, store=store)
+        for tname in names:
+            trace = load_trace(TRACES / tname)
+            got, used = {}, {}
+            for tier in REGRID_TIERS:
+                policy = make_policy("ds_resilience", model, cache, regrid=tier)
+                got[tier] = run_policy(trace, policy, samples_per_iteration=float(model.global_batch),
+                                       boot_s=model.boot_s).throughput
+                used[tier] = dict(policy.layouts)
+            base = max(simulate_system(trace, model, s, cache=cache).throughput for s in SYSTEMS if s != "ds_resilience")
+            adopted = sum(v for k, v in used["templates"].items() if k.startswith("templates"))
+            row = {"model": name, "trace": trace.name, **got, "best_baseline": base, "template_layouts": adopted,
+                   "layouts": sum(used["templates"].values())}
+            rows.append(row)
+            print(f"{name:<12}{trace.name:<22}{got['restart']:>9.2f}{got['grid']:>9.2f}{got['templates']:>10.2f}{base:>10.2f}"
+                  f"{got['grid'] / got['restart']:>8.3f}x{got['templates'] / got['grid']:>9.3f}x"
+                  f"{got['templates'] / base:>9.2f}x  {adopted}/{row['layouts']}", flush=True)
+    for a, b in (("grid", "restart"), ("templates", "grid")):
+        r = [x[a] / x[b] for x in rows if x[b] > 0]
+        print(f"{a} / {b}: median {statistics.median(r):.3f}, min {min(r):.3f}, max {max(r):.3f}, "
+              f"better on {sum(v > 1 + 1e-9 for v in r)}/{len(r)}, worse on {sum(v < 1 - 1e-9 for v in r)}/{len(r)}")
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="skip section 4 and use fewer seeds/draws")
     ap.add_argument("--draws", type=int, default=64, help="Bamboo: redraws of the failed nodes (default 64)")
     ap.add_argument("--seeds", type=int, default=4, help="ReCycle shape: seeds per cell (default 4)")
     ap.add_argument("--json", metavar="FILE", help="write every figure as JSON")
+    ap.add_argument("--tiers", action="store_true", help="only section 5 (the tiers beyond re-routing)")
     args = ap.parse_args()
+    if args.tiers:
+        report = {"tiers": tiers({})}
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1))
+        return 0
     if args.quick:
         args.draws, args.seeds = min(args.draws, 16), min(args.seeds, 2)
     started = time.perf_counter()
@@ -177,6 +220,7 @@ def main() -> int:
               "recycle_shipped_30m": shipped_30m(store)}
     if not args.quick:
         report["every_trace"] = every_trace(store)
+        report["tiers"] = tiers(store)
     print(f"\ntotal {time.perf_counter() - started:.0f} s, {len(store)} plans and 1F1B replays cached")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))

@@ -16,7 +16,7 @@ from typing import Any
 
 from .jobsim import BREAKDOWN_KEYS, Result
 from .models import PlanCache, list_models, load_model
-from .systems import SYSTEMS, simulate_system
+from .systems import REGRID_TIERS, SYSTEMS, simulate_system
 from .traces import SimulationError, Trace, load_trace, poisson_trace
 
 __all__ = ["add_parser", "run", "parse_systems"]
@@ -43,6 +43,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="checkpoint_restart (and ReCycle's persistent checkpoint): every N iterations (default 10)")
     p.add_argument("--healthy", choices=("planned", "1f1b"), default="planned",
                    help="ds_resilience's schedule with no failure: the planner's plan (default) or DeepSpeed 1F1B")
+    p.add_argument("--regrid", choices=REGRID_TIERS, default="templates",
+                   help="ds_resilience beyond re-routing: restart every worker from the in-memory snapshots "
+                        "(restart), re-grid the survivors onto a dp x pp grid (grid), or onto a grid or pipeline "
+                        "templates (templates, default)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--png", metavar="FILE", help="also write a throughput-over-time plot")
     p.set_defaults(handler=run)
@@ -131,7 +135,8 @@ def run(args: argparse.Namespace) -> int:
     trace = _trace(args, model.nodes)
     cache = PlanCache(model)
     results = {
-        s: simulate_system(trace, model, s, cache=cache, checkpoint_interval=args.checkpoint_interval, healthy=args.healthy)
+        s: simulate_system(trace, model, s, cache=cache, checkpoint_interval=args.checkpoint_interval, healthy=args.healthy,
+                           regrid=args.regrid)
         for s in systems
     }
     if args.png:

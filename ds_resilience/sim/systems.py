@@ -31,10 +31,18 @@ Planner-driven systems take iteration times from :class:`~.models.PlanCache` (th
   the last persistent checkpoint (background, every ``checkpoint_interval`` iterations).
 * :class:`DsResilience`: the same re-routing with the planner's plans for every failure set,
   including the empty one (the plan table's first entry); a snapshot in host memory every
-  iteration (nothing beyond the in-flight iteration is lost); re-join fills holes; and a re-grid
-  (new ``dp`` x ``pp`` over the live nodes, holes re-routed, restored from the in-memory snapshot)
-  when re-routing cannot cover the failure set or when the better grid repays its pause within the
-  horizon (the mean time between membership changes seen so far).
+  iteration (nothing beyond the in-flight iteration is lost); re-join fills holes; and a new layout
+  when re-routing cannot cover the failure set or when the better layout repays its pause within
+  the horizon (the mean time between membership changes seen so far). Three tiers, chosen with
+  ``regrid`` (see :data:`REGRID_TIERS`):
+
+  - ``"restart"``: every worker restarted from the in-memory snapshots onto the best ``dp`` x
+    ``pp`` grid of the live nodes, only when re-routing cannot cover (what the engine does beyond
+    tolerance today): a ``restart_s`` pause;
+  - ``"grid"``: the survivors re-grid without a restart onto a ``dp`` x ``pp`` grid (holes
+    re-routed): a ``regrid_s`` pause;
+  - ``"templates"`` (default): as ``"grid"``, and pipeline templates (Oobleck's heterogeneous
+    pipelines, :mod:`.template_tier`) compete with the rectangular grids.
 """
 
 from __future__ import annotations
@@ -47,11 +55,14 @@ from dataclasses import replace
 from ..errors import PlanningError
 from .jobsim import NOTHING, Action, JobView, Policy, Result, run_policy
 from .models import Grid, ModelProfile, PlanCache, ThroughputTable, divisors, stage_layers
+from .template_tier import TemplateLayout, TemplateTier
 from .traces import SimulationError, Trace, redraw_victims
 
-__all__ = ["SYSTEMS", "Oobleck", "Varuna", "Bamboo", "CheckpointRestart", "ReCycle", "DsResilience", "make_policy", "simulate_system", "mean_over_redraws"]
+__all__ = ["SYSTEMS", "REGRID_TIERS", "Oobleck", "Varuna", "Bamboo", "CheckpointRestart", "ReCycle", "DsResilience", "make_policy", "simulate_system", "mean_over_redraws"]
 
 SYSTEMS = ("ds_resilience", "recycle", "oobleck", "bamboo", "varuna", "checkpoint_restart")
+REGRID_TIERS = ("restart", "grid", "templates")
+"""How ds_resilience changes layout beyond re-routing (see :class:`DsResilience`)."""
 
 
 def _table_time(model: ModelProfile, table: ThroughputTable | None, nodes: int) -> float:
@@ -222,7 +233,9 @@ class ReCycle(Policy):
         self.rebuild = True
         self.count = 0
 
-    def grid_time(self, grid: Grid) -> float:
+    def grid_time(self, grid: Grid | TemplateLayout) -> float:
+        if isinstance(grid, TemplateLayout):
+            return grid.seconds()
         if not grid.covered():
             return math.inf
         failed = grid.failed
@@ -280,13 +293,19 @@ class DsResilience(ReCycle):
     clamp_to_1f1b = False
 
     def __init__(self, model: ModelProfile, cache: PlanCache, *, healthy: str = "planned",
-                 horizon_s: float | None = None) -> None:
+                 horizon_s: float | None = None, regrid: str = "templates") -> None:
         super().__init__(model, cache)
         if healthy not in ("planned", "1f1b"):
             raise SimulationError(f"healthy schedule {healthy!r} must be 'planned' or '1f1b'")
-        self.healthy, self.horizon_s = healthy, horizon_s
+        if regrid not in REGRID_TIERS:
+            raise SimulationError(f"re-grid tier {regrid!r}; allowed: {', '.join(REGRID_TIERS)}")
+        self.healthy, self.horizon_s, self.regrid = healthy, horizon_s, regrid
+        self.templates = TemplateTier(cache) if regrid == "templates" else None
+        self.layouts: dict[str, int] = {}  # what each new layout was, and how often (for reports)
+        self.regrid_pause_s = model.restart_s if regrid == "restart" else model.regrid_s
         self.changes: list[float] = []
-        self.pending: Grid | None = None
+        self.pending: Grid | TemplateLayout | None = None  # the layout after the pause
+        self.deferred: Grid | TemplateLayout | None = None  # a voluntary change, at the iteration's end
 
     def healthy_s(self, dp: int, pp: int) -> float:
         if self.healthy == "1f1b":
@@ -319,11 +338,16 @@ class DsResilience(ReCycle):
         out.sort(key=lambda x: x[0])
         return [g for _, g in out[:3]]
 
-    def _best(self, job: JobView) -> tuple[float, Grid | None]:
-        best: tuple[float, Grid | None] = (math.inf, None)
+    def _best(self, job: JobView) -> tuple[float, Grid | TemplateLayout | None]:
+        best: tuple[float, Grid | TemplateLayout | None] = (math.inf, None)
         m = self.model
         home = Grid(m, m.dp, m.pp, job.live[: m.nodes])  # the configured grid wins ties
-        for grid in [home] + self._candidates(job):
+        layouts: list[Grid | TemplateLayout] = [home, *self._candidates(job)]
+        if self.templates is not None:
+            layout = self.templates.layout(job.live[: m.nodes])
+            if layout is not None:
+                layouts.append(layout)
+        for grid in layouts:
             if not grid.covered():
                 continue
             if grid is home and not grid.failed:
@@ -339,16 +363,21 @@ class DsResilience(ReCycle):
     def _decide(self, job: JobView, pause_keep: float) -> Action:
         horizon = self._horizon(job.now)
         keep = self.grid_time(self.grid) if self.grid is not None else math.inf
-        regrid_pause = pause_keep + self.model.regrid_s
+        if self.regrid == "restart" and math.isfinite(keep):  # the engine restarts only when it must
+            return Action(pause_s=pause_keep) if pause_keep > 0 else Action(iteration_s=keep)
+        regrid_pause = pause_keep + self.regrid_pause_s
         t_new, grid = self._best(job)
         if grid is not None and (horizon - regrid_pause) / t_new > max(0.0, horizon - pause_keep) / keep:
+            if pause_keep == 0 and job.phase == "running":  # nothing forces it: at the iteration's end
+                self.deferred = grid
+                return NOTHING
             self.pending = grid
             return Action(pause_s=regrid_pause)
         return Action(pause_s=pause_keep) if pause_keep > 0 else Action(iteration_s=keep)
 
     def on_ready(self, job: JobView, node: str) -> Action:
         if job.phase == "idle":
-            self.pending = None
+            self.pending = self.deferred = None
             self.rebuild = True
             return Action(pause_s=self.model.regrid_s)
         if self.grid is None or job.phase == "paused":
@@ -358,8 +387,12 @@ class DsResilience(ReCycle):
         return self._decide(job, 0.0)
 
     def on_remove(self, job: JobView, node: str) -> Action:
+        dropped = self.deferred is not None and node in self.deferred.nodes
+        if dropped:
+            self.deferred = None  # the voluntary change lost a node: decided again
         if self.grid is None or not self.grid.vacate(node):
-            return NOTHING
+            return self._decide(job, 0.0) if dropped and job.phase == "running" else NOTHING
+        self.deferred = None
         for spare in self._spares(job):
             if self.grid.fill(spare):
                 break
@@ -368,26 +401,36 @@ class DsResilience(ReCycle):
             self.pending = grid
             self.rebuild = grid is None
             self._horizon(job.now)
-            return Action(pause_s=self.model.detect_s + self.model.regrid_s)
+            return Action(pause_s=self.model.detect_s + self.regrid_pause_s)
         return self._decide(job, self.model.detect_s)
 
     def on_resume(self, job: JobView) -> Action:
         if self.pending is not None:
             self.grid, self.pending, self.rebuild = self.pending, None, False
+            self._count(self.grid)
         elif self.rebuild or self.grid is None:
             _, self.grid = self._best(job)
             self.rebuild = self.grid is None
             if self.grid is None:
                 return Action(iteration_s=math.inf)
+            self._count(self.grid)
         return super().on_resume(job)
 
+    def _count(self, layout: Grid | TemplateLayout) -> None:
+        name = layout.describe() if isinstance(layout, TemplateLayout) else f"grid {layout.dp}x{layout.pp}"
+        self.layouts[name] = self.layouts.get(name, 0) + 1
+
     def after_iteration(self, job: JobView) -> Action:
+        if self.deferred is not None:  # a change of layout nothing forced: at the iteration boundary
+            self.pending, self.deferred = self.deferred, None
+            return Action(durable=True, pause_s=self.regrid_pause_s)
         return Action(durable=True)  # a snapshot in host memory every iteration
 
 
 def make_policy(system: str, model: ModelProfile, cache: PlanCache | None = None, *,
-                checkpoint_interval: int = 10, healthy: str = "planned") -> Policy:
-    """The policy of ``system`` (one of :data:`SYSTEMS`) for ``model``.
+                checkpoint_interval: int = 10, healthy: str = "planned", regrid: str = "templates") -> Policy:
+    """The policy of ``system`` (one of :data:`SYSTEMS`) for ``model``; ``healthy`` and ``regrid``
+    (one of :data:`REGRID_TIERS`) are ds_resilience's (see :class:`DsResilience`).
 
     Raises:
         SimulationError: an unknown system (the message lists the allowed ones).
@@ -406,13 +449,14 @@ def make_policy(system: str, model: ModelProfile, cache: PlanCache | None = None
         return CheckpointRestart(model, cache, interval=checkpoint_interval)  # type: ignore[arg-type]
     if system == "recycle":
         return ReCycle(model, cache, checkpoint_interval=checkpoint_interval)  # type: ignore[arg-type]
-    return DsResilience(model, cache, healthy=healthy)  # type: ignore[arg-type]
+    return DsResilience(model, cache, healthy=healthy, regrid=regrid)  # type: ignore[arg-type]
 
 
 def simulate_system(trace: Trace, model: ModelProfile, system: str, *, cache: PlanCache | None = None,
-             checkpoint_interval: int = 10, healthy: str = "planned") -> Result:
+             checkpoint_interval: int = 10, healthy: str = "planned", regrid: str = "templates") -> Result:
     """Run ``system`` on ``model`` over ``trace`` and return its :class:`~.jobsim.Result`."""
-    policy = make_policy(system, model, cache, checkpoint_interval=checkpoint_interval, healthy=healthy)
+    policy = make_policy(system, model, cache, checkpoint_interval=checkpoint_interval, healthy=healthy,
+                         regrid=regrid)
     result = run_policy(trace, policy, samples_per_iteration=float(model.global_batch), boot_s=model.boot_s)
     return replace(result, model=model.name)
 
