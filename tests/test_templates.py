@@ -170,6 +170,10 @@ def test_the_templates_command_prints_the_choice(tmp_path):
     assert report["instantiation"]["nodes"] == 11 and len(report["instantiation"]["pipelines"]) >= 2
     assert sum(p["microbatches"] for p in report["instantiation"]["pipelines"]) == 16
     assert {t["nodes"] for t in report["templates"]} == set(range(2, 12))
+    segs = report["layout"]["segments"]  # every layer reduced once, over one holder per pipeline
+    assert [i for a, b, _ in segs for i in range(a, b)] == list(range(16))
+    assert all(len(h) == len(report["instantiation"]["pipelines"]) for _, _, h in segs)
+    assert report["layout_iteration_time"]["adaptive"] == pytest.approx(report["replayed_iteration_time"])
     png = tmp_path / "choice.png"
     out = subprocess.run([sys.executable, "-m", "ds_resilience.cli", "templates", "--layers", "16", "--nodes", "11",
                           "--microbatches", "16", "--png", str(png)], capture_output=True, text=True, timeout=120)

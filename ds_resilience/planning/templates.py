@@ -39,7 +39,8 @@ from ..costs import CostModel
 from ..errors import PlanningError
 from .layers import LayerProfile
 
-__all__ = ["Link", "Template", "Instantiation", "PipelineUse", "plan_templates", "instantiate", "partition"]
+__all__ = ["Link", "Template", "Instantiation", "PipelineUse", "plan_templates", "instantiate", "partition",
+           "stage_cost_model"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,15 @@ class Link:
 
     def time(self, nbytes: float) -> float:
         return self.latency + (nbytes / self.bandwidth if self.bandwidth else 0.0)
+
+
+def stage_cost_model(profile: LayerProfile, bounds: Sequence[int], link: Link = Link()) -> CostModel:
+    """The stage-level cost model of the partition of ``profile``'s layers at ``bounds``."""
+    b, n = bounds, len(bounds) - 1
+    per = {name: [sum(getattr(profile, name)[b[k]:b[k + 1]]) for k in range(n)] for name in ("t_f", "t_b", "t_w")}
+    out = [profile.output_bytes[b[k + 1] - 1] for k in range(n)]
+    return CostModel(name=f"template{n}", activation_bytes=out, p2p_latency=link.latency,
+                     p2p_bandwidth=link.bandwidth, **per)
 
 
 class _Prefix:
@@ -92,12 +102,7 @@ class Template:
 
     def cost_model(self, profile: LayerProfile, link: Link = Link()) -> CostModel:
         """The stage-level cost model of this partition (what the schedule replay rates)."""
-        b = self.bounds
-        per = {name: [sum(getattr(profile, name)[b[k]:b[k + 1]]) for k in range(self.nodes)]
-               for name in ("t_f", "t_b", "t_w")}
-        out = [profile.output_bytes[b[k + 1] - 1] for k in range(self.nodes)]
-        return CostModel(name=f"template{self.nodes}", activation_bytes=out, p2p_latency=link.latency,
-                         p2p_bandwidth=link.bandwidth, **per)
+        return stage_cost_model(profile, self.bounds, link)
 
     def replayed_time(self, microbatches: int, profile: LayerProfile, link: Link = Link()) -> float:
         """The iteration time from the schedule replay (fault-free 1F1B on this partition)."""

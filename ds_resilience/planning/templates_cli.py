@@ -8,7 +8,8 @@ layers); ``--cost`` a cost model whose ``p2p_latency`` and ``p2p_bandwidth`` rat
 between stages; ``--memory-cap`` each node's memory (bytes, or a size such as ``24GiB``). Prints
 each template (its stage boundaries and bottleneck), the instantiation (how many pipelines of
 which template, the micro-batches of each, the predicted iteration time, from the planner's model
-and from the schedule replay) and the planning time. ``--png`` draws the chosen pipelines. Wire it
+and from the schedule replay), the layout (its reduce segments, and one iteration with their
+reduces coupling the pipelines) and the planning time. ``--png`` draws the chosen pipelines. Wire it
 with :func:`add_parser` (it sets ``handler=run``). Pure Python (matplotlib for ``--png``).
 """
 
@@ -22,6 +23,7 @@ from typing import Any
 from ..costs import CostModel, parse_size
 from ..errors import ConfigError
 from .layers import LayerProfile
+from .layout_time import LAYOUT_VARIANTS, layout_iteration_time, layout_of
 from .templates import Instantiation, Link, Template, instantiate, plan_templates
 
 __all__ = ["add_parser", "run"]
@@ -73,11 +75,17 @@ def run(args: argparse.Namespace) -> int:
     choice = instantiate(templates, args.nodes, args.microbatches, tolerance=args.tolerance)
     chosen = time.perf_counter() - started - planned
     replayed = max(templates[p.nodes].replayed_time(p.microbatches, profile, link) for p in choice.pipelines)
+    layout = layout_of(choice, templates)
+    coupled = {v: layout_iteration_time(layout, profile, variant=v, link=link, reduce_link=link) for v in LAYOUT_VARIANTS}
     if args.png:
         draw(choice, templates, profile, args.png)
     if args.json:
         print(json.dumps({"layers": profile.num_layers, "templates": [t.to_dict() for t in templates.values()],
                           "instantiation": choice.to_dict(), "replayed_iteration_time": replayed,
+                          "layout": {"groups": [{"bounds": list(g.bounds), "pipelines": g.pipelines,
+                                                 "microbatches": g.microbatches} for g in layout.groups],
+                                     "segments": [[s.first, s.last, list(s.holders)] for s in layout.segments()]},
+                          "layout_iteration_time": coupled,
                           "planning_s": planned, "instantiation_s": chosen}))
         return 0
     print(f"{profile.num_layers} layers, templates for {min(templates)}..{max(templates)} nodes "
@@ -92,6 +100,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"  pipeline {i}: {p.nodes} nodes, {p.microbatches} micro-batches, {p.time:.4g}")
     print(f"iteration time {choice.iteration_time:.4g} (schedule replay {replayed:.4g}), "
           f"throughput {choice.throughput:.4g} micro-batches per time unit")
+    cuts = sorted({x for g in layout.groups for x in g.bounds})
+    print(f"layout: {layout.describe()}; {len(cuts) - 1} reduce segments (cut at {cuts[1:-1]}), reduced in "
+          f"descending layer order over one holder per pipeline; one iteration with those reduces "
+          f"(at the link's bandwidth): fused {coupled['adaptive']:.4g}, decoupled {coupled['decoupled']:.4g}")
     return 0
 
 
