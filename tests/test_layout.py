@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from ds_resilience.ir import iteration_time
-from ds_resilience.ir.layout import Group, Layout, LayoutError, rng_key
+from ds_resilience.ir.layout import PipelineGroup, PipelineLayout, PipelineLayoutError, rng_key
 from ds_resilience.planning.generators import decoupled, one_f_one_b
 from ds_resilience.planning.layers import LayerProfile
 from ds_resilience.planning.layout_time import layout_iteration_time, layout_of
@@ -19,9 +19,9 @@ from ds_resilience.errors import PlanningError
 
 def mixed(tied=((0, 11),)):
     """12 layers: two 3-stage pipelines (cut at 4, 8) and one 2-stage pipeline (cut at 6)."""
-    return Layout(layers=12, tied=tied, tolerance=2, groups=(
-        Group(bounds=(0, 4, 8, 12), pipelines=2, microbatches=3, ranks=((0, 1, 2), (3, 4, 5))),
-        Group(bounds=(0, 6, 12), pipelines=1, microbatches=4, ranks=((6, 7),)),
+    return PipelineLayout(layers=12, tied=tied, tolerance=2, groups=(
+        PipelineGroup(bounds=(0, 4, 8, 12), pipelines=2, microbatches=3, ranks=((0, 1, 2), (3, 4, 5))),
+        PipelineGroup(bounds=(0, 6, 12), pipelines=1, microbatches=4, ranks=((6, 7),)),
     ))
 
 
@@ -61,12 +61,12 @@ def test_samples_and_random_streams_do_not_depend_on_the_layout():
 def test_bad_layouts_name_the_problem(change, match):
     first = dict(bounds=(0, 4, 8, 12), pipelines=2, microbatches=3, ranks=((0, 1, 2), (3, 4, 5)))
     first.update(change)
-    with pytest.raises(LayoutError, match=match):
-        Layout(layers=12, groups=(Group(**first), Group(bounds=(0, 6, 12), pipelines=1, microbatches=4, ranks=((6, 7),))))
-    with pytest.raises(LayoutError, match="tolerance 3 needs at least 4"):
-        Layout(layers=12, tolerance=3, groups=mixed().groups)
-    with pytest.raises(LayoutError, match="tied layers"):
-        Layout(layers=12, tied=((0, 12),), groups=mixed().groups)
+    with pytest.raises(PipelineLayoutError, match=match):
+        PipelineLayout(layers=12, groups=(PipelineGroup(**first), PipelineGroup(bounds=(0, 6, 12), pipelines=1, microbatches=4, ranks=((6, 7),))))
+    with pytest.raises(PipelineLayoutError, match="tolerance 3 needs at least 4"):
+        PipelineLayout(layers=12, tolerance=3, groups=mixed().groups)
+    with pytest.raises(PipelineLayoutError, match="tied layers"):
+        PipelineLayout(layers=12, tied=((0, 12),), groups=mixed().groups)
 
 
 def test_layout_of_an_instantiation_and_of_a_regrid():
@@ -94,7 +94,7 @@ def test_one_group_is_rated_as_the_planner_rates_its_grid():
                                            activation_bytes=0, output_bytes=100) for i in range(9)])
     bounds, link = (0, 2, 5, 9), Link(latency=0.2, bandwidth=500.0)
     cost = stage_cost_model(profile, bounds, link)
-    layout = Layout(layers=9, groups=(Group(bounds=bounds, pipelines=2, microbatches=5, ranks=((0, 1, 2), (3, 4, 5))),))
+    layout = PipelineLayout(layers=9, groups=(PipelineGroup(bounds=bounds, pipelines=2, microbatches=5, ranks=((0, 1, 2), (3, 4, 5))),))
     assert layout_iteration_time(layout, profile, link=link) == pytest.approx(iteration_time(one_f_one_b(2, 3, 5), cost, "adaptive"))
     assert layout_iteration_time(layout, profile, link=link, variant="decoupled") == pytest.approx(
         iteration_time(decoupled(2, 3, 5, cost), cost, "decoupled"))
@@ -107,7 +107,7 @@ def test_segment_reduces_couple_the_groups():
     adds the reduces that follow the last ready rank, in descending layer order."""
     profile = LayerProfile.uniform(12, param_bytes=1000.0)
     layout = mixed(tied=())
-    per_group = [layout_iteration_time(Layout(layers=12, groups=(g,)), profile) for g in layout.groups]
+    per_group = [layout_iteration_time(PipelineLayout(layers=12, groups=(g,)), profile) for g in layout.groups]
     free = layout_iteration_time(layout, profile)
     assert free == pytest.approx(max(per_group))
     bw = 1000.0

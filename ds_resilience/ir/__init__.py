@@ -6,7 +6,7 @@ and :mod:`.gantt` (PNG charts, matplotlib imported lazily) are imported on their
 """
 
 from .action import COLLECTIVE_KINDS, COMM_KINDS, COMPUTE_KINDS, Action, ActionKind, parse_action
-from .layout import Group, Layout, LayoutError, Segment, rng_key
+from .layout import LayerSegment, PipelineGroup, PipelineLayout, PipelineLayoutError, rng_key
 from .render import format_grid, format_steps
 from .replay import Replay, Transfer, message_key, replay
 from .schedule import OPTIMIZER_MODES, Schedule, TiedGroups, check_tied, format_tied, parse_tied
@@ -24,10 +24,10 @@ from .timeline import (
 from .validate import validate
 
 __all__ = [
-    "Group",
-    "Layout",
-    "LayoutError",
-    "Segment",
+    "PipelineGroup",
+    "PipelineLayout",
+    "PipelineLayoutError",
+    "LayerSegment",
     "rng_key",
     "Action",
     "ActionKind",

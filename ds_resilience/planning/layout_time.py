@@ -1,4 +1,4 @@
-"""A template instantiation as a :class:`~ds_resilience.ir.layout.Layout`, and its iteration time.
+"""A template instantiation as a :class:`~ds_resilience.ir.layout.PipelineLayout`, and its iteration time.
 
 :func:`layout_of` turns an instantiation (and, after a re-grid, the survivors' new positions from
 :func:`~.regrid.plan_regrid`) into a layout: pipelines of the same template and micro-batch count
@@ -22,7 +22,7 @@ from typing import Hashable, Mapping, Sequence
 from ..costs import CostModel
 from ..errors import PlanningError
 from ..ir import ActionKind, replay
-from ..ir.layout import Group, Layout
+from ..ir.layout import PipelineGroup, PipelineLayout
 from .generators import decoupled, one_f_one_b
 from .layers import LayerProfile
 from .regrid import Position
@@ -36,7 +36,7 @@ _COMPUTE = (ActionKind.F, ActionKind.B, ActionKind.W, ActionKind.BW)
 
 def layout_of(choice: Instantiation, templates: Mapping[int, Template], *,
               assignment: Mapping[Hashable, Position] | None = None,
-              tied: tuple[tuple[int, ...], ...] = ()) -> Layout:
+              tied: tuple[tuple[int, ...], ...] = ()) -> PipelineLayout:
     """The layout of ``choice``: ranks numbered position by position (pipeline by pipeline, stage by
     stage), or, with ``assignment`` (a re-grid plan's: rank -> new position), those ranks.
 
@@ -62,12 +62,12 @@ def layout_of(choice: Instantiation, templates: Mapping[int, Template], *,
         if missing:
             raise PlanningError(f"the assignment leaves positions (pipeline, stage) {missing[:4]} empty")
         ranks = tuple(tuple(rank_at[(q, k)] for k in range(nodes)) for q in members)
-        out.append(Group(bounds=templates[nodes].bounds, pipelines=len(members), microbatches=m, ranks=ranks))
-    return Layout(layers=templates[choice.pipelines[0].nodes].bounds[-1], groups=tuple(out), tied=tied,
+        out.append(PipelineGroup(bounds=templates[nodes].bounds, pipelines=len(members), microbatches=m, ranks=ranks))
+    return PipelineLayout(layers=templates[choice.pipelines[0].nodes].bounds[-1], groups=tuple(out), tied=tied,
                   tolerance=choice.tolerance)
 
 
-def _ready_times(group: Group, cost: CostModel, variant: str) -> dict[int, float]:
+def _ready_times(group: PipelineGroup, cost: CostModel, variant: str) -> dict[int, float]:
     """When each rank of ``group`` holds all its gradients (its last backward's end), in the
     replay of the group's own schedule."""
     dp, pp, m = group.pipelines, group.stages, group.microbatches
@@ -83,7 +83,7 @@ def _ready_times(group: Group, cost: CostModel, variant: str) -> dict[int, float
     return ready
 
 
-def layout_iteration_time(layout: Layout, profile: LayerProfile, *, variant: str = "adaptive",
+def layout_iteration_time(layout: PipelineLayout, profile: LayerProfile, *, variant: str = "adaptive",
                           link: Link = Link(), reduce_link: Link = Link(), step_time: float = 0.0) -> float:
     """One iteration of ``layout`` (see the module docstring): ``link`` rates stage-to-stage
     messages; ``reduce_link`` a ring all-reduce of a segment's ``param_bytes`` over its holders
