@@ -121,16 +121,23 @@ class Group:
         if staged is not tensor:
             tensor.copy_(staged)
 
+    def _post(self, op: str, tensor: torch.Tensor, peer: int, tag: int):
+        """Post a send or receive; gloo raises at once on a pair a dead peer closed: a CommError."""
+        try:
+            return getattr(self.pg, op)([tensor], self.index[peer], tag if self.matching == "tags" else _FIFO_TAG)
+        except RuntimeError as exc:
+            raise CommError(f"{self.name}: posting a {op} with rank {peer}: {exc}") from exc
+
     def isend(self, tensor: torch.Tensor, dst: int, tag: int):
         staged = tensor if tensor.device == self.device else tensor.to(self.device)
-        work = self.pg.send([staged], self.index[dst], tag if self.matching == "tags" else _FIFO_TAG)
+        work = self._post("send", staged, dst, tag)
         return work if staged is tensor else _Staged(work, staged, None)
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int):
         if tensor.device == self.device:
-            return self.pg.recv([tensor], self.index[src], tag if self.matching == "tags" else _FIFO_TAG)
+            return self._post("recv", tensor, src, tag)
         buf = torch.empty_like(tensor, device=self.device)
-        work = self.pg.recv([buf], self.index[src], tag if self.matching == "tags" else _FIFO_TAG)
+        work = self._post("recv", buf, src, tag)
         return _Staged(work, buf, tensor)
 
     def barrier(self) -> None:
