@@ -86,3 +86,69 @@ def regrid(rank: int, world: int, die_during: int | None = None) -> dict:
     return {"position": (position.pipeline, position.stage, position.first, position.last), "layers": sorted(out),
             "same": same, "restored": restored, "sent": report.sent_bytes, "received": report.received_bytes,
             "kept": list(report.kept), "moves": len(plan.moves)}
+
+
+# --- one step on a template layout (tests/test_layout_reduce.py) ------------------------------
+
+WIDTH = 4
+
+
+def mixed_layout():
+    """12 layers with layers 0 and 11 tied: two 3-stage pipelines (cut at 4, 8) and one 2-stage
+    pipeline (cut at 6): 8 ranks, 10 micro-batches."""
+    from ds_resilience.ir.layout import PipelineGroup, PipelineLayout
+
+    return PipelineLayout(layers=12, tied=((0, 11),), tolerance=2, groups=(
+        PipelineGroup(bounds=(0, 4, 8, 12), pipelines=2, microbatches=3, ranks=((0, 1, 2), (3, 4, 5))),
+        PipelineGroup(bounds=(0, 6, 12), pipelines=1, microbatches=4, ranks=((6, 7),)),
+    ))
+
+
+def initial_weights():
+    torch.manual_seed(0)
+    ws = [torch.randn(WIDTH, WIDTH) * 0.5 for _ in range(12)]
+    bs = [torch.randn(WIDTH) * 0.1 for _ in range(12)]
+    return ws, bs
+
+
+def sample(mb: int):
+    g = torch.Generator().manual_seed(500 + mb)
+    return torch.randn(2, WIDTH, generator=g), torch.randn(2, WIDTH, generator=g)
+
+
+def loss_over(ws, bs, microbatches, total):
+    out = 0.0
+    for mb in microbatches:
+        x, y = sample(mb)
+        for i in range(12):
+            x = torch.tanh(x @ ws[i].T + bs[i])
+        out = out + (x - y).pow(2).mean()
+    return out / total
+
+
+def layout_step(rank: int, world: int) -> dict:
+    """Each rank computes its pipeline's micro-batches' gradients (the whole model run locally, as
+    its pipeline would), keeps its own layers' (its copy of the tied weight separate), reduces them
+    with the SegmentReducer and takes one SGD step on its layers."""
+    from ds_resilience.runtime.layout_reduce import SegmentReducer
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    layout = mixed_layout()
+    w0, b0 = initial_weights()
+    ws = [torch.nn.Parameter(w.clone()) for w in w0]
+    ws[11] = torch.nn.Parameter(w0[0].clone())  # this rank's copy of the tied weight, if it holds layer 11
+    bs = [torch.nn.Parameter(b.clone()) for b in b0]
+    mine = list(layout.layers_of(rank))
+    params = {i: ([bs[i]] if i in (0, 11) else [ws[i], bs[i]]) for i in mine}
+    tied = {0: [ws[i] for i in mine if i in (0, 11)]} if any(i in (0, 11) for i in mine) else {}
+    reducer = SegmentReducer(layout, rank, params, tied=tied, name="step",
+                             make_group=lambda ranks, name: new_group(ranks, name=name, timeout_s=60))
+    g, q, _ = layout.position(rank)
+    loss_over(ws, bs, layout.microbatch_ids(g, q), layout.microbatches).backward()
+    reducer.reduce()
+    with torch.no_grad():
+        for i in mine:
+            for p in (ws[i], bs[i]):
+                p -= 0.1 * p.grad
+    dist.barrier()
+    return {"layers": mine, "w": {i: ws[i].detach().clone() for i in mine}, "b": {i: bs[i].detach().clone() for i in mine}}
