@@ -128,6 +128,19 @@ class Group:
         except RuntimeError as exc:
             raise CommError(f"{self.name}: posting a {op} with rank {peer}: {exc}") from exc
 
+    def all_reduce_flat(self, tensors: Sequence[torch.Tensor]) -> None:
+        """In-place sum of each of ``tensors`` over the members, through one flat buffer (one
+        collective instead of one per tensor)."""
+        if not tensors:
+            return
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        self.all_reduce(flat)
+        offset = 0
+        for t in tensors:
+            n = t.numel()
+            t.copy_(flat[offset: offset + n].view_as(t))
+            offset += n
+
     def isend(self, tensor: torch.Tensor, dst: int, tag: int):
         staged = tensor if tensor.device == self.device else tensor.to(self.device)
         work = self._post("send", staged, dst, tag)

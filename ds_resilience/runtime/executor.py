@@ -560,13 +560,7 @@ class Executor:
         """One flat all-reduce (sum) of ``grads`` over ``group``."""
         if not grads or group is None or len(group) <= 1:
             return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        group.all_reduce(flat)
-        offset = 0
-        for g in grads:
-            n = g.numel()
-            g.copy_(flat[offset: offset + n].view_as(g))
-            offset += n
+        group.all_reduce_flat(grads)
 
     def reduce_grads(self, a: Action) -> None:
         """Sum this stage's gradients over its surviving replicas (one flat all-reduce)."""

@@ -33,18 +33,10 @@ def _sum_into(group: Group | None, tensors: list[torch.Tensor]) -> None:
     """One flat all-reduce (sum) of the gradients of ``tensors`` over ``group``."""
     if not tensors or group is None:
         return
-    grads = []
     for p in tensors:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        grads.append(p.grad)
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    group.all_reduce(flat)
-    offset = 0
-    for g in grads:
-        n = g.numel()
-        g.copy_(flat[offset: offset + n].view_as(g))
-        offset += n
+    group.all_reduce_flat([p.grad for p in tensors])
 
 
 class SegmentReducer:

@@ -42,6 +42,7 @@ __all__ = [
     "stage_layers",
     "divisors",
     "Grid",
+    "Slots",
     "profile_from_dict",
 ]
 
@@ -289,7 +290,28 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-class Grid:
+class Slots:
+    """Positions (``slot``: position -> node), each held by a node or empty (a hole)."""
+
+    slot: dict
+
+    @property
+    def nodes(self) -> set[str]:
+        return {n for n in self.slot.values() if n is not None}
+
+    def holes(self) -> list:
+        return [k for k, n in self.slot.items() if n is None]
+
+    def vacate(self, node: str) -> bool:
+        """Empty the position ``node`` holds; False if it holds none."""
+        for key, holder in self.slot.items():
+            if holder == node:
+                self.slot[key] = None
+                return True
+        return False
+
+
+class Grid(Slots):
     """A ``dp`` x ``pp`` grid of slots, each held by a node or empty (a hole re-routed around)."""
 
     def __init__(self, model: ModelProfile, dp: int, pp: int, nodes: list[str]) -> None:
@@ -310,23 +332,12 @@ class Grid:
     def failed(self) -> frozenset[Worker]:
         return frozenset(Worker(pipeline=p, stage=s) for (p, s), n in self.slot.items() if n is None)
 
-    @property
-    def nodes(self) -> set[str]:
-        return {n for n in self.slot.values() if n is not None}
-
     def covered(self) -> bool:
         return all(any(self.slot[(p, s)] is not None for p in range(self.dp)) for s in range(self.pp))
 
-    def vacate(self, node: str) -> bool:
-        for key, holder in self.slot.items():
-            if holder == node:
-                self.slot[key] = None
-                return True
-        return False
-
     def fill(self, node: str) -> bool:
         """Put ``node`` into a hole of the stage with the fewest live replicas; False if no hole."""
-        holes = [k for k, n in self.slot.items() if n is None]
+        holes = self.holes()
         if not holes:
             return False
         live = {s: sum(1 for p in range(self.dp) if self.slot[(p, s)] is not None) for s in range(self.pp)}

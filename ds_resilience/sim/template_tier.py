@@ -26,20 +26,17 @@ Pure Python.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
-
 from ..errors import PlanningError
 from ..planning.layers import LayerProfile
 from ..planning.templates import Instantiation, Template, instantiate, plan_templates
 from ..topology import Worker
 
-if TYPE_CHECKING:
-    from .models import PlanCache
+from .models import PlanCache, Slots
 
 __all__ = ["TemplateLayout", "TemplateTier"]
 
 
-class TemplateLayout:
+class TemplateLayout(Slots):
     """The nodes of one template instantiation, in the shape of :class:`~.models.Grid` the policies use.
 
     Pipelines of the same template form a group whose same-position stages hold the same layers:
@@ -67,23 +64,13 @@ class TemplateLayout:
         return {n: frozenset(Worker(pipeline=q, stage=s) for (g, q, s), node in self.slot.items()
                              if g == n and node is None) for n in self.groups}
 
-    @property
-    def nodes(self) -> set[str]:
-        return {n for n in self.slot.values() if n is not None}
-
     def covered(self) -> bool:
         return all(any(self.slot[(n, q, s)] is not None for q in range(count))
                    for n, (count, _) in self.groups.items() for s in range(n))
 
-    def vacate(self, node: str) -> bool:
-        for key, holder in self.slot.items():
-            if holder == node:
-                self.slot[key] = None
-                return True
-        return False
-
     def fill(self, node: str) -> bool:
-        holes = [k for k, n in self.slot.items() if n is None]
+        """Put ``node`` into the first hole; False if there is none."""
+        holes = self.holes()
         if not holes:
             return False
         self.slot[holes[0]] = node
