@@ -64,7 +64,7 @@ def layout_of(choice: Instantiation, templates: Mapping[int, Template], *,
         ranks = tuple(tuple(rank_at[(q, k)] for k in range(nodes)) for q in members)
         out.append(PipelineGroup(bounds=templates[nodes].bounds, pipelines=len(members), microbatches=m, ranks=ranks))
     return PipelineLayout(layers=templates[choice.pipelines[0].nodes].bounds[-1], groups=tuple(out), tied=tied,
-                  tolerance=choice.tolerance)
+                          tolerance=choice.tolerance)
 
 
 def _ready_times(group: PipelineGroup, cost: CostModel, variant: str) -> dict[int, float]:

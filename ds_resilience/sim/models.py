@@ -335,6 +335,9 @@ class Grid(Slots):
     def covered(self) -> bool:
         return all(any(self.slot[(p, s)] is not None for p in range(self.dp)) for s in range(self.pp))
 
+    def describe(self) -> str:
+        return f"grid {self.dp}x{self.pp}"
+
     def fill(self, node: str) -> bool:
         """Put ``node`` into a hole of the stage with the fewest live replicas; False if no hole."""
         holes = self.holes()

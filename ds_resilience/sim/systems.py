@@ -417,8 +417,7 @@ class DsResilience(ReCycle):
         return super().on_resume(job)
 
     def _count(self, layout: Grid | TemplateLayout) -> None:
-        name = layout.describe() if isinstance(layout, TemplateLayout) else f"grid {layout.dp}x{layout.pp}"
-        self.layouts[name] = self.layouts.get(name, 0) + 1
+        self.layouts[layout.describe()] = self.layouts.get(layout.describe(), 0) + 1
 
     def after_iteration(self, job: JobView) -> Action:
         if self.deferred is not None:  # a change of layout nothing forced: at the iteration boundary

@@ -26,11 +26,11 @@ Pure Python.
 from __future__ import annotations
 
 import math
+
 from ..errors import PlanningError
 from ..planning.layers import LayerProfile
 from ..planning.templates import Instantiation, Template, instantiate, plan_templates
 from ..topology import Worker
-
 from .models import PlanCache, Slots
 
 __all__ = ["TemplateLayout", "TemplateTier"]
@@ -49,7 +49,7 @@ class TemplateLayout(Slots):
         used = sum(p.nodes for p in choice.pipelines)
         if used > len(nodes):
             raise PlanningError(f"a layout of {used} nodes cannot run on {len(nodes)}")
-        self.tier, self.choice = tier, choice
+        self.tier = tier
         it = iter(nodes[:used])
         # group: template nodes -> (pipelines, the most micro-batches any of them runs)
         self.groups = {n: (count, max(p.microbatches for p in choice.pipelines if p.nodes == n))
@@ -58,11 +58,9 @@ class TemplateLayout(Slots):
             (n, q, s): next(it) for n, (count, _) in self.groups.items() for q in range(count) for s in range(n)}
         self.pp = min(self.groups)  # the fewest nodes that still run something
 
-    @property
-    def failed(self) -> dict[int, frozenset[Worker]]:
-        """The holes of each group, as failed workers of its ``count`` x ``n`` grid."""
-        return {n: frozenset(Worker(pipeline=q, stage=s) for (g, q, s), node in self.slot.items()
-                             if g == n and node is None) for n in self.groups}
+    def group_holes(self, n: int) -> frozenset[Worker]:
+        """The holes of the group of ``n``-node pipelines, as failed workers of its grid."""
+        return frozenset(Worker(pipeline=q, stage=s) for (g, q, s), node in self.slot.items() if g == n and node is None)
 
     def covered(self) -> bool:
         return all(any(self.slot[(n, q, s)] is not None for q in range(count))
@@ -80,8 +78,7 @@ class TemplateLayout(Slots):
         """Seconds per iteration: the slowest group's plan (``inf`` when uncovered)."""
         if not self.covered():
             return math.inf
-        failed = self.failed
-        return max(self.tier.group_seconds(n, count, m, failed[n]) for n, (count, m) in self.groups.items())
+        return max(self.tier.group_seconds(n, count, m, self.group_holes(n)) for n, (count, m) in self.groups.items())
 
     def describe(self) -> str:
         return "templates " + " + ".join(f"{count}x{n}" for n, (count, _) in sorted(self.groups.items(), reverse=True))
