@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Every GPU check of this project in one run, for a lent GPU machine (CI has none):
+#   bash benchmarks/gpu_checks.sh [OUT_DIR]
+# 1. B + W against the fused backward on the GPU (benchmarks/bw_split.py);
+# 2. the csrc copy kernel built in place for the visible GPU (setup.py build_ext);
+# 3. every test marked gpu / multigpu (the multigpu ones skip with a reason below their GPU count);
+# 4. the copy kernels' D2H staging throughput and interference (benchmarks/copy_kernel.py --quick).
+# Each step has its own time limit, so one hang cannot eat the others; logs and JSON go to OUT_DIR.
+set -u -o pipefail
+out=${1:-${OUT:-/tmp/gpu_checks}}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+py=${PYTHON:-python3}
+nvidia-smi -L 2>&1 | tee "$out/device.txt"
+$py -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, torch.cuda.get_device_name())" 2>&1 | tee -a "$out/device.txt"
+rc=0
+step() { local name=$1 limit=$2; shift 2; echo "=== $name (limit ${limit}s)"; local t0=$SECONDS
+  timeout "$limit" "$@" 2>&1 | tee "$out/$name.log"; local r=${PIPESTATUS[0]}
+  echo "=== $name: rc=$r in $((SECONDS - t0))s"; [ "$r" = 0 ] || rc=1; }
+step bw_split 120 $py benchmarks/bw_split.py --json "$out/bw_split.json"
+arch=$($py -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
+step build_ext 180 env DSR_BUILD_CUDA=1 TORCH_CUDA_ARCH_LIST="$arch" MAX_JOBS=8 $py setup.py -q build_ext --inplace
+step pytest_gpu 180 $py -m pytest -c tests/pytest.ini -q -p no:cacheprovider -rs -m "gpu or multigpu" \
+  tests/test_kernels.py tests/test_accelerator.py tests/test_multigpu.py
+step copy_kernel 150 $py benchmarks/copy_kernel.py --quick --json "$out/copy_kernel.json"
+exit $rc
