@@ -139,6 +139,39 @@ def measure(shape, device, dtype, repeats: int, warmup: int) -> dict:
     return row
 
 
+def profile(shape, device, dtype, rounds: int = 3) -> None:
+    """Where the split's extra time goes: the profiler's op table of ``rounds`` fused backwards
+    against ``rounds`` split ones (forwards excluded), sorted by device (or CPU) time."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    d, t, mb, layers = shape
+    torch.manual_seed(0)
+    stage = build_stage(d, t, layers, device, dtype)
+    x0 = torch.randn(mb, t, d, device=device, dtype=dtype)
+    g = torch.randn(mb, t, d, device=device, dtype=dtype) * 1e-2
+    clock = Clock(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    params = list(stage.parameters())
+    for method in ("fused", "split"):
+        one_round(stage, x0, g, method, clock)  # warm
+        ys = []
+        for _ in range(rounds):
+            x = x0.detach().requires_grad_(True)
+            ys.append((x, stage(x)))
+        clock.now()
+        with torch_profile(activities=activities) as prof:
+            for x, y in ys:
+                if method == "fused":
+                    backward_fused(y, g, x, params)
+                else:
+                    _, pending = backward_input(y, g, x, params, strategy="split")
+                    backward_weight(pending)
+            clock.now()
+        print(f"\n--- profile: {rounds} {method} backward(s), D={d} T={t} MB={mb} L={layers}")
+        print(prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=48))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
@@ -148,6 +181,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (one per worker, as the engine runs)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print torch.profiler's top kernels of one fused and one split backward (first shape)")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -169,6 +204,8 @@ def main(argv=None) -> int:
               f"{'yes' if row['equal'] else 'NO':>5} {row['F_ms']:>8.2f} {row['fused_ms']:>9.2f} "
               f"{row['split_B_ms']:>8.2f} {row['split_W_ms']:>8.2f} {row['split_ratio']:>8.2f}x "
               f"{row['split_autograd_w_ratio']:>15.2f}x", flush=True)
+    if args.profile:
+        profile(shapes[0], device, dtype)
     if args.json:
         Path(args.json).write_text(json.dumps({"device": name, "dtype": str(dtype), "torch": torch.__version__,
                                                "rows": rows}, indent=2))

@@ -21,6 +21,12 @@ What it measures, all in the same run (the checkpoint staging path of ARCHITECTU
    matmul slowdown, and the copy throughput reached meanwhile. ``--max-blocks`` sweeps the csrc
    kernel's grid cap (0 = one block per SM, the default), the knob that trades copy speed for
    SMs left to training.
+3. **The staging pipeline itself** (``checkpoint.staging.StagingPipeline.write``, what a snapshot
+   runs): the kernel copies each chunk into a device sub-buffer (checksum in the same pass) and the
+   copy engine drains it into a pinned payload, chunk i's drain overlapping chunk i+1's copy. Its
+   throughput alone (with and without the checksum, for each ``--max-blocks``, and into a payload
+   that is not pinned, registered per call as the shared-memory store's is) and the matmul
+   slowdown while snapshots run back to back.
 
 Record the device and the numbers in BENCHMARKS.md.
 """
@@ -157,6 +163,62 @@ def _matmul_time(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, iters: int
     return seconds, (moved / copy_wall / 1e9 if moved else 0.0)
 
 
+def _staging(src: torch.Tensor, args, max_blocks: list[int], matmuls, alone: float) -> dict:
+    """Section 3: the real snapshot path, ``StagingPipeline.write``, alone and under matmuls."""
+    from ds_resilience.checkpoint.staging import StagingPipeline
+    from ds_resilience.kernels import checksum_reference
+
+    state = {"params": list(src.chunk(8))}
+    variants = []
+    for blocks in max_blocks:
+        tag = "" if blocks == 0 else f" [max_blocks={blocks}]"
+        variants.append((f"staging + checksum{tag}", blocks, True, True))
+        variants.append((f"staging, no checksum{tag}", blocks, False, True))
+    variants.append(("staging + checksum, unpinned payload", 0, True, False))
+    before = os.environ.get("DSR_COPY_MAX_BLOCKS")
+    rows, correct = {}, True
+    torch.cuda.synchronize()
+    ready = torch.cuda.Event()  # "the state was captured here": before the matmuls are queued, as at an
+    ready.record()              # iteration's end (else the copy stream would wait for every matmul)
+    try:
+        pinned = None
+        for name, blocks, checksum, pin in variants:
+            os.environ["DSR_COPY_MAX_BLOCKS"] = str(blocks)
+            pipe = StagingPipeline(gpu_buffer_mb=args.sub_buffer_mb * args.sub_buffers, num_sub_buffers=args.sub_buffers)
+            layout, leaves = pipe.plan(state)
+            if pin and pinned is None:
+                pinned = torch.zeros(layout.nbytes, dtype=torch.uint8, pin_memory=True)
+            payload = pinned if pin else torch.zeros(layout.nbytes, dtype=torch.uint8)
+            value = pipe.write(layout, leaves, payload, checksum=checksum)  # warm-up and check
+            if checksum:
+                correct = correct and value == checksum_reference(payload)
+            times = []
+            for _ in range(args.repeats):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                pipe.write(layout, leaves, payload, checksum=checksum)
+                times.append(time.perf_counter() - t0)
+            row = {"gbps": layout.nbytes / statistics.median(times) / 1e9}
+            if pin:
+                def snapshots(done, pipe=pipe, layout=layout, leaves=leaves, payload=payload, checksum=checksum) -> int:
+                    moved = 0
+                    while not done():
+                        pipe.write(layout, leaves, payload, checksum=checksum, ready=ready)
+                        moved += layout.nbytes
+                    return moved
+
+                runs = [matmuls(snapshots) for _ in range(3)]
+                row["slowdown"] = statistics.median(r[0] for r in runs) / alone - 1
+                row["copy_gbps_during"] = statistics.median(r[1] for r in runs)
+            rows[name] = row
+    finally:
+        if before is None:
+            os.environ.pop("DSR_COPY_MAX_BLOCKS", None)
+        else:
+            os.environ["DSR_COPY_MAX_BLOCKS"] = before
+    return {"rows": rows, "correct": correct}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--total-mb", type=int, default=4096, help="bytes streamed per measurement")
@@ -233,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
         interference[name] = {"matmul_s": seconds, "slowdown": seconds / alone - 1,
                               "copy_gbps_during": statistics.median(r[1] for r in runs)}
 
+    staging = _staging(src, args, max_blocks, lambda during: _matmul_time(a, b, out, args.matmul_iters, during), alone)
+
     base = gbps["copy_"]
     print(f"\nD2H through {args.sub_buffers} x {args.sub_buffer_mb} MB pinned sub-buffers, {args.total_mb} MB of "
           f"{args.dtype} per run, median of {args.repeats}; {args.matmul_iters} bf16 {n}x{n} matmuls alone: "
@@ -246,8 +310,18 @@ def main(argv: list[str] | None = None) -> int:
             ratio = gbps[name] / base
             print(f"target >= 90% of copy_: {name} {ratio:.1%} -> {'met' if ratio >= 0.9 else 'NOT met'}")
 
+    print(f"\nThe staging pipeline (StagingPipeline.write, {args.sub_buffers} x {args.sub_buffer_mb} MB device "
+          f"sub-buffers, {args.total_mb} MB state in 8 tensors), median of {args.repeats}; slowdown of the same matmuls")
+    print(f"{'variant':<34} {'GB/s':>7} {'vs copy_':>9} {'matmul slowdown':>16} {'GB/s during matmul':>19}")
+    for name, row in staging["rows"].items():
+        during = row.get("slowdown")
+        print(f"{name:<34} {row['gbps']:7.2f} {row['gbps'] / base:9.1%} "
+              + (f"{during:16.1%} {row['copy_gbps_during']:19.2f}" if during is not None else f"{'-':>16} {'-':>19}"))
+    print("staging checksums equal the reference: " + ("yes" if staging["correct"] else "NO"))
+    bad = bad + ([] if staging["correct"] else ["staging"])
+
     if args.json:
-        args.json.write_text(json.dumps({
+        args.json.write_text(json.dumps({"staging": staging,
             "device": device, "torch": torch.__version__, "cuda": torch.version.cuda, "args": vars(args) | {"json": str(args.json)},
             "correct": status, "gbps": gbps, "samples": samples, "matmul_alone_s": alone,
             "interference": interference, "skipped": skipped,
