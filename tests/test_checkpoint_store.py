@@ -206,6 +206,74 @@ def test_recycled_payloads_keep_every_version_exact(tmp_path):
     assert store.reused == 2 and torch.equal(store.load("w0")["y"], torch.zeros(7, dtype=torch.int64))
 
 
+@pytest.mark.parametrize("keep_mapped", [True, False])
+def test_a_recycled_file_keeps_its_mapping_and_every_version_reads_back(tmp_path, keep_mapped):
+    """Versions written into recycled files reuse the file's mapping (keep + 1 mappings for any
+    number of snapshots), and every version reads back exact; keep_mapped=False maps per snapshot."""
+    store = SnapshotStore(tmp_path, keep=2, keep_mapped=keep_mapped)
+    for step in range(1, 8):
+        store.save("w0", step, {"x": torch.full((1000,), float(step)), "s": step})
+        got = store.load("w0", step)
+        assert torch.equal(got["x"], torch.full((1000,), float(step))) and got["s"] == step
+    assert store.reused == 4
+    assert store.mapped == (3 if keep_mapped else 7)
+    rep = store.read_bytes("w0", 7)  # a replica received by another store recycles its files too
+    other = SnapshotStore(tmp_path / "peer", keep=1, keep_mapped=keep_mapped)
+    for step in range(3):
+        other.put_bytes("w0", step, rep.payload, rep.layout, rep.checksum)
+        assert torch.equal(other.load("w0", step)["x"], torch.full((1000,), 7.0))
+    assert other.mapped == (2 if keep_mapped else 3)
+
+
+def test_a_spare_file_replaced_behind_the_store_gets_a_new_mapping(tmp_path):
+    """If another process replaces the spare file, the kept mapping (of the old file) is not
+    reused: the next version goes into the new file and reads back exact, not corrupt."""
+    store = SnapshotStore(tmp_path, keep=1)
+    for step in range(2):
+        store.save("w0", step, {"x": torch.full((256,), float(step))})
+    (spare,) = [p for p in (tmp_path / "w0").iterdir() if p.name.startswith(".spare")]
+    foreign = tmp_path / "foreign.bin"
+    foreign.write_bytes(bytes(spare.stat().st_size))
+    os.replace(foreign, spare)
+    mapped = store.mapped
+    store.save("w0", 2, {"x": torch.full((256,), 2.0)})
+    assert store.mapped == mapped + 1
+    assert torch.equal(store.load("w0", 2)["x"], torch.full((256,), 2.0))
+    assert store.corrupt == []
+
+
+def test_a_device_state_page_locks_each_kept_mapping_once(tmp_path, monkeypatch):
+    """For a device state the store page-locks a payload file's mapping once, keeps it locked while
+    the file is recycled, and unlocks it when the file is dropped (another layout, close, wipe);
+    keep_mapped=False leaves the locking to the staging pipeline, per snapshot."""
+    from ds_resilience.checkpoint import store as store_mod
+
+    calls = {"lock": [], "unlock": []}
+    monkeypatch.setattr(store_mod, "on_device", lambda t: True)  # these CPU tensors stand for a GPU's
+    monkeypatch.setattr(store_mod, "register_host", lambda out, device: calls["lock"].append(out.data_ptr()) or ("h", out.data_ptr()))
+    monkeypatch.setattr(store_mod, "unregister_host", lambda handle: calls["unlock"].append(handle[1]))
+    store = SnapshotStore(tmp_path / "a", keep=2)
+    for step in range(1, 7):
+        store.save("w0", step, {"x": torch.full((512,), float(step))})
+    assert len(calls["lock"]) == 3 and len(set(calls["lock"])) == 3 and calls["unlock"] == []
+    store.save("w0", 7, {"y": torch.zeros(9)})  # another layout: the spare's mapping is dropped
+    assert len(calls["lock"]) == 4 and len(calls["unlock"]) == 1
+    store.close()
+    assert sorted(calls["unlock"]) == sorted(calls["lock"])
+    assert torch.equal(store.load("w0", 6)["x"], torch.full((512,), 6.0))
+    calls["lock"].clear()
+    calls["unlock"].clear()
+    plain = SnapshotStore(tmp_path / "b", keep=2, keep_mapped=False)
+    for step in range(1, 4):
+        plain.save("w0", step, {"x": torch.full((512,), float(step))})
+    assert calls["lock"] == []
+    store2 = SnapshotStore(tmp_path / "c", keep=2)
+    for step in range(1, 5):
+        store2.save("w0", step, {"x": torch.full((512,), float(step))})
+    store2.wipe()
+    assert len(calls["unlock"]) == len(calls["lock"]) == 3
+
+
 def test_put_bytes_replica(tmp_path):
     src = SnapshotStore(tmp_path / "a")
     dst = SnapshotStore(tmp_path / "b")

@@ -18,9 +18,9 @@ Devices: CUDA tensors are copied on a dedicated copy stream, ordered after the t
 work up to the call (or after the ``ready`` event the caller recorded at capture), into a device
 sub-buffer by the copy kernel (checksum in the same pass, left on the device), and drained to the
 host payload on a drain stream, so the drain of chunk ``i`` overlaps the copy of chunk ``i + 1``; a
-sub-buffer is reused only after its drain event. A host payload that is not pinned (the
-shared-memory file mapping of the in-memory store) is registered with CUDA (page-locked) for the
-call, so the drains are truly asynchronous; the call waits for the device once, at its end, and
+sub-buffer is reused only after its drain event. A host payload that is not pinned is registered
+with CUDA (page-locked) for the call, so the drains are truly asynchronous (the in-memory store
+page-locks its file mappings once and keeps them: :func:`register_host`); the call waits for the device once, at its end, and
 then reads every chunk's checksum. A CPU tensor is copied straight into the payload, one sub-buffer-sized chunk at a time
 (``stage_cpu=True`` forces the staged path on CPU too, sequentially, for tests).
 """
@@ -38,10 +38,11 @@ from ..kernels.copy import copy_chunk_deferred
 from ..kernels.checksum import combine
 from .layout import ALIGN, Layout, TensorMeta, plan_layout, unflatten
 
-__all__ = ["ALIGN", "Layout", "StagedState", "StagingPipeline", "TensorMeta", "unflatten"]
+__all__ = ["ALIGN", "Layout", "StagedState", "StagingPipeline", "TensorMeta", "register_host", "unflatten",
+           "unregister_host"]
 
 
-def _register_host(out: torch.Tensor, device: torch.device) -> tuple[Any, int] | None:
+def register_host(out: torch.Tensor, device: torch.device) -> tuple[Any, int] | None:
     """Page-lock ``out``'s memory for ``device``'s accelerator (``cudaHostRegister`` on CUDA) so
     device-to-host copies into it are asynchronous; ``None`` if it refuses (the copies then still
     work, synchronously)."""
@@ -56,7 +57,7 @@ def _register_host(out: torch.Tensor, device: torch.device) -> tuple[Any, int] |
     return (acc, ptr) if ok is not False else None
 
 
-def _unregister_host(registered: tuple[Any, int]) -> None:
+def unregister_host(registered: tuple[Any, int]) -> None:
     acc, ptr = registered
     acc.unregister_host_memory(ptr)
 
@@ -129,7 +130,7 @@ class StagingPipeline:
         pending: list[Any] = [None] * self.num_sub_buffers  # drain events of CUDA sub-buffers
         deferred: list[tuple[Any, int]] = []  # CUDA chunks' checksums, read after the one wait
         devices = list(dict.fromkeys(t.device for t in leaves if on_device(t)))
-        registered = _register_host(out, devices[0]) if devices and not out.is_pinned() else None
+        registered = register_host(out, devices[0]) if devices and not out.is_pinned() else None
         try:
             for device in devices:  # the copy stream starts after the captured state is final
                 streams = self._streams(device)
@@ -143,7 +144,7 @@ class StagingPipeline:
                     event.synchronize()  # the drains end last: one wait for the whole snapshot
         finally:
             if registered is not None:
-                _unregister_host(registered)
+                unregister_host(registered)
         for value, offset in deferred:
             total = combine(total, value.value(), offset)
         return total if checksum else None

@@ -33,8 +33,9 @@ import torch
 
 from ..errors import ResilienceError
 from ..kernels.checksum import checksum_reference
+from ..accelerator import on_device
 from .layout import Layout, LayoutError, TensorMeta, unflatten
-from .staging import StagingPipeline
+from .staging import StagingPipeline, register_host, unregister_host
 
 __all__ = ["CheckpointCorrupt", "CheckpointError", "CorruptVersion", "PendingSnapshot", "ReplicaBytes", "SnapshotInfo", "SnapshotStore"]
 
@@ -98,6 +99,41 @@ class ReplicaBytes:
     checksum: int
 
 
+class _Mapping:
+    """A payload file's shared mapping, kept while the store holds the file (as a version, a
+    pending one or the owner's spare) so that the next version written into the same file reuses
+    it: no new mapping to fault in and, for a device state, no page-locking per snapshot
+    (``cudaHostRegister`` of the whole payload costs about 4x the copy's own time on an H200: see
+    BENCHMARKS.md, "On a GPU"). Page-locked at most once, for the first device that writes into
+    it; unlocked and unmapped by :meth:`close`."""
+
+    __slots__ = ("tensor", "locked", "inode")
+
+    def __init__(self, tensor: torch.Tensor, inode: tuple[int, int]) -> None:
+        self.tensor: torch.Tensor | None = tensor
+        self.locked: Any = None  # register_host's handle, False where the accelerator refused
+        self.inode = inode  # (st_dev, st_ino) of the file mapped: reused only for that same file
+
+    def lock_for(self, device: torch.device) -> None:
+        if self.locked is None and self.tensor is not None:
+            self.locked = register_host(self.tensor, device) or False
+
+    def close(self) -> None:
+        if self.locked:
+            unregister_host(self.locked)
+        self.locked, self.tensor = None, None
+
+
+def _inode(path: Path) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
+def _close(mapping: _Mapping | None) -> None:
+    if mapping is not None:
+        mapping.close()
+
+
 def _parse_layout(data: bytes, owner: str, step: int) -> Layout:
     try:
         return Layout.from_json(data)
@@ -122,10 +158,13 @@ class SnapshotStore:
         pipeline: the staging pipeline used by :meth:`save` (default: 128 MB in 4 sub-buffers).
         recycle: reuse a pruned version's payload file for the next version of the same layout
             (saves tmpfs page allocation; off for a disk tier, where it only costs space).
+        keep_mapped: keep each payload file's shared mapping while the store holds the file, and
+            with it the page-locking a device state's copy needs (``cudaHostRegister``), so a
+            recycled file costs neither again; ``False`` maps and page-locks per snapshot.
     """
 
     def __init__(self, root: Path | str | None = None, *, keep: int = 2, job_id: str = "default",
-                 pipeline: StagingPipeline | None = None, recycle: bool = True) -> None:
+                 pipeline: StagingPipeline | None = None, recycle: bool = True, keep_mapped: bool = True) -> None:
         if keep < 1:
             raise CheckpointError(f"keep must be >= 1, got {keep}")
         self.root = Path(root) if root is not None else self.default_root(job_id)
@@ -137,7 +176,10 @@ class SnapshotStore:
         self._seq = itertools.count(1)  # makes every uncommitted payload's name unique
         # A pruned version's payload file is kept as its owner's spare and reused by the next
         # version with the same tensor layout: tmpfs pages already allocated, no zero-filling.
-        self._spares: dict[str, tuple[Path, tuple[TensorMeta, ...]]] = {}
+        self._spares: dict[str, tuple[Path, tuple[TensorMeta, ...], _Mapping | None]] = {}
+        self.keep_mapped = keep_mapped
+        self._mappings: dict[tuple[str, int], _Mapping] = {}  # the payload files this store holds, by version
+        self.mapped = 0  # payload mappings created (a counter for tests and benchmarks)
         self._metas: dict[tuple[str, int], tuple[TensorMeta, ...]] = {}
         self.reused = 0
         self.recycle = recycle
@@ -188,15 +230,36 @@ class SnapshotStore:
         """
         vdir = self._begin(owner, step)
         layout, leaves = self.pipeline.plan(state)
-        tmp = self._new_payload(owner, vdir, layout.tensors)
+        tmp, mapping = self._new_payload(owner, vdir, layout.tensors)
         value: int | None = 0
         if layout.nbytes:
-            out = torch.from_file(str(tmp), shared=True, size=layout.nbytes, dtype=torch.uint8)  # zero-filled or a spare
-            value = self.pipeline.write(layout, leaves, out, checksum=checksum)
-            del out
+            try:
+                mapping = mapping or self._mapping(tmp, layout.nbytes)  # zero-filled or a spare
+                device = next((t.device for t in leaves if on_device(t)), None)
+                if device is not None and self.keep_mapped:
+                    mapping.lock_for(device)
+                value = self.pipeline.write(layout, leaves, mapping.tensor, checksum=checksum)
+            except BaseException:
+                _close(mapping)
+                raise
+            self._hold(owner, step, mapping)
         else:
+            _close(mapping)
             tmp.write_bytes(b"")
         return PendingSnapshot(owner, step, vdir, tmp, layout, value)
+
+    def _mapping(self, path: Path, nbytes: int) -> _Mapping:
+        self.mapped += 1
+        tensor = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+        return _Mapping(tensor, _inode(path))
+
+    def _hold(self, owner: str, step: int, mapping: _Mapping) -> None:
+        """Keep ``mapping`` as the one of version ``step``'s payload file (or drop it: ``keep_mapped=False``)."""
+        _close(self._mappings.pop((owner, step), None))  # a re-saved step's old file
+        if self.keep_mapped:
+            self._mappings[(owner, step)] = mapping
+        else:
+            mapping.close()
 
     def finish_save(self, pending: "PendingSnapshot") -> SnapshotInfo:
         """Checksum (if not yet done) and commit a :meth:`begin_save`; the version exists after this."""
@@ -233,19 +296,21 @@ class SnapshotStore:
             raise
         metas = layout.tensors
         vdir.mkdir(parents=True, exist_ok=True)
-        tmp = self._new_payload(owner, vdir, metas)
+        tmp, mapping = self._new_payload(owner, vdir, metas)
         try:
             if nbytes:
-                buf = torch.from_file(str(tmp), shared=True, size=nbytes, dtype=torch.uint8)
-                fill(buf)
-                actual = checksum_reference(buf)
-                del buf
+                mapping = mapping or self._mapping(tmp, nbytes)
+                fill(mapping.tensor)
+                actual = checksum_reference(mapping.tensor)
             else:
+                _close(mapping)
+                mapping = None
                 tmp.write_bytes(b"")
                 actual = 0
             if actual != checksum:
                 raise CheckpointCorrupt(f"replica {owner}@{step}: received checksum {actual:#018x} != sent {checksum:#018x}")
         except BaseException:
+            _close(mapping)
             tmp.unlink(missing_ok=True)
             for d in (vdir, vdir.parent):  # directories this call created (rmdir leaves non-empty ones)
                 try:
@@ -255,26 +320,34 @@ class SnapshotStore:
             raise
         self._begin(owner, step)  # verified: only now does a held version of this step stop existing
         os.replace(tmp, vdir / PAYLOAD)
+        if mapping is not None:
+            self._hold(owner, step, mapping)
         _write_atomic(vdir / LAYOUT, bytes(layout_bytes))
         self._metas[(owner, step)] = metas
         return self._commit(vdir, owner, step, nbytes, checksum, bytes(layout_bytes))
 
-    def _new_payload(self, owner: str, vdir: Path, metas: tuple[TensorMeta, ...]) -> Path:
+    def _new_payload(self, owner: str, vdir: Path, metas: tuple[TensorMeta, ...]) -> tuple[Path, _Mapping | None]:
         """A fresh uncommitted payload path in ``vdir``: the owner's spare file when its tensor
-        layout matches (padding stays zero: the same tensor ranges are overwritten), else none yet."""
+        layout matches (padding stays zero: the same tensor ranges are overwritten), with the
+        spare's mapping when it kept one, else no file yet."""
         tmp = vdir / f".{PAYLOAD}.tmp-{os.getpid()}-{next(self._seq)}"
         spare = self._spares.pop(owner, None)
         if spare is not None:
-            if spare[1] == metas:
+            path, spare_metas, mapping = spare
+            if spare_metas == metas:
                 try:
-                    os.replace(spare[0], tmp)
+                    os.replace(path, tmp)
                     self.reused += 1
-                    return tmp
+                    if mapping is not None and mapping.inode != _inode(tmp):
+                        _close(mapping)  # another process replaced the file: its mapping is of another file
+                        mapping = None
+                    return tmp, mapping
                 except FileNotFoundError:
                     pass
             else:
-                spare[0].unlink(missing_ok=True)
-        return tmp
+                path.unlink(missing_ok=True)
+            _close(mapping)
+        return tmp, None
 
     def open_version(self, owner: str, step: int, *, verify: bool = True) -> tuple[SnapshotInfo, bytes, torch.Tensor]:
         """A verified version's info, layout (JSON bytes) and a read-only-in-effect payload mapping
@@ -328,8 +401,18 @@ class SnapshotStore:
 
     def wipe(self) -> None:
         """Delete everything under the root (what losing this machine's memory does)."""
+        self.close()
         shutil.rmtree(self.root, ignore_errors=True)
         self._verified.clear()
+
+    def close(self) -> None:
+        """Drop every payload mapping this store keeps (and its page-locking); the files stay."""
+        for mapping in self._mappings.values():
+            mapping.close()
+        self._mappings.clear()
+        for owner, (path, metas, mapping) in list(self._spares.items()):
+            _close(mapping)
+            self._spares[owner] = (path, metas, None)
 
     def put_bytes(self, owner: str, step: int, payload: bytes | bytearray | torch.Tensor,
                   layout: Layout | bytes, checksum: int) -> SnapshotInfo:
@@ -361,13 +444,16 @@ class SnapshotStore:
         vdir = self._version_dir(owner, step)
         (vdir / MANIFEST).unlink(missing_ok=True)  # un-exist first, then free the memory
         metas = self._metas.pop((owner, step), None)
+        mapping = self._mappings.pop((owner, step), None)
         if self.recycle and metas is not None and owner not in self._spares and not self._pins.get((owner, step)):
             spare = self.root / owner / f".spare-{os.getpid()}"
             try:
                 os.replace(vdir / PAYLOAD, spare)
-                self._spares[owner] = (spare, metas)
+                self._spares[owner] = (spare, metas, mapping)
+                mapping = None
             except FileNotFoundError:
                 pass
+        _close(mapping)
         shutil.rmtree(vdir, ignore_errors=True)
         self._verified.pop((owner, step), None)
 
