@@ -56,12 +56,16 @@ class Topology:
         pp: number of pipeline stages, >= 1.
         tp: tensor-parallel degree, >= 1 (ranks per worker).
         failed: workers that are gone; ``without`` returns a copy with more of them.
+        ranks: the global rank of each worker, by worker index (``tp == 1`` only); default
+            DeepSpeed's order. A grid the survivors re-formed keeps their ranks (the agent's
+            names for them), which are then neither dense nor in DeepSpeed's order.
     """
 
     dp: int
     pp: int
     tp: int = 1
     failed: frozenset[Worker] = field(default_factory=frozenset)
+    ranks: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("dp", "pp", "tp"):
@@ -71,6 +75,15 @@ class Topology:
         object.__setattr__(self, "failed", frozenset(self.failed))
         for worker in self.failed:
             self.check(worker)
+        if self.ranks is not None:
+            ranks = tuple(self.ranks)
+            object.__setattr__(self, "ranks", ranks)
+            if self.tp != 1:
+                raise TopologyError(f"an explicit rank table needs tp == 1, got tp={self.tp}")
+            if len(ranks) != self.num_workers or len(set(ranks)) != len(ranks) or any(
+                    not isinstance(r, int) or isinstance(r, bool) or r < 0 for r in ranks):
+                raise TopologyError(f"ranks must be {self.num_workers} distinct integers >= 0 (one per worker), "
+                                    f"got {list(ranks)}")
 
     # --- sizes -----------------------------------------------------------------------------
     @property
@@ -105,6 +118,8 @@ class Topology:
         self.check(worker)
         if not 0 <= tp_rank < self.tp:
             raise TopologyError(f"tp rank {tp_rank} out of range, allowed 0..{self.tp - 1}")
+        if self.ranks is not None:
+            return self.ranks[worker.stage * self.dp + worker.pipeline]
         return (worker.stage * self.dp + worker.pipeline) * self.tp + tp_rank
 
     def worker_index(self, worker: Worker) -> int:
@@ -121,6 +136,10 @@ class Topology:
 
     def coord(self, rank: int) -> tuple[Worker, int]:
         """Inverse of :meth:`rank`: the worker and tensor-parallel rank of a global rank."""
+        if self.ranks is not None:
+            if rank not in self.ranks:
+                raise TopologyError(f"rank {rank} is not in this grid, whose ranks are {sorted(self.ranks)}")
+            return self.worker(self.ranks.index(rank)), 0
         if not 0 <= rank < self.world_size:
             raise TopologyError(f"rank {rank} out of range, allowed 0..{self.world_size - 1}")
         index, tp_rank = divmod(rank, self.tp)
@@ -130,11 +149,17 @@ class Topology:
     def without(self, failed: Iterable[Worker]) -> "Topology":
         """A copy with ``failed`` added to the failed set (a re-join is a smaller set)."""
         extra = frozenset(self.check(w) for w in failed)
-        return Topology(dp=self.dp, pp=self.pp, tp=self.tp, failed=self.failed | extra)
+        return Topology(dp=self.dp, pp=self.pp, tp=self.tp, failed=self.failed | extra, ranks=self.ranks)
 
     def healthy(self) -> "Topology":
         """The same grid with no failures."""
-        return Topology(dp=self.dp, pp=self.pp, tp=self.tp)
+        return Topology(dp=self.dp, pp=self.pp, tp=self.tp, ranks=self.ranks)
+
+    def has_rank(self, rank: int) -> bool:
+        """Whether global rank ``rank`` is one of this grid's (failed or not)."""
+        if self.ranks is not None:
+            return rank in self.ranks
+        return 0 <= rank < self.world_size
 
     def is_alive(self, worker: Worker) -> bool:
         return self.check(worker) not in self.failed

@@ -68,3 +68,21 @@ def test_parse_worker_rejects(text):
 def test_parse_worker():
     assert parse_worker(" 2:3 ") == Worker(pipeline=2, stage=3)
     assert str(Worker(pipeline=2, stage=3)) == "2:3"
+
+
+def test_a_rank_table_names_a_reformed_grids_workers_by_the_survivors_ranks():
+    grid = Topology(dp=2, pp=2, ranks=(5, 0, 4, 1))  # worker index s * dp + p -> the agent's rank
+    assert [grid.rank(w) for w in grid.workers()] == [5, 0, 4, 1]
+    assert grid.coord(4) == (Worker(pipeline=0, stage=1), 0)
+    assert grid.has_rank(4) and not grid.has_rank(2) and not Topology(dp=2, pp=2).has_rank(4)
+    with pytest.raises(TopologyError, match=r"rank 2 is not in this grid, whose ranks are \[0, 1, 4, 5\]"):
+        grid.coord(2)
+    failed = grid.without([Worker(pipeline=1, stage=0)])
+    assert failed.ranks == grid.ranks and failed.healthy() == grid
+    assert [failed.rank(w) for w in failed.alive_workers()] == [5, 4, 1]
+    assert grid != Topology(dp=2, pp=2)
+    for bad in [(0, 1, 2), (0, 0, 1, 2), (0, 1, 2, -3), (0, 1, 2, True)]:
+        with pytest.raises(TopologyError, match="distinct integers"):
+            Topology(dp=2, pp=2, ranks=bad)
+    with pytest.raises(TopologyError, match="tp == 1"):
+        Topology(dp=1, pp=2, tp=2, ranks=(0, 1))
