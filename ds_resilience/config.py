@@ -53,6 +53,7 @@ Keys (under ``"resilience"``), defaults in brackets::
     checkpoint.interleave           bool                                  [true]
     checkpoint.idle_fraction        number in (0, 1]                      [0.8]
     checkpoint.max_restarts         int >= 0                              [3]
+    regrid                          bool                                  [false]
 
 ``configs/default_resilience.json`` is a complete CPU DeepSpeed config with every key at its default.
 A dataclass built directly in Python is checked the same way; its error paths are then relative to
@@ -384,6 +385,9 @@ class ResilienceConfig(_Section):
     fault_injection: tuple[FaultInjection, ...] = _opt(tuple, "failures to inject", default=(),
                                                        what="a list", items=_FAULT)
     checkpoint: CheckpointConfig = _opt(CheckpointConfig, "checkpointing", factory=CheckpointConfig)
+    regrid: bool = _opt(bool, "when a stage loses every replica, the survivors re-form a smaller dp x pp grid in "
+                        "their running processes (layers moved between them, a lost stage's from the in-memory "
+                        "snapshots) instead of every worker restarting from the snapshots", default=False)
 
     def self_profile_steps(self, environ: Mapping[str, str] | None = None) -> int:
         """How many fused and decoupled iterations the engine profiles at start (0: none): only

@@ -101,6 +101,7 @@ class WorkerInfo:
     dp: int = 0  # the grid, when the worker knows it (0: unknown)
     pp: int = 0
     heartbeat_interval_s: float | None = None  # the rate it actually beats at
+    grid: int = 0  # how many times the survivors re-formed the grid before this registration
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

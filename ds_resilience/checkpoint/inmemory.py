@@ -32,7 +32,7 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -72,6 +72,7 @@ class InMemoryCheckpointer:
         name: unique name for this attempt's replication groups.
         replicate: build the replicator (a re-joining worker cannot: its peers' groups are gone).
         group_store, timeout_s: rendezvous store and per-message timeout of the replication groups.
+        exclude: ranks gone for good (lost before a re-grid): neither replicated to nor from.
         machine_key: sorts the machines, by their first rank, into the order in which group
             placement groups them (consecutive ones form a group; default: machine index). Under
             independent failures every grouping is equally good; the engine sorts pipeline-major,
@@ -85,7 +86,7 @@ class InMemoryCheckpointer:
 
     def __init__(self, cfg: CheckpointConfig, *, rank: int, world: int, job_id: str, local_world_size: int,
                  name: str, replicate: bool = True, group_store=None, timeout_s: float = 60.0,
-                 machine_key: Callable[[int], Any] | None = None) -> None:
+                 machine_key: Callable[[int], Any] | None = None, exclude: Sequence[int] = ()) -> None:
         self.cfg, self.rank, self.world = cfg, rank, world
         self.timeout_s = timeout_s
         rpm = cfg.ranks_per_machine or local_world_size
@@ -114,9 +115,10 @@ class InMemoryCheckpointer:
             return [order[h] for h in self.placement.stored_on(slot[m])]
 
         self.holders = {m: holders(m) for m in range(machines)}
-        self.send_to = [h * rpm + local for h in self.holders[self.machine] if h != self.machine]
+        gone = set(exclude)
+        self.send_to = [h * rpm + local for h in self.holders[self.machine] if h != self.machine and h * rpm + local not in gone]
         self.recv_from = [m * rpm + local for m in range(machines)
-                          if m != self.machine and self.machine in self.holders[m]]
+                          if m != self.machine and self.machine in self.holders[m] and m * rpm + local not in gone]
         self.root = host_root(cfg.host_dir, job_id)
         pipeline = StagingPipeline(cfg.gpu_buffer_mb, cfg.num_sub_buffers)
         self.store = SnapshotStore(self.root / f"machine{self.machine}", keep=2, pipeline=pipeline)

@@ -185,14 +185,20 @@ class StageState:
 
 
 def capture(host: StageHost, *, stage: int, rank: int) -> StageState:
-    """The stage's state as live tensors plus plain values (copy it before training goes on)."""
+    """The stage's state as live tensors plus plain values (copy it before training goes on).
+
+    A host that knows the model layer of each parameter (``param_layers``, a pipeline engine's
+    stage) records it in ``extra["param_layers"]``: a re-grid cuts a snapshot into layers with it
+    (``layer_state.py``), also one of a stage no survivor runs any more."""
     steps, samples = host.counters()
+    layers = getattr(host, "param_layers", None)
     return StageState(
         stage=stage, rank=rank, steps=steps, samples=samples,
         params=[p.detach() for p in host.parameters],
         optimizer=host.optimizer.state_dict() if host.optimizer is not None else None,
         lr_scheduler=host.lr_scheduler.state_dict() if host.lr_scheduler is not None else None,
         rng=_rng_state(),
+        extra={"param_layers": [int(i) for i in layers]} if layers is not None else {},
     )
 
 

@@ -177,6 +177,9 @@ def initialize(
         data_iter_factory=data_iter_factory,
         launch=launch,
         config_dir=base_dir,
+        rebuild={"args": args, "optimizer": optimizer, "lr_scheduler": lr_scheduler, "collate_fn": collate_fn,
+                 "config": ds_config, "batch_source": batch_source, "eval_source": eval_source,
+                 "config_dir": base_dir} if resilience.regrid else None,
     )
     engine._configure_python_gc()
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

@@ -44,7 +44,7 @@ from ..runtime.coordinator import Coordinator
 from ..runtime.executor import BatchSource, Executor, StageSpec
 from ..runtime.faults import FaultInjector
 from ..runtime.precision import DynamicLossScaler, MixedPrecisionOptimizer
-from ..runtime.recovery import Generation, LiveRecovery, is_failure, release_on_epoch
+from ..runtime.recovery import Generation, LiveRecovery, SurvivorView, is_failure, release_on_epoch
 from ..runtime.validation import StepValidator
 from ..runtime.zero import ShardedOptimizer
 from ..topology import Topology, Worker
@@ -55,6 +55,7 @@ from .ds_evaluation import evaluate
 from .ds_profile import from_engine as profile_from_engine, requested as profile_requested
 from .ds_reporting import is_reporter, plan_line, report
 from .ds_data import DataIterFactory, engine_batch_source
+from .ds_regrid import RegridContext, regrid, regrid_blocker, regrid_pays_for
 from .ds_stage import DeepSpeedStage, activation_checkpointing, tied_layout
 
 __all__ = ["ResilientPipelineEngine"]
@@ -76,14 +77,17 @@ class ResilientPipelineEngine(PipelineEngine):
         data_iter_factory: ``(pipeline, iteration) -> iterator`` over that pipeline's micro-batches
             from that iteration on: other pipelines' data for ``train_batch(data_iter)``. Without
             ``batch_source``, data come from ``training_data`` or the iterators (see ``ds_data``).
+        rebuild: what ``initialize`` was given, kept to build the engine of a re-formed grid.
+        regrid_from: set by a re-grid (``ds_regrid.py``): this engine is a survivor's new position.
     """
 
     def __init__(self, *args: Any, resilience: ResilienceConfig, batch_source: BatchSource | None = None,
                  launch: LaunchEnv | None = None, config_dir: Path | None = None,
                  eval_source: BatchSource | None = None, data_iter_factory: DataIterFactory | None = None,
-                 **kwargs: Any):
+                 rebuild: dict[str, Any] | None = None, regrid_from: RegridContext | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.resilience, self.launch = resilience, launch
+        self._rebuild = rebuild
         if self.grid.model_parallel_size != 1:
             raise ConfigError("resilience", "tensor parallelism is not supported yet (model_parallel_size must be 1)")
         if getattr(self.module, "seed_layers", False):
@@ -94,7 +98,10 @@ class ResilientPipelineEngine(PipelineEngine):
         if resilience.microbatches is not None and resilience.microbatches != self.micro_batches:
             raise ConfigError("resilience.microbatches",
                               f"{resilience.microbatches} differs from gradient_accumulation_steps={self.micro_batches}")
-        self.topology = Topology(dp=self.grid.data_parallel_size, pp=self.num_stages)
+        self.topology = Topology(dp=self.grid.data_parallel_size, pp=self.num_stages,
+                                 ranks=regrid_from.ranks if regrid_from is not None else None)
+        self.origin_topology = regrid_from.origin if regrid_from is not None else self.topology
+        self.gone = regrid_from.gone if regrid_from is not None else ()
         self.me = Worker(pipeline=self.grid.data_parallel_id, stage=self.stage_id)
         self.my_index = self.topology.worker_index(self.me)
         self.rank = self.topology.rank(self.me)
@@ -111,7 +118,7 @@ class ResilientPipelineEngine(PipelineEngine):
                               "a dead replica's optimizer shard comes back from the in-memory snapshots; enable "
                               "them, or use stage 0")
         self.iteration_log: list[dict[str, Any]] = []
-        self.recovery_log: list[dict[str, Any]] = []
+        self.recovery_log: list[dict[str, Any]] = regrid_from.recovery_log if regrid_from is not None else []
         self._idle_iteration = 0
         self._since_print = 0.0
         self._reported_recoveries = 0
@@ -122,12 +129,16 @@ class ResilientPipelineEngine(PipelineEngine):
         self._config_dir = config_dir
         # a fresh start without a cost model profiles itself and re-plans: until then the unit-cost
         # table (only used by a failure during the profile) is the heuristic's, built in seconds
-        fresh = not failed and not rejoin and not (launch is not None and launch.restart)
+        fresh = not failed and not rejoin and not (launch is not None and launch.restart) and regrid_from is None
         profiling = fresh and (resilience.self_profile_steps() > 0 or profile_requested())
         self.provider = self._schedule_provider(config_dir, solver="heuristic" if profiling else None)
         det = resilience.detector
-        self.progress = Progress(det.stall_timeout_s) if live else None
-        self.coordinator = self._coordinator() if live else None
+        # a re-formed grid keeps the heartbeat's view of the main thread's progress
+        self.progress = regrid_from.progress if regrid_from is not None else Progress(det.stall_timeout_s) if live else None
+        if regrid_from is not None:
+            self.coordinator, self.session = regrid_from.coordinator, regrid_from.session
+        else:
+            self.coordinator = self._coordinator() if live else None
         self.faults = FaultInjector(resilience.fault_injection, self.rank, launch=launch)
         self.validator = self._validator()
         self.tier = CheckpointTier(self.stage_host, stage=self.stage_id, rank=self.rank,
@@ -164,8 +175,14 @@ class ResilientPipelineEngine(PipelineEngine):
                 grace_s=resilience.detector.heartbeat_timeout_s + 5.0, adopt=self._adopt, export=lambda directory, step, writer=True: export_stage(self, directory, step, writer=writer),
                 persistent_dir=resilience.checkpoint.persistent_dir, fault_hook=self.faults.maybe_fire,
                 on_membership=self._on_membership,
+                view=SurvivorView(self.topology, self.me) if regrid_from is not None else None,
+                regrid=(lambda record, plan: regrid(self, record, plan)) if resilience.regrid else None,
+                prefer_regrid=(lambda failed: regrid_pays_for(self, failed)) if resilience.regrid else None,
             )
             self.recovery.log = self.recovery_log
+            blocker = regrid_blocker(self, rebuild) if resilience.regrid else None
+            if blocker is not None:
+                raise ConfigError("resilience.regrid", blocker)
         self.generation = self._first_generation(failed, live=live, rejoin=rejoin)
         self._bind_zero()
         self.persistent_engine = None
@@ -174,7 +191,12 @@ class ResilientPipelineEngine(PipelineEngine):
             self.persistent_engine.participants = self.survivors
             self.persistent_engine.finalizer = lambda: is_reporter(self)
             self.persistent_engine.barrier = self._survivor_barrier
-        if self.tier.memory is not None and not rejoin:
+        if regrid_from is not None:
+            self.tier.drop(self.gone)
+            regrid_from.load(self)  # the moved layers' state, before the first snapshot of the new layout
+            if self.tier.memory is not None:
+                self.tier.capture_due()
+        elif self.tier.memory is not None and not rejoin:
             if launch.restart:
                 self._restore_after_restart()
             else:
@@ -345,12 +367,14 @@ class ResilientPipelineEngine(PipelineEngine):
         launch = self.launch
         world = launch.world_size
         topology = self.topology
+        topology = self.origin_topology  # the machines of the first grid hold the snapshots, after a re-grid too
         return InMemoryCheckpointer(
             cfg, rank=self.rank, world=world, job_id=launch.job_id or f"job-{self.session}",
             local_world_size=launch.local_world_size or world, name=f"{self.session}/attempt{launch.restart}",
             replicate=not rejoin, group_store=self.coordinator.store, timeout_s=self.resilience.detector.pg_timeout_s,
             # pipeline-major: a placement group spans stages, so a lost stage keeps its snapshots
             machine_key=lambda rank: (topology.coord(rank)[0].pipeline, topology.coord(rank)[0].stage),
+            exclude=self.gone,
         )
 
     def _first_generation(self, failed: frozenset[Worker], *, live: bool, rejoin: bool) -> Generation:

@@ -16,7 +16,22 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from .ds_data import IteratorSource
 
-__all__ = ["DeepSpeedStage", "IteratorSource", "activation_checkpointing", "tied_layout"]
+__all__ = ["DeepSpeedStage", "IteratorSource", "activation_checkpointing", "param_layers", "tied_layout"]
+
+
+def param_layers(module: Any) -> list[int] | None:
+    """The model layer of each trainable parameter of a ``PipelineModule``'s stage, in
+    ``module.parameters()`` order (DeepSpeed registers layer ``i`` as the submodule ``"i"``);
+    ``None`` when a parameter belongs to no one layer (tied modules, shared across layers)."""
+    out = []
+    for name, p in module.named_parameters():
+        if not p.requires_grad:
+            continue
+        head = name.split(".", 1)[0]
+        if not head.isdigit():
+            return None
+        out.append(int(head))
+    return out
 
 
 class DeepSpeedStage:
@@ -25,6 +40,7 @@ class DeepSpeedStage:
     def __init__(self, engine: PipelineEngine) -> None:
         self.engine = engine
         self.parameters = [p for p in engine.module.parameters() if p.requires_grad]
+        self.param_layers = param_layers(engine.module)
         self.grad_norm = lambda: None  # the executor's global norm of this step (set by the engine)
 
     @property

@@ -23,10 +23,12 @@ from ..topology import Topology, Worker, format_worker
 
 __all__ = ["ACTIONS", "RecoveryPlan", "lost_stages", "plan_recovery", "voters"]
 
-ACTIONS = ("continue", "restart", "stop")
+ACTIONS = ("continue", "regrid", "restart", "stop")
 """``continue``: re-route around the failed set (or take back re-joined workers) and go on;
-``restart``: beyond tolerance, every worker restarts from the in-memory snapshots; ``stop``: beyond
-tolerance with no restart left, the survivors export what they hold and the job stops."""
+``regrid``: beyond re-routing, the survivors re-form a smaller grid in their running processes
+(``planning/live_regrid.py`` plans it); ``restart``: beyond tolerance, every worker restarts from
+the in-memory snapshots; ``stop``: beyond tolerance with no restart left, the survivors export what
+they hold and the job stops."""
 
 
 def lost_stages(stage_of: Mapping[int, int], failed: Iterable[int],
@@ -103,7 +105,8 @@ class RecoveryPlan:
 
 def plan_recovery(record: EpochRecord, topology: Topology, steps: Mapping[int, int], *,
                   covered: Callable[[frozenset[Worker]], bool] | None = None,
-                  tied: Sequence[Sequence[int]] = ()) -> RecoveryPlan:
+                  tied: Sequence[Sequence[int]] = (), regrid: bool = False,
+                  prefer_regrid: Callable[[frozenset[Worker]], bool] | None = None) -> RecoveryPlan:
     """Turn an epoch record, the job's topology and the survivors' step counts into a plan.
 
     Args:
@@ -112,6 +115,11 @@ def plan_recovery(record: EpochRecord, topology: Topology, steps: Mapping[int, i
         steps: optimizer steps taken, for every rank of :func:`voters` (others are ignored).
         covered: whether the plan table holds a schedule for a failed set (default: never).
         tied: the model's tied groups (stage tuples): their groups are built too (``tied<g>``).
+        regrid: the survivors can re-form the grid: a lost stage is a ``regrid``, not a
+            ``restart`` (unless the agent stopped the job).
+        prefer_regrid: with ``regrid``, whether re-forming the grid beats re-routing around a
+            failed set re-routing could cover (failures piled up); the same answer on every
+            survivor (a function of the set and the plans every survivor holds).
 
     Raises:
         PlanningError: a voter's count is missing, or a survivor is more than one step ahead
@@ -129,8 +137,10 @@ def plan_recovery(record: EpochRecord, topology: Topology, steps: Mapping[int, i
     failed_workers = frozenset(topology.coord(r)[0] for r in record.failed)
     stage_of = {topology.rank(w): w.stage for w in topology.workers()}
     lost = lost_stages(stage_of, record.failed)
-    if lost or record.stop:
-        action = "restart" if record.restart else "stop"
+    piled = (regrid and not lost and not record.stop and not record.joining and bool(failed_workers)
+             and prefer_regrid is not None and prefer_regrid(failed_workers))
+    if lost or record.stop or piled:
+        action = "regrid" if regrid and not record.stop else "restart" if record.restart else "stop"
         source = None
         groups: dict[str, tuple[int, ...]] = {}
         handovers: tuple[tuple[int, int], ...] = ()

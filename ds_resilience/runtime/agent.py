@@ -131,6 +131,8 @@ class Agent:
         host_dir: the host-memory directory of the snapshots; the agent owns ``host_dir/<job id>``
             (workers write it, it outlives them) and removes it when it exits.
         keep_snapshots: leave the snapshots in host memory when the agent exits (for inspection).
+        regrid: the workers re-form a smaller grid when a stage loses every replica
+            (``resilience.regrid``): such a failure is then published as any other, not as a stop.
         env: extra environment for the workers (overrides the agent's own, not the protocol's).
         log_dir: when set, worker ``r``'s output goes to ``log_dir/rank{r}.{incarnation}.log``
             (``.restart{n}.log`` after the n-th restart).
@@ -144,7 +146,8 @@ class Agent:
                  store_timeout_s: float | None = None,
                  max_restarts: int = 0, host_dir: str | os.PathLike[str] | None = None, keep_snapshots: bool = False,
                  env: Mapping[str, str] | None = None, log_dir: str | os.PathLike[str] | None = None,
-                 echo: Callable[[str], None] | None = None, nnodes: int = 1, local_rank_arg: bool = True) -> None:
+                 echo: Callable[[str], None] | None = None, nnodes: int = 1, local_rank_arg: bool = True,
+                 regrid: bool = False) -> None:
         if num_workers < 1:
             raise AgentError(f"num_workers must be >= 1, got {num_workers}")
         if nnodes < 1:
@@ -176,6 +179,7 @@ class Agent:
             max_restarts = 0
         self.env = dict(env or {})
         self.max_restarts, self.restarts = max_restarts, 0
+        self.regrid = regrid
         self.job_id = self.env.get("DSR_JOB_ID") or f"job-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.host_dir = host_dir
         self.keep_snapshots = keep_snapshots
@@ -435,6 +439,9 @@ class Agent:
         self._failed.update(f.rank for f in failures)
         reason = "; ".join(f.reason for f in failures)
         code, lost = self._beyond_tolerance()
+        if lost and self.regrid and code == EXIT_STOPPED and len(self._failed) < self.num_workers:
+            self._echo(f"[ds_resilience agent] {lost}: the survivors re-form the grid")
+            lost = ""
         if lost:
             self._restart_pending = code == EXIT_STOPPED and self.restarts < self.max_restarts
             then = ("restarting all workers from the in-memory snapshots" if self._restart_pending else
@@ -465,14 +472,21 @@ class Agent:
 
         Decided by ``planning.recovery.lost_stages``, the function the workers' recovery plans use,
         on the stages the workers registered. A failed rank that never registered is a start-up
-        failure (its stage is unknown)."""
+        failure (its stage is unknown). After the survivors re-formed the grid, only the
+        registrations of the newest grid count (the ranks lost before it hold no position in it)."""
         stage_of: dict[int, int] = {}
         pipeline_of: dict[int, int] = {}  # a replica is (pipeline, stage): a tensor-parallel group's ranks share it
+        infos = {}
         for rank in range(self.num_workers):
             info = mb.read_worker(self.store, rank)
             if info is None:
                 if rank in self._failed:
                     return EXIT_STARTUP, f"rank {rank} failed before it registered (its stage is unknown)"
+                continue
+            infos[rank] = info
+        newest = max((info.grid for info in infos.values()), default=0)
+        for rank, info in infos.items():
+            if info.grid != newest:
                 continue
             stage_of[rank], pipeline_of[rank] = info.stage, info.pipeline
             if info.heartbeat_interval_s is not None and abs(info.heartbeat_interval_s - self.heartbeat_interval_s) > 1e-9:
@@ -596,9 +610,10 @@ def main_run(argv: Sequence[str]) -> int:
 
             num = device_count() or 1  # one process per accelerator (one on a CPU machine)
         interval, timeout, store_timeout = args.heartbeat_interval, args.heartbeat_timeout, None
-        max_restarts, host_dir = 0, None
+        max_restarts, host_dir, regrid = 0, None, False
         resilience = _script_resilience(args.script_args)
         if resilience is not None:
+            regrid = resilience.regrid
             detector = resilience.detector
             if resilience.checkpoint.enabled:
                 max_restarts, host_dir = resilience.checkpoint.max_restarts, resilience.checkpoint.host_dir
@@ -618,7 +633,8 @@ def main_run(argv: Sequence[str]) -> int:
                       master_port=args.master_port, heartbeat_interval_s=interval,
                       heartbeat_timeout_s=timeout, rejoin_after_s=args.rejoin_after,
                       stop_grace_s=args.stop_grace, store_timeout_s=store_timeout, log_dir=args.log_dir,
-                      max_restarts=max_restarts, host_dir=host_dir, local_rank_arg=not args.no_local_rank)
+                      max_restarts=max_restarts, host_dir=host_dir, local_rank_arg=not args.no_local_rank,
+                      regrid=regrid)
         return agent.run()
     except ResilienceError as exc:
         print(f"ds-resilience run: error: {exc}", file=sys.stderr)

@@ -41,8 +41,8 @@ from ..topology import Topology, Worker
 from .coordinator import Coordinator, Reconfigure
 from .executor import Executor
 
-__all__ = ["BeyondTolerance", "Generation", "LiveRecovery", "RankView", "STICKY_CUDA_ERRORS", "is_failure",
-           "is_fatal"]
+__all__ = ["BeyondTolerance", "Generation", "LiveRecovery", "RankView", "STICKY_CUDA_ERRORS", "SurvivorView",
+           "is_failure", "is_fatal"]
 
 logger = logging.getLogger("ds_resilience.recovery")
 
@@ -137,6 +137,24 @@ class RankView:
         return dict(steps)
 
 
+class SurvivorView(RankView):
+    """The ranks of a grid the survivors re-formed (a :class:`~ds_resilience.topology.Topology` with
+    a rank table): the agent's records still name every rank of the job, so the ranks lost before
+    the re-grid, which hold no position in it, are left out of what the plans see."""
+
+    def __init__(self, topology: Topology, me: Worker) -> None:
+        super().__init__(topology, me)
+        self.topology = topology
+
+    def workers(self, record: EpochRecord) -> EpochRecord:
+        from dataclasses import replace
+
+        keep = self.topology.has_rank
+        return replace(record, failed=tuple(r for r in record.failed if keep(r)),
+                       alive=tuple(r for r in record.alive if keep(r)),
+                       joining=tuple(r for r in record.joining if keep(r)))
+
+
 _DEEPSPEED_EXPORT = ("deepspeed layer files (layer_XX-model_states.pt) + stageN-optim_states.pt (ZeRO-1: "
                      "stageN-pipelineP-optim_states.pt, each replica's shard)")
 
@@ -162,6 +180,10 @@ class LiveRecovery:
         view: how global ranks map onto workers (default :class:`RankView`: one rank per worker).
         groups_for: ``groups_for(target, epoch)`` builds this rank's groups of a new generation
             (default: :func:`~ds_resilience.comm.groups.build_groups` for ``me``).
+        regrid: ``regrid(record, plan)`` re-forms the grid on the survivors when a stage lost every
+            replica (the engine's; ``None``: that is a restart or a stop, as before).
+        prefer_regrid: whether re-forming the grid beats re-routing around a failed set that
+            re-routing covers (``planning.recovery.plan_recovery``).
         on_membership: ``on_membership(record, plan, previous, generation, joining=...)`` after the
             new groups are installed and the handovers done: state that depends on the membership
             (ZeRO-1's optimizer shards) moves here. ``previous`` is the topology before the epoch
@@ -174,11 +196,15 @@ class LiveRecovery:
                  persistent_dir: str | None, fault_hook: Callable[[str, int], None] | None = None,
                  on_membership: Callable[..., None] | None = None, export_format: str | None = None,
                  view: RankView | None = None,
-                 groups_for: Callable[[Topology, int], GenerationGroups] | None = None) -> None:
+                 groups_for: Callable[[Topology, int], GenerationGroups] | None = None,
+                 regrid: Callable[[EpochRecord, RecoveryPlan], None] | None = None,
+                 prefer_regrid: Callable[[frozenset[Worker]], bool] | None = None) -> None:
         self.topology, self.me = topology, me
         self.view = view or RankView(topology, me)
         self.rank = self.view.rank
         self.groups_for = groups_for
+        self.regrid = regrid
+        self.prefer_regrid = prefer_regrid
         self.retired = False  # this rank's replica failed while it lives on (tensor parallelism): it idles
         self._steps: dict[int, int] = {}  # the step counts of the last plan
         self.coordinator = coordinator
@@ -254,7 +280,8 @@ class LiveRecovery:
         self._steps = self.coordinator.gather_steps(record.epoch, self.tier.host.counters()[0],
                                                     self.view.ranks(voters(workers)))
         return plan_recovery(workers, self.topology, self.view.worker_steps(self._steps),
-                             covered=self.provider.covers, tied=self.provider.tied)
+                             covered=self.provider.covers, tied=self.provider.tied, regrid=self.regrid is not None,
+                             prefer_regrid=self.prefer_regrid)
 
     def apply(self, record: EpochRecord) -> None:
         started = time.perf_counter()
@@ -272,6 +299,9 @@ class LiveRecovery:
         if self.executor.validator is not None and plan.action == "continue":
             # the replayed iterations' gradient norms are published again (before the arrival barrier)
             self.executor.validator.forget_from(plan.resume_step, self.me.stage)
+        if plan.action == "regrid":
+            self.regrid(record, plan)  # marks the epoch applied and logs it; the engine is a new one after it
+            return
         if plan.action != "continue":
             self._beyond_tolerance(record, plan)
         failed = frozenset(self.topology.coord(r)[0] for r in plan.failed)

@@ -1,0 +1,298 @@
+"""Re-grid a DeepSpeed pipeline job on its survivors, in their running processes (issue 18, part 4).
+
+When a stage loses every replica (``resilience.regrid``), :func:`regrid` is the recovery plan's
+``regrid`` action for one survivor. Every survivor computes the same
+:class:`~ds_resilience.planning.live_regrid.LiveRegridPlan`, then:
+
+1. **state**: its stage's state at the resume step (after the plan's rollback) is cut into layers
+   (``checkpoint/layer_state.py``); the survivor the plan names fetches each lost stage's snapshot
+   from the in-memory tier (``checkpoint/fetch.py``, collective over the survivors) and cuts it too
+   (a snapshot records the layer of each of its parameters);
+2. **moves**: each survivor receives the layers its new position lacks from the survivors that hold
+   them, in one global order over one group of the survivors (``checkpoint/layer_transfer.py``);
+3. **rebuild**: DeepSpeed's default process group is replaced by a local "fake" one of the new
+   grid's size (every real message goes through ds_resilience's own groups on the agent's store,
+   as for a re-joining worker), and a new :class:`~.ds_engine.ResilientPipelineEngine` is built for
+   the new position: a ``PipelineModule`` of the same layer specs cut at the plan's bounds, the
+   DeepSpeed config with the new micro-batch count (same global batch), the same optimizer and
+   scheduler settings, the data source re-mapped so that each new pipeline trains the old global
+   batch's micro-batches the plan dealt it, and the moved layers' state loaded before its first
+   snapshot;
+4. **swap**: the engine object the training script holds takes the new engine's state (they share
+   one ``__dict__``), so ``engine.train_batch()`` simply goes on; the coordinator (heartbeats, the
+   agent's epochs) is the same one, re-registered with the new position.
+
+The new grid names its workers by the agent's ranks (a ``Topology`` with a rank table), so every
+store key, snapshot owner and later recovery plan keeps using them. What this does not do yet
+(:func:`regrid_blocker` refuses it at start-up): ZeRO-1 shards, bf16/fp16 masters, tied layers,
+data from ``training_data`` or iterators (a ``batch_source`` is needed), an optimizer or scheduler
+object built by the caller (it would belong to the old parameters), and tensor parallelism.
+Dropout masks are drawn per (pipeline, micro-batch, stage) of the grid that runs them, so with
+dropout a re-gridded step draws other masks than the old grid would have.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from ..checkpoint.fetch import fetch_versions
+from ..checkpoint.layer_state import layer_trees, stage_state
+from ..checkpoint.layer_transfer import transfer
+from ..checkpoint.state import StageState, apply, capture
+from ..comm.groups import build_groups
+from ..epochs import WorkerInfo
+from ..errors import ResilienceError
+from ..errors import PlanningError
+from ..planning.live_regrid import LiveRegridPlan, choose_grid, one_f_one_b_time, plan_live_regrid, regrid_pays
+from ..planning.recovery import RecoveryPlan
+from ..planning.regrid import RegridPlan
+from ..runtime import membership
+from ..runtime.recovery import BeyondTolerance
+from ..topology import Topology
+
+__all__ = ["HORIZON", "RegridContext", "RegridError", "regrid", "regrid_blocker", "regrid_pays_for"]
+
+HORIZON = 20
+"""Iterations over which a re-grid must beat re-routing, its own pause (taken as two fault-free
+iterations) included, before the survivors re-form the grid around failures re-routing covers."""
+
+logger = logging.getLogger("ds_resilience.recovery")
+
+
+class RegridError(ResilienceError):
+    """The survivors cannot re-form the grid (a lost stage's snapshot is held by no survivor)."""
+
+
+@dataclass
+class RegridContext:
+    """What the new engine takes over from the old one (``ResilientPipelineEngine(regrid_from=...)``)."""
+
+    ranks: tuple[int, ...]  # the new grid's rank table (worker index -> the agent's rank)
+    coordinator: Any
+    session: str
+    grid: int  # how many re-grids so far, this one included
+    origin: Topology  # the first grid: the machines' placement of the snapshots
+    gone: tuple[int, ...]  # every rank lost so far
+    recovery_log: list
+    progress: Any  # what the heartbeat reads of the main thread (a stalled one stops the beats)
+    load: Callable[[Any], None] = field(repr=False)  # puts the moved state into the new engine
+
+
+def regrid_blocker(engine: Any, rebuild: dict[str, Any] | None) -> str | None:
+    """Why this engine cannot re-grid in place (``None``: it can)."""
+    if engine.launch is None:
+        return "a re-grid needs the agent (ds-resilience run)"
+    if not engine.resilience.checkpoint.enabled:
+        return "a lost stage comes back from the in-memory snapshots: resilience.checkpoint.enabled must be true"
+    if engine.zero_optimization_stage():
+        return "ZeRO-1's optimizer shards are not moved by the re-grid yet (zero_optimization.stage must be 0)"
+    if engine.get_data_types()[0] != torch.float32:
+        return "bf16/fp16 master weights are not moved by the re-grid yet (the model must train in fp32)"
+    if engine.stage_host.param_layers is None or engine.tied_groups:
+        return "tied layers (TiedLayerSpec) are not moved by the re-grid yet"
+    if rebuild is None or rebuild.get("batch_source") is None:
+        return "the new pipelines read other pipelines' micro-batches: pass batch_source= to initialize"
+    opt, sched = rebuild.get("optimizer"), rebuild.get("lr_scheduler")
+    if opt is not None and not callable(opt) or isinstance(opt, torch.optim.Optimizer):
+        return "an optimizer object belongs to the old parameters: configure it in the DeepSpeed config or pass a callable"
+    if sched is not None and not callable(sched) or hasattr(sched, "state_dict"):
+        return "an LR scheduler object belongs to the old optimizer: configure it in the DeepSpeed config or pass a callable"
+    return None
+
+
+def regrid_pays_for(engine: Any, failed: frozenset) -> bool:
+    """Whether re-forming the grid beats re-routing around ``failed`` (a set re-routing covers) over
+    :data:`HORIZON` iterations: the re-routed plan's predicted iteration time (the plan table's or
+    the planner's, as every survivor gets it) against the re-formed grid's, the fault-free time
+    scaled by 1F1B's estimate of the two grids on the model's layers (layer counts stand in for
+    the memory each may hold, at most twice the largest old stage)."""
+    figures = engine.provider.schedule_for(failed).figures or {}
+    reroute, base = figures.get("iteration_time"), figures.get("fault_free_iteration_time")
+    if not reroute or not base:
+        return False
+    parts = tuple(engine.module.parts)
+    layers = parts[-1]
+    widest = max(b - a for a, b in zip(parts, parts[1:]))
+    alive = engine.topology.num_workers - len(failed)
+    try:
+        grid = choose_grid(alive, layers, engine.topology.dp * engine.micro_batches,
+                           layer_memory=[1.0] * layers, memory_cap=2.0 * widest)
+    except PlanningError:
+        return False
+    regrid_s = base * grid.predicted / one_f_one_b_time(parts, engine.micro_batches, [1.0] * layers)
+    return regrid_pays(reroute, regrid_s, 2.0 * base, HORIZON)
+
+
+def _remap(source: Callable | None, plan: LiveRegridPlan) -> Callable | None:
+    """A batch source of the new grid: new (pipeline, step, micro-batch) -> the old one it trains."""
+    if source is None:
+        return None
+    table = plan.microbatches
+
+    def remapped(pipeline: int, iteration: int, microbatch: int):
+        old_pipeline, old_microbatch = table[pipeline][microbatch]
+        return source(old_pipeline, iteration, old_microbatch)
+
+    return remapped
+
+
+def _module_class(bounds: tuple[int, ...]):
+    from deepspeed.pipe import PipelineModule
+
+    class RegriddedPipelineModule(PipelineModule):
+        """A ``PipelineModule`` cut at the re-grid's bounds (not by a partition method)."""
+
+        def _partition_layers(self, method: str = "uniform") -> None:
+            stage = self._topo.get_coord(self.global_rank).pipe
+            self.parts = list(bounds)
+            self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+    return RegriddedPipelineModule
+
+
+def _log(engine: Any, text: str) -> None:
+    logger.info("rank %d %s", engine.rank, text)
+    print(f"[ds_resilience] rank {engine.rank} {text}", file=sys.stderr, flush=True)
+
+
+def regrid(engine: Any, record: Any, plan: RecoveryPlan) -> None:
+    """Re-form the grid on the survivors (module docstring); ``engine`` becomes the new engine."""
+    started = time.perf_counter()
+    old = engine.topology
+    failed = [r for r in record.failed if old.has_rank(r)]
+    survivors = sorted(r for r in (old.rank(w) for w in old.workers()) if r not in set(failed))
+    step = plan.resume_step
+    # 1. one group of the survivors, for the sizes, the fetch and the moves
+    engine.recovery._arrive(record.epoch, engine.recovery.view.ranks(survivors))
+    target = old.without(frozenset(old.coord(r)[0] for r in failed))
+    timeout = engine.resilience.detector.pg_timeout_s
+    world = build_groups(target, engine.me, session=f"{engine.session}/regrid", generation=record.epoch,
+                         timeout_s=timeout, store=engine.coordinator.store, device=engine._comm_device()).world
+    state = capture(engine.stage_host, stage=engine.stage_id, rank=engine.rank).clone(host=True)
+    held = layer_trees(state, engine.stage_host.param_layers)
+    # every layer's state in bytes, from its holders (a lost stage's layers: the mean of the others)
+    sizes: dict[int, float] = {}
+    for part in world.all_gather_json({str(k): _nbytes(v) for k, v in held.items()}):
+        sizes.update({int(k): float(v) for k, v in part.items()})
+    parts = engine.module.parts
+    mean = sum(sizes.values()) / max(len(sizes), 1)
+    layer_bytes = [sizes.get(i, mean) for i in range(parts[-1])]
+    # a worker may hold up to twice the state of the largest stage it had (no profile of the
+    # device's memory yet)
+    cap = 2.0 * max(sum(layer_bytes[a:b]) for a, b in zip(parts, parts[1:]))
+    live = plan_live_regrid(old, failed, parts, engine.micro_batches, layer_bytes=layer_bytes, memory_cap=cap)
+    _log(engine, f"re-grid plan {live.to_json()}")
+    receivers = {dead: receiver for dead, receiver in live.fetches.values()}
+    t0 = time.perf_counter()
+    fetched = fetch_versions(engine.tier.memory, sorted(receivers), step, world, receiver_of=receivers.__getitem__)
+    if fetched is None:
+        raise RegridError(f"the snapshot of step {step} of a lost stage ({sorted(receivers)}) is held by no survivor")
+    for tree in fetched.values():
+        lost = StageState.from_tree(tree)
+        layers = lost.extra.get("param_layers")
+        if layers is None:
+            raise RegridError(f"rank {lost.rank}'s snapshot records no layer per parameter (written by an older version)")
+        held.update(layer_trees(lost, layers))
+    fetch_s = time.perf_counter() - t0
+    moves = RegridPlan(assignment=live.positions, idle=live.idle, moves=live.moves)
+    layers, report = transfer(moves, engine.rank, group=world, rank_of={r: r for r in survivors}, held=held,
+                              from_snapshot=lambda layer: held[layer], timeout_s=timeout)
+    if engine.rank in live.idle:
+        engine.coordinator.mark_applied(record)
+        raise BeyondTolerance(f"rank {engine.rank} holds no position in the re-formed grid {live.grid.dp} x "
+                              f"{live.grid.pp}: it stops", checkpoint_dir=None, step=step, lost_stages=[])
+    # 2. the new engine, on a local default group of the new grid's size
+    position = live.positions[engine.rank]
+    grid = live.grid
+    table = live.rank_table()
+    ranks = tuple(table[(p, s)] for s in range(grid.pp) for p in range(grid.dp))
+    t1 = time.perf_counter()
+    engine.tier.close()
+    old_module = engine.module
+    rebuild = engine._rebuild
+    count = getattr(engine, "regrids", 0) + 1
+
+    def load(new: Any) -> None:
+        new_state = stage_state(layers, new.stage_host.param_layers,
+                                param_groups=new.optimizer.state_dict()["param_groups"], like=state,
+                                stage=new.stage_id, rank=new.rank)
+        apply(new_state, new.stage_host, stage=new.stage_id)
+
+    context = RegridContext(ranks=ranks, coordinator=engine.coordinator, session=f"live/regrid{count}", grid=count,
+                            origin=getattr(engine, "origin_topology", old),
+                            gone=tuple(sorted(set(getattr(engine, "gone", ())) | set(failed))),
+                            recovery_log=engine.recovery_log, progress=engine.progress, load=load)
+    new = _build(engine, old_module, rebuild, live, position, context)
+    new.regrids = count
+    rebuild_s = time.perf_counter() - t1
+    object.__setattr__(engine, "__dict__", new.__dict__)  # the script's engine object is the new engine now
+    membership.register_worker(engine.coordinator.store, WorkerInfo(
+        rank=engine.rank, pipeline=position.pipeline, stage=position.stage, pid=_pid(),
+        incarnation=engine.launch.incarnation, dp=grid.dp, pp=grid.pp,
+        heartbeat_interval_s=engine.coordinator.heartbeat_interval_s, grid=count))
+    engine.coordinator.mark_applied(record)
+    entry = {"epoch": record.epoch, "kind": "regrid", "failed": list(record.failed), "resume_step": step,
+             "plan": live.to_dict(), "position": [position.pipeline, position.stage, position.first, position.last],
+             "sent_bytes": report.sent_bytes, "received_bytes": report.received_bytes,
+             "fetched_ranks": sorted(fetched), "fetch_s": fetch_s, "transfer_s": report.seconds,
+             "rebuild_s": rebuild_s, "regrid_s": time.perf_counter() - started,
+             "recovery_s": time.time() - record.detected_at if record.detected_at else None}
+    engine.recovery_log.append(entry)
+    _log(engine, f"re-grid done {json.dumps(entry, sort_keys=True)}")
+
+
+def _nbytes(tree: Any) -> int:
+    if torch.is_tensor(tree):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, dict):
+        return sum(_nbytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(_nbytes(v) for v in tree)
+    return 0
+
+
+def _pid() -> int:
+    import os
+
+    return os.getpid()
+
+
+def _build(engine: Any, old_module: Any, rebuild: dict[str, Any], live: LiveRegridPlan, position, context):
+    """The new engine for ``position`` of ``live``'s grid (step 3 of the module docstring)."""
+    import deepspeed
+    import torch.testing._internal.distributed.fake_pg as fake_pg
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    grid = live.grid
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=position.stage * grid.dp + position.pipeline,
+                            world_size=grid.dp * grid.pp)
+    module = _module_class(grid.bounds)(
+        layers=old_module._layer_specs, num_stages=grid.pp, loss_fn=old_module.loss_fn, seed_layers=False,
+        activation_checkpoint_interval=old_module.activation_checkpoint_interval,
+        activation_checkpoint_func=old_module.activation_checkpoint_func,
+        checkpointable_layers=old_module.checkpointable_layers,
+        dynamic_shape=bool(getattr(old_module, "dynamic_shape", False)))
+    config = dict(rebuild["config"])
+    config["gradient_accumulation_steps"] = grid.microbatches
+    config.pop("train_batch_size", None)
+    mpu = module.mpu()
+    config_class = DeepSpeedConfig(config, mpu)
+    deepspeed.set_optimizer_flags(config_class, module)
+    return type(engine)(  # the engine's own class (ResilientPipelineEngine)
+        args=rebuild.get("args"), model=module, optimizer=rebuild.get("optimizer"),
+        model_parameters=[p for p in module.parameters() if p.requires_grad], training_data=None,
+        lr_scheduler=rebuild.get("lr_scheduler"), mpu=mpu, dist_init_required=False,
+        collate_fn=rebuild.get("collate_fn"), config=config, config_class=config_class,
+        resilience=replace(engine.resilience, microbatches=None), batch_source=_remap(rebuild["batch_source"], live),
+        eval_source=_remap(rebuild.get("eval_source"), live), launch=engine.launch,
+        config_dir=rebuild.get("config_dir"), regrid_from=context, rebuild=rebuild)
