@@ -508,3 +508,24 @@ def test_the_agent_reads_a_megatron_scripts_resilience_config(tmp_path):
     bad.write_text(json.dumps({"checkpoint": {"max_restarts": -1}}))
     with pytest.raises(ConfigError, match="max_restarts"):
         read(["--resilience-config", str(bad)])
+
+
+def test_after_a_regrid_the_agent_judges_failures_on_the_newest_grids_registrations(tmp_path):
+    """The ranks lost before a re-grid keep their old registrations; only the newest grid's count."""
+    script = tmp_path / "train.py"
+    script.write_text("")
+    agent = Agent(script, num_workers=6, regrid=True)
+    agent.store = dist.HashStore()
+    old = {0: (0, 0), 1: (1, 0), 2: (0, 1), 3: (1, 1), 4: (0, 2), 5: (1, 2)}  # rank -> (pipeline, stage), 2 x 3
+    for rank, (p, s) in old.items():
+        mb.register_worker(agent.store, mb.WorkerInfo(rank=rank, pipeline=p, stage=s, pid=1, dp=2, pp=3))
+    agent._failed = {2, 3}
+    assert "stage 1 lost every replica" in agent._beyond_tolerance()[1]
+    new = {0: (0, 0), 1: (1, 0), 4: (0, 1), 5: (1, 1)}  # the survivors re-formed 2 x 2
+    for rank, (p, s) in new.items():
+        mb.register_worker(agent.store, mb.WorkerInfo(rank=rank, pipeline=p, stage=s, pid=1, dp=2, pp=2, grid=1))
+    assert agent._beyond_tolerance()[1] == ""  # stage 1 of the new grid is ranks 4 and 5
+    agent._failed = {2, 3, 4}
+    assert agent._beyond_tolerance()[1] == ""
+    agent._failed = {2, 3, 4, 5}
+    assert "stage 1 lost every replica" in agent._beyond_tolerance()[1]

@@ -115,3 +115,30 @@ def test_workers_of_the_record_must_be_in_the_grid():
     with pytest.raises(Exception):
         plan_recovery(record(failed=(4,)), Topology(dp=1, pp=2), {0: 1})
     assert Worker(pipeline=1, stage=1) == GRID.coord(4)[0]
+
+
+def test_with_regrid_a_lost_stage_is_a_regrid_unless_the_agent_stopped_the_job():
+    steps = {0: 4, 1: 4, 2: 4}
+    plan = plan_recovery(record(failed=(3, 4, 5)), GRID, steps, regrid=True)
+    assert plan.action == "regrid" and plan.lost_stages == (1,) and plan.groups == {} and plan.resume_step == 4
+    assert plan_recovery(record(failed=(3, 4, 5), kind="stop", restart=True), GRID, steps, regrid=True).action == "restart"
+    assert plan_recovery(record(failed=(3, 4, 5)), GRID, steps, regrid=False).action == "stop"
+
+
+def test_piled_failures_regrid_only_when_the_engine_prefers_it():
+    steps = {r: 6 for r in (2, 3, 4)}
+    asked = []
+
+    def prefer(failed):
+        asked.append(failed)
+        return len(failed) >= 3
+
+    piled = plan_recovery(record(failed=(0, 1, 5)), GRID, steps, regrid=True, prefer_regrid=prefer)
+    assert piled.action == "regrid" and piled.lost_stages == ()
+    assert asked[-1] == frozenset({Worker(pipeline=0, stage=0), Worker(pipeline=1, stage=0), Worker(pipeline=2, stage=1)})
+    one = plan_recovery(record(failed=(5,)), GRID, {r: 6 for r in range(5)}, regrid=True, prefer_regrid=prefer)
+    assert one.action == "continue"
+    assert plan_recovery(record(failed=(0, 1, 5)), GRID, steps, prefer_regrid=prefer).action == "continue"  # regrid off
+    rejoin = record(epoch=5, failed=(0, 1), joining=(5,), kind="rejoin")
+    assert plan_recovery(rejoin, GRID, {r: 6 for r in (2, 3, 4)}, regrid=True,
+                         prefer_regrid=lambda failed: True).action == "continue"  # a re-join never re-grids

@@ -116,3 +116,33 @@ def test_both_replicas_of_a_stage_killed_the_survivors_regrid_and_end_at_the_fau
     assert grid["dp"] * grid["pp"] == 4 and grid["pp"] < 3
     moved = sum(d["recovery"][-1]["received_bytes"] for d in dumps.values() if d["recovery"][-1].get("kind") == "regrid")
     assert moved > 0
+
+
+def test_what_the_regrid_cannot_move_yet_is_refused_by_name():
+    from types import SimpleNamespace
+
+    from ds_resilience.config import ResilienceConfig
+    from ds_resilience.integrations.ds_regrid import regrid_blocker
+
+    def engine(**over):
+        base = dict(launch=object(), resilience=ResilienceConfig(regrid=True), zero=0, dtype=torch.float32,
+                    layers=[0, 0, 1], tied=())
+        base.update(over)
+        return SimpleNamespace(launch=base["launch"], resilience=base["resilience"],
+                               zero_optimization_stage=lambda: base["zero"], get_data_types=lambda: (base["dtype"], None),
+                               stage_host=SimpleNamespace(param_layers=base["layers"]), tied_groups=base["tied"])
+
+    ok = {"batch_source": lambda p, i, m: None, "optimizer": None, "lr_scheduler": None}
+    assert regrid_blocker(engine(), ok) is None
+    cases = [
+        (engine(launch=None), ok, "needs the agent"),
+        (engine(resilience=ResilienceConfig(regrid=True, checkpoint={"enabled": False})), ok, "checkpoint.enabled"),
+        (engine(zero=1), ok, "ZeRO-1"),
+        (engine(dtype=torch.bfloat16), ok, "bf16/fp16"),
+        (engine(layers=None), ok, "tied layers"),
+        (engine(tied=((0, 2),)), ok, "tied layers"),
+        (engine(), {**ok, "batch_source": None}, "batch_source"),
+        (engine(), {**ok, "optimizer": torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)}, "optimizer object"),
+    ]
+    for eng, rebuild, fragment in cases:
+        assert fragment in (regrid_blocker(eng, rebuild) or ""), fragment
