@@ -115,7 +115,7 @@ def main(argv=None) -> int:
                 f"{f['fault_free_iteration_time']:g} (degradation {f['degradation']:.1%}, unit costs)",
                 flush=True,
             )
-    losses, times, evals, reduced = [], [], {}, {}
+    losses, times, evals, reduced, step_ends = [], [], {}, {}, []
     started = time.perf_counter()
     stopped = None
     # Driven by the engine's step count, not a local counter: after a failure the engine replays the
@@ -146,6 +146,7 @@ def main(argv=None) -> int:
         if args.min_step_seconds > 0:
             time.sleep(max(0.0, args.min_step_seconds - (time.perf_counter() - t0)))
         dt = time.perf_counter() - t0
+        step_ends.append((engine.global_steps, time.time()))  # wall clock: lines up with the agent's events
         if loss is not None:
             losses.append(float(loss))
             times.append(dt)
@@ -197,6 +198,7 @@ def main(argv=None) -> int:
                 "waited": engine.validator.waited},
             "losses": losses,
             "times_s": times,
+            "step_ends": step_ends,
             "recovery": engine.recovery_log,
             "stopped": stopped,
             # ZeRO-1: the replicas this worker's optimizer state is sharded over, and its shard's size

@@ -408,3 +408,14 @@ def test_a_version_pruned_while_being_opened_reads_as_pruned(tmp_path):
     with pytest.raises(CheckpointError, match=r"w0@0 was pruned while being opened"):
         store.open_version("w0", 0)
     assert store._pins == {}
+
+
+def test_discard_after_deletes_the_newer_versions_only(tmp_path):
+    store = SnapshotStore(tmp_path, keep=3)
+    for step in range(1, 5):
+        store.save("w0", step, {"x": torch.full((8,), float(step))})
+    assert store.discard_after("w0", 2) == [4, 3]
+    assert [i.step for i in store.versions("w0")] == [2]
+    assert torch.equal(store.load("w0")["x"], torch.full((8,), 2.0))
+    store.save("w0", 3, {"x": torch.full((8,), 30.0)})  # the other course from step 2
+    assert torch.equal(store.load("w0", 3)["x"], torch.full((8,), 30.0))

@@ -118,6 +118,26 @@ def test_both_replicas_of_a_stage_killed_the_survivors_regrid_and_end_at_the_fau
     assert moved > 0
 
 
+@pytest.mark.timeout(900)
+def test_killed_while_their_snapshot_drained_the_survivors_regrid_from_the_step_before(tmp_path):
+    """Both replicas of stage 1 die while the copy of their step-3 snapshot is in flight: no
+    survivor holds it, so the survivors agree on step 2 (their own snapshots and the lost stage's
+    are all held there), go back to it and re-grid from it; the replayed steps end at the
+    fault-free state all the same."""
+    code, _, reference = run(tmp_path, "ref", world=6, pp=3, regrid=False)
+    assert code == 0, logs(tmp_path, "ref")
+    faults = [{"rank": r, "step": 3, "point": "in_snapshot", "kind": "sigkill"} for r in (2, 3)]
+    code, agent, dumps = run(tmp_path, "drain", world=6, pp=3, faults=faults)
+    assert code == 0, logs(tmp_path, "drain")
+    assert not [e for e in agent.events if e.kind in ("restart", "relaunch", "stop")]
+    resume = next(e for e in dumps[0]["recovery"] if e.get("kind") == "regrid")["resume_step"]
+    grid = assert_fault_free_state(dumps, reference, [0, 1, 4, 5], resume_step=resume, pp_before=3)
+    assert grid["dp"] * grid["pp"] == 4
+    for d in dumps.values():
+        entry = next(e for e in d["recovery"] if e.get("kind") == "regrid")
+        assert entry["from_step"] < entry["resume_step"], entry
+
+
 def test_what_the_regrid_cannot_move_yet_is_refused_by_name():
     from types import SimpleNamespace
 

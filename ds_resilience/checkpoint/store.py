@@ -399,6 +399,14 @@ class SnapshotStore:
         except CheckpointError:
             return False
 
+    def discard_after(self, owner: str, step: int) -> list[int]:
+        """Delete ``owner``'s versions newer than ``step`` (training went back to ``step`` and takes
+        another course from it: those versions are of a past that will not be); returns their steps."""
+        gone = [s for s in self._all_steps(owner) if s > step]
+        for s in gone:
+            self._delete(owner, s)
+        return gone
+
     def wipe(self) -> None:
         """Delete everything under the root (what losing this machine's memory does)."""
         self.close()

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint.fetch import fetch_versions
+from ..checkpoint.inmemory import owner_name
 from ..checkpoint.layer_state import layer_trees, stage_state
 from ..checkpoint.layer_transfer import transfer
 from ..checkpoint.state import StageState, apply, capture
@@ -176,7 +177,13 @@ def regrid(engine: Any, record: Any, plan: RecoveryPlan) -> None:
     timeout = engine.resilience.detector.pg_timeout_s
     world = build_groups(target, engine.me, session=f"{engine.session}/regrid", generation=record.epoch,
                          timeout_s=timeout, store=engine.coordinator.store, device=engine._comm_device()).world
-    state = capture(engine.stage_host, stage=engine.stage_id, rank=engine.rank).clone(host=True)
+    lost_ranks = _lost_ranks(old, failed)
+    step = _agree_step(engine, world, lost_ranks, step)
+    if step == plan.resume_step:
+        state = capture(engine.stage_host, stage=engine.stage_id, rank=engine.rank).clone(host=True)
+    else:  # a lost stage's newest snapshot is older than the resume step: every survivor goes back to it
+        state = StageState.from_tree(engine.tier.memory.load_peer(engine.rank, step))
+        engine.tier.memory.store.discard_after(owner_name(engine.rank), step)  # the old layout's later steps
     held = layer_trees(state, engine.stage_host.param_layers)
     # every layer's state in bytes, from its holders (a lost stage's layers: the mean of the others)
     sizes: dict[int, float] = {}
@@ -189,7 +196,9 @@ def regrid(engine: Any, record: Any, plan: RecoveryPlan) -> None:
     # device's memory yet)
     cap = 2.0 * max(sum(layer_bytes[a:b]) for a, b in zip(parts, parts[1:]))
     live = plan_live_regrid(old, failed, parts, engine.micro_batches, layer_bytes=layer_bytes, memory_cap=cap)
-    _log(engine, f"re-grid plan {live.to_json()}")
+    if sorted(d for d, _ in live.fetches.values()) != sorted(lost_ranks):  # pragma: no cover - one rule, two places
+        raise RegridError(f"the plan fetches {sorted(live.fetches.values())}, the step was agreed for {lost_ranks}")
+    _log(engine, f"re-grid plan (from step {step}) {live.to_json()}")
     receivers = {dead: receiver for dead, receiver in live.fetches.values()}
     t0 = time.perf_counter()
     fetched = fetch_versions(engine.tier.memory, sorted(receivers), step, world, receiver_of=receivers.__getitem__)
@@ -239,7 +248,8 @@ def regrid(engine: Any, record: Any, plan: RecoveryPlan) -> None:
         incarnation=engine.launch.incarnation, dp=grid.dp, pp=grid.pp,
         heartbeat_interval_s=engine.coordinator.heartbeat_interval_s, grid=count))
     engine.coordinator.mark_applied(record)
-    entry = {"epoch": record.epoch, "kind": "regrid", "failed": list(record.failed), "resume_step": step,
+    entry = {"epoch": record.epoch, "kind": "regrid", "failed": list(record.failed), "resume_step": plan.resume_step,
+             "from_step": step,
              "plan": live.to_dict(), "position": [position.pipeline, position.stage, position.first, position.last],
              "sent_bytes": report.sent_bytes, "received_bytes": report.received_bytes,
              "fetched_ranks": sorted(fetched), "fetch_s": fetch_s, "transfer_s": report.seconds,
@@ -247,6 +257,36 @@ def regrid(engine: Any, record: Any, plan: RecoveryPlan) -> None:
              "recovery_s": time.time() - record.detected_at if record.detected_at else None}
     engine.recovery_log.append(entry)
     _log(engine, f"re-grid done {json.dumps(entry, sort_keys=True)}")
+
+
+def _lost_ranks(topology: Topology, failed: list[int]) -> list[int]:
+    """The snapshot each lost stage is fetched from: its lowest dead rank (``plan_live_regrid``'s rule)."""
+    alive_stages = {w.stage for w in topology.workers() if topology.rank(w) not in set(failed)}
+    lowest: dict[int, int] = {}
+    for r in sorted(failed):
+        stage = topology.coord(r)[0].stage
+        if stage not in alive_stages:
+            lowest.setdefault(stage, r)
+    return sorted(lowest.values())
+
+
+def _agree_step(engine: Any, world: Any, lost: list[int], resume: int) -> int:
+    """The step the re-grid starts from: the resume step when every lost stage's snapshot of it is
+    held by some survivor, else the newest older step at which those snapshots and every
+    survivor's own are held (a worker killed mid-copy leaves its newest snapshot uncommitted);
+    the iterations after it are replayed. Collective over ``world``."""
+    if not lost:
+        return resume
+    memory = engine.tier.memory
+    candidates = [resume - k for k in range(3) if resume - k >= 0]
+    mine = {str(s): {"own": s == resume or (memory is not None and memory.holds(engine.rank, s)),
+                     "lost": [d for d in lost if memory is not None and memory.holds(d, s)]} for s in candidates}
+    views = world.all_gather_json(mine)
+    for s in candidates:
+        if all(v[str(s)]["own"] for v in views) and all(any(d in v[str(s)]["lost"] for v in views) for d in lost):
+            return s
+    raise RegridError(f"no step in {candidates} has both the lost stages' snapshots (ranks {lost}) and every "
+                      f"survivor's own: the in-memory tier lost them; restart from the persistent tier")
 
 
 def _nbytes(tree: Any) -> int:
