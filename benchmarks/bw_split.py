@@ -108,13 +108,19 @@ def compare(stage, x0, g, clock: Clock) -> bool:
                for k, v in grads.items() if k != "fused")
 
 
-def measure(shape, device, dtype, repeats: int, warmup: int) -> dict:
+def setup(shape, device, dtype):
+    """The stage, its input activation, the gradient arriving at its output, and the clock."""
     d, t, mb, layers = shape
     torch.manual_seed(0)
     stage = build_stage(d, t, layers, device, dtype)
     x0 = torch.randn(mb, t, d, device=device, dtype=dtype)
     g = torch.randn(mb, t, d, device=device, dtype=dtype) * 1e-2
-    clock = Clock(device)
+    return stage, x0, g, Clock(device)
+
+
+def measure(shape, device, dtype, repeats: int, warmup: int) -> dict:
+    d, t, mb, layers = shape
+    stage, x0, g, clock = setup(shape, device, dtype)
     equal = compare(stage, x0, g, clock)
     samples: dict[str, list[dict]] = {m: [] for m in METHODS}
     for k in range(warmup + repeats):
@@ -145,11 +151,7 @@ def profile(shape, device, dtype, rounds: int = 3) -> None:
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     d, t, mb, layers = shape
-    torch.manual_seed(0)
-    stage = build_stage(d, t, layers, device, dtype)
-    x0 = torch.randn(mb, t, d, device=device, dtype=dtype)
-    g = torch.randn(mb, t, d, device=device, dtype=dtype) * 1e-2
-    clock = Clock(device)
+    stage, x0, g, clock = setup(shape, device, dtype)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     params = list(stage.parameters())
