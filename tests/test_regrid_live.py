@@ -18,7 +18,7 @@ SCRIPT = REPO / "examples" / "train_gpt.py"
 STEPS = 7
 
 
-def run(tmp: Path, name: str, *, world: int, pp: int, faults=(), regrid=True):
+def run(tmp: Path, name: str, *, world: int, pp: int, faults=(), regrid=True, checkpoint=None, restarts=0):
     base = json.loads((REPO / "configs" / "gpt_cpu_pp2_dp2.json").read_text())
     base["optimizer"] = {"type": "Adam", "params": {"lr": 0.002, "torch_adam": True}}
     base["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.002,
@@ -26,14 +26,14 @@ def run(tmp: Path, name: str, *, world: int, pp: int, faults=(), regrid=True):
     base["resilience"] = {
         "schedule": "1f1b", "variant": "recycle", "regrid": regrid, "fault_injection": list(faults),
         "detector": {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 2.0, "pg_timeout_s": 60.0},
-        "checkpoint": {"persistent_dir": str(tmp / "ckpt")},
+        "checkpoint": {"persistent_dir": str(tmp / "ckpt"), "max_restarts": restarts, **(checkpoint or {})},
     }
     cfg = tmp / f"{name}.json"
     cfg.write_text(json.dumps(base))
     dump = tmp / name
     agent = Agent(SCRIPT, ["--deepspeed_config", str(cfg), "--steps", str(STEPS), "--pp", str(pp), "--dump", str(dump),
                            "--min-step-seconds", "0.4"],
-                  num_workers=world, heartbeat_interval_s=0.2, heartbeat_timeout_s=2.0, max_restarts=0,
+                  num_workers=world, heartbeat_interval_s=0.2, heartbeat_timeout_s=2.0, max_restarts=restarts,
                   log_dir=tmp / f"{name}-logs", env={"PYTHONPATH": str(REPO), "DSR_SELF_PROFILE": "0"},
                   echo=lambda msg: print(msg, file=sys.stderr), regrid=regrid)
     code = agent.run()
@@ -136,6 +136,29 @@ def test_killed_while_their_snapshot_drained_the_survivors_regrid_from_the_step_
     for d in dumps.values():
         entry = next(e for e in d["recovery"] if e.get("kind") == "regrid")
         assert entry["from_step"] < entry["resume_step"], entry
+
+
+@pytest.mark.timeout(900)
+def test_a_regrid_without_the_lost_stages_state_falls_back_to_the_restart_from_memory(tmp_path):
+    """Snapshots every 100 steps: at the failure no step near the resume step has the lost stage's
+    state, so the survivors cannot re-form the grid; they say so, the agent restarts every worker
+    from the in-memory snapshots (step 0, the tier below), and the job still ends at the
+    fault-free state."""
+    code, _, reference = run(tmp_path, "ref", world=6, pp=3, regrid=False)
+    assert code == 0, logs(tmp_path, "ref")
+    faults = [{"rank": r, "step": 4, "point": "before_forward", "kind": "sigkill"} for r in (2, 3)]
+    code, agent, dumps = run(tmp_path, "fallback", world=6, pp=3, faults=faults, checkpoint={"interval": 100},
+                             restarts=1)
+    assert code == 0, logs(tmp_path, "fallback")
+    assert [e.kind for e in agent.events if e.kind in ("stop", "restart")] == ["stop", "restart"]
+    stop = next(e for e in agent.events if e.kind == "stop")
+    assert "could not re-form the grid" in stop.detail and "restarting all workers" in stop.detail, stop.detail
+    assert sorted(dumps) == list(range(6))  # every rank restarted and finished
+    ref = by_name(reference, "params")
+    for rank, d in dumps.items():
+        assert d["steps"] == STEPS
+        for name, t in d["params"].items():
+            assert torch.allclose(t, ref[name], rtol=1e-5, atol=1e-6), f"rank {rank} {name}"
 
 
 def test_what_the_regrid_cannot_move_yet_is_refused_by_name():

@@ -178,38 +178,41 @@ def regrid(engine: Any, record: Any, plan: RecoveryPlan) -> None:
     world = build_groups(target, engine.me, session=f"{engine.session}/regrid", generation=record.epoch,
                          timeout_s=timeout, store=engine.coordinator.store, device=engine._comm_device()).world
     lost_ranks = _lost_ranks(old, failed)
-    step = _agree_step(engine, world, lost_ranks, step)
-    if step == plan.resume_step:
-        state = capture(engine.stage_host, stage=engine.stage_id, rank=engine.rank).clone(host=True)
-    else:  # a lost stage's newest snapshot is older than the resume step: every survivor goes back to it
-        state = StageState.from_tree(engine.tier.memory.load_peer(engine.rank, step))
-        engine.tier.memory.store.discard_after(owner_name(engine.rank), step)  # the old layout's later steps
-    held = layer_trees(state, engine.stage_host.param_layers)
-    # every layer's state in bytes, from its holders (a lost stage's layers: the mean of the others)
-    sizes: dict[int, float] = {}
-    for part in world.all_gather_json({str(k): _nbytes(v) for k, v in held.items()}):
-        sizes.update({int(k): float(v) for k, v in part.items()})
-    parts = engine.module.parts
-    mean = sum(sizes.values()) / max(len(sizes), 1)
-    layer_bytes = [sizes.get(i, mean) for i in range(parts[-1])]
-    # a worker may hold up to twice the state of the largest stage it had (no profile of the
-    # device's memory yet)
-    cap = 2.0 * max(sum(layer_bytes[a:b]) for a, b in zip(parts, parts[1:]))
-    live = plan_live_regrid(old, failed, parts, engine.micro_batches, layer_bytes=layer_bytes, memory_cap=cap)
-    if sorted(d for d, _ in live.fetches.values()) != sorted(lost_ranks):  # pragma: no cover - one rule, two places
-        raise RegridError(f"the plan fetches {sorted(live.fetches.values())}, the step was agreed for {lost_ranks}")
-    _log(engine, f"re-grid plan (from step {step}) {live.to_json()}")
-    receivers = {dead: receiver for dead, receiver in live.fetches.values()}
-    t0 = time.perf_counter()
-    fetched = fetch_versions(engine.tier.memory, sorted(receivers), step, world, receiver_of=receivers.__getitem__)
-    if fetched is None:
-        raise RegridError(f"the snapshot of step {step} of a lost stage ({sorted(receivers)}) is held by no survivor")
-    for tree in fetched.values():
-        lost = StageState.from_tree(tree)
-        layers = lost.extra.get("param_layers")
-        if layers is None:
-            raise RegridError(f"rank {lost.rank}'s snapshot records no layer per parameter (written by an older version)")
-        held.update(layer_trees(lost, layers))
+    try:
+        step = _agree_step(engine, world, lost_ranks, step)
+        if step == plan.resume_step:
+            state = capture(engine.stage_host, stage=engine.stage_id, rank=engine.rank).clone(host=True)
+        else:  # a lost stage's newest snapshot is older than the resume step: every survivor goes back to it
+            state = StageState.from_tree(engine.tier.memory.load_peer(engine.rank, step))
+            engine.tier.memory.store.discard_after(owner_name(engine.rank), step)  # the old layout's later steps
+        held = layer_trees(state, engine.stage_host.param_layers)
+        # every layer's state in bytes, from its holders (a lost stage's layers: the mean of the others)
+        sizes: dict[int, float] = {}
+        for part in world.all_gather_json({str(k): _nbytes(v) for k, v in held.items()}):
+            sizes.update({int(k): float(v) for k, v in part.items()})
+        parts = engine.module.parts
+        mean = sum(sizes.values()) / max(len(sizes), 1)
+        layer_bytes = [sizes.get(i, mean) for i in range(parts[-1])]
+        # a worker may hold up to twice the state of the largest stage it had (no profile of the
+        # device's memory yet)
+        cap = 2.0 * max(sum(layer_bytes[a:b]) for a, b in zip(parts, parts[1:]))
+        live = plan_live_regrid(old, failed, parts, engine.micro_batches, layer_bytes=layer_bytes, memory_cap=cap)
+        if sorted(d for d, _ in live.fetches.values()) != sorted(lost_ranks):  # pragma: no cover - one rule, two places
+            raise RegridError(f"the plan fetches {sorted(live.fetches.values())}, the step was agreed for {lost_ranks}")
+        _log(engine, f"re-grid plan (from step {step}) {live.to_json()}")
+        receivers = {dead: receiver for dead, receiver in live.fetches.values()}
+        t0 = time.perf_counter()
+        fetched = fetch_versions(engine.tier.memory, sorted(receivers), step, world, receiver_of=receivers.__getitem__)
+        if fetched is None:
+            raise RegridError(f"the snapshot of step {step} of a lost stage ({sorted(receivers)}) is held by no survivor")
+        for tree in fetched.values():
+            lost = StageState.from_tree(tree)
+            layers = lost.extra.get("param_layers")
+            if layers is None:
+                raise RegridError(f"rank {lost.rank}'s snapshot records no layer per parameter (written by an older version)")
+            held.update(layer_trees(lost, layers))
+    except (RegridError, PlanningError) as exc:
+        _give_up(engine, record, plan, exc)
     fetch_s = time.perf_counter() - t0
     moves = RegridPlan(assignment=live.positions, idle=live.idle, moves=live.moves)
     layers, report = transfer(moves, engine.rank, group=world, rank_of={r: r for r in survivors}, held=held,
@@ -259,6 +262,21 @@ def regrid(engine: Any, record: Any, plan: RecoveryPlan) -> None:
     _log(engine, f"re-grid done {json.dumps(entry, sort_keys=True)}")
 
 
+def _give_up(engine: Any, record: Any, plan: RecoveryPlan, exc: Exception) -> None:
+    """This survivor cannot re-form the grid (nothing changed yet): tell the agent, which stops the
+    job with a restart of every worker from the in-memory snapshots (the tier below), make sure the
+    snapshot of the resume step is committed, and leave the training loop."""
+    engine.coordinator.store.set(membership.REGRID_FAILED_KEY, f"rank {engine.rank}: {exc}")
+    ready = engine.tier.ready_for_restart(plan.resume_step)
+    engine.coordinator.mark_applied(record)
+    engine.recovery_log.append({"epoch": record.epoch, "kind": "regrid_failed", "resume_step": plan.resume_step,
+                                "reason": str(exc), **ready})
+    _log(engine, f"cannot re-form the grid: {exc}; the agent restarts every worker from the snapshots")
+    raise BeyondTolerance(f"the survivors could not re-form the grid ({exc}); the agent restarts every worker from "
+                          f"the in-memory snapshots", checkpoint_dir=None, step=plan.resume_step,
+                          lost_stages=list(plan.lost_stages), restart=True) from exc
+
+
 def _lost_ranks(topology: Topology, failed: list[int]) -> list[int]:
     """The snapshot each lost stage is fetched from: its lowest dead rank (``plan_live_regrid``'s rule)."""
     alive_stages = {w.stage for w in topology.workers() if topology.rank(w) not in set(failed)}
@@ -286,7 +304,7 @@ def _agree_step(engine: Any, world: Any, lost: list[int], resume: int) -> int:
         if all(v[str(s)]["own"] for v in views) and all(any(d in v[str(s)]["lost"] for v in views) for d in lost):
             return s
     raise RegridError(f"no step in {candidates} has both the lost stages' snapshots (ranks {lost}) and every "
-                      f"survivor's own: the in-memory tier lost them; restart from the persistent tier")
+                      f"survivor's own in host memory")
 
 
 def _nbytes(tree: Any) -> int:

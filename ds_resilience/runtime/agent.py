@@ -327,6 +327,8 @@ class Agent:
                 for f in failures:
                     self._event(f.kind, f.rank, latency_s=time.monotonic() - f.since,
                                 detail=f.reason + " (while stopping)")
+            if stop_deadline is None and self.regrid and self.store.check([mb.REGRID_FAILED_KEY]):
+                stop_deadline = self._regrid_failed()
             if stop_deadline is None:
                 self._rejoins()
             live = [w for w in self._workers.values() if w.state in _LIVE]
@@ -461,6 +463,17 @@ class Agent:
             for f in failures:
                 self._rejoin_due[f.rank] = self._workers[f.rank].failed_at + self.rejoin_after_s
         return None
+
+    def _regrid_failed(self) -> float:
+        """A survivor could not re-form the grid: stop, with a restart of every worker from the
+        in-memory snapshots when one is left (the tier below); returns the stop deadline."""
+        why = self.store.get(mb.REGRID_FAILED_KEY).decode(errors="replace")
+        self._restart_pending = self.restarts < self.max_restarts
+        then = "restarting all workers from the in-memory snapshots" if self._restart_pending else "stopping"
+        self.message = f"the survivors could not re-form the grid ({why}); {then}"
+        self.exit_code = EXIT_STOPPED
+        self._publish("stop", self.message, restart=self._restart_pending)
+        return time.monotonic() + self.stop_grace_s
 
     def _record_failures(self, failures: list[_Failure], record: mb.EpochRecord) -> None:
         published = time.monotonic()

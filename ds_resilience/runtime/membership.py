@@ -119,6 +119,11 @@ def wait_epoch(store: dist.Store, epoch: int, timeout_s: float, poll_s: float = 
         time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
 
 
+REGRID_FAILED_KEY = "dsr/regrid_failed"
+"""Set by a survivor that cannot re-form the grid (why, as text): the agent then stops the job with
+a restart from the in-memory snapshots, the tier below the re-grid."""
+
+
 def register_worker(store: dist.Store, info: WorkerInfo) -> None:
     """Publish ``info`` under ``dsr/worker/{rank}`` (the agent uses it to judge tolerance)."""
     store.set(worker_key(info.rank), info.to_json())
