@@ -57,6 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dataset-size", type=int, default=200,
                         help="samples in the --training-data Dataset (fewer than the steps need: it wraps into "
                         "the next epoch as DeepSpeed's RepeatingLoader does)")
+    parser.add_argument("--dropout", type=float, default=0.0, help="the GPT's dropout probability (default 0)")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     return parser.parse_args(argv)
 
@@ -73,7 +74,7 @@ def main(argv=None) -> int:
         config = json.load(fh)
     micro_batch_size = int(config["train_micro_batch_size_per_gpu"])
     microbatches = int(config["gradient_accumulation_steps"])
-    cfg = gpt_model.GPTConfig()
+    cfg = gpt_model.GPTConfig(dropout=args.dropout)
     corpus = gpt_model.SyntheticCorpus(cfg, seed=args.seed)
     module = gpt_model.build_pipeline_module(cfg, num_stages=args.pp, seed=args.seed)
 

@@ -18,7 +18,7 @@ SCRIPT = REPO / "examples" / "train_gpt.py"
 STEPS = 7
 
 
-def run(tmp: Path, name: str, *, world: int, pp: int, faults=(), regrid=True, checkpoint=None, restarts=0):
+def run(tmp: Path, name: str, *, world: int, pp: int, faults=(), regrid=True, checkpoint=None, restarts=0, extra=()):
     base = json.loads((REPO / "configs" / "gpt_cpu_pp2_dp2.json").read_text())
     base["optimizer"] = {"type": "Adam", "params": {"lr": 0.002, "torch_adam": True}}
     base["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.002,
@@ -32,7 +32,7 @@ def run(tmp: Path, name: str, *, world: int, pp: int, faults=(), regrid=True, ch
     cfg.write_text(json.dumps(base))
     dump = tmp / name
     agent = Agent(SCRIPT, ["--deepspeed_config", str(cfg), "--steps", str(STEPS), "--pp", str(pp), "--dump", str(dump),
-                           "--min-step-seconds", "0.4"],
+                           "--min-step-seconds", "0.4", *extra],
                   num_workers=world, heartbeat_interval_s=0.2, heartbeat_timeout_s=2.0, max_restarts=restarts,
                   log_dir=tmp / f"{name}-logs", env={"PYTHONPATH": str(REPO), "DSR_SELF_PROFILE": "0"},
                   echo=lambda msg: print(msg, file=sys.stderr), regrid=regrid)
@@ -106,10 +106,13 @@ def test_failures_piled_past_rerouting_make_the_survivors_regrid(tmp_path):
 
 @pytest.mark.timeout(900)
 def test_both_replicas_of_a_stage_killed_the_survivors_regrid_and_end_at_the_fault_free_state(tmp_path):
-    code, _, reference = run(tmp_path, "ref", world=6, pp=3, regrid=False)
+    """With dropout: every layer draws its masks from (iteration, micro-batch as the first grid
+    numbered it, layer), so the re-formed grid draws the fault-free run's masks."""
+    dropout = ("--dropout", "0.1")
+    code, _, reference = run(tmp_path, "ref", world=6, pp=3, regrid=False, extra=dropout)
     assert code == 0, logs(tmp_path, "ref")
     faults = [{"rank": r, "step": 3, "point": "before_forward", "kind": "sigkill"} for r in (2, 3)]  # stage 1 of 3
-    code, agent, dumps = run(tmp_path, "regrid", world=6, pp=3, faults=faults)
+    code, agent, dumps = run(tmp_path, "regrid", world=6, pp=3, faults=faults, extra=dropout)
     assert code == 0, logs(tmp_path, "regrid")
     assert not [e for e in agent.events if e.kind in ("restart", "relaunch", "stop")]  # nobody was relaunched
     grid = assert_fault_free_state(dumps, reference, [0, 1, 4, 5], resume_step=3, pp_before=3)

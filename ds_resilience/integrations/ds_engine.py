@@ -18,6 +18,7 @@ The work is done by composed parts, each with one owner:
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from dataclasses import replace
@@ -41,7 +42,7 @@ from ..runtime.progress import Progress
 from ..launch import LaunchEnv
 from ..planning.provider import ScheduleChoice, ScheduleProvider
 from ..runtime.coordinator import Coordinator
-from ..runtime.executor import BatchSource, Executor, StageSpec
+from ..runtime.executor import BatchSource, Executor, StageSpec, rng_seed
 from ..runtime.faults import FaultInjector
 from ..runtime.precision import DynamicLossScaler, MixedPrecisionOptimizer
 from ..runtime.recovery import Generation, LiveRecovery, SurvivorView, is_failure, release_on_epoch
@@ -59,6 +60,8 @@ from .ds_regrid import RegridContext, regrid, regrid_blocker, regrid_pays_for
 from .ds_stage import DeepSpeedStage, activation_checkpointing, tied_layout
 
 __all__ = ["ResilientPipelineEngine"]
+
+_LAYER_KEY = 1_000_000  # layer streams' keys, apart from the executor's per-stage ones
 
 
 class ResilientPipelineEngine(PipelineEngine):
@@ -164,6 +167,9 @@ class ResilientPipelineEngine(PipelineEngine):
             validator=self.validator, zero_grad=self.stage_host.zero_grad,
         )
         self.executor.progress = self.progress
+        # new (pipeline, micro-batch) -> the first grid's, after a re-grid (None: the first grid)
+        self.origin_microbatches = regrid_from.origin_microbatches if regrid_from is not None else None
+        self._seed_layers()
         # get_global_grad_norm(): the true global norm where this engine computes one (clipping on);
         # like vanilla's fp32 engine, None otherwise
         self.stage_host.grad_norm = lambda: self.executor.last_grad_norm
@@ -207,6 +213,24 @@ class ResilientPipelineEngine(PipelineEngine):
         self.profiler = profile_from_engine(self, on_done=self._replan) if fresh else None
 
     # --- construction ----------------------------------------------------------------------------------
+    def _seed_layers(self) -> None:
+        """Each layer's forward draws its random numbers (dropout) from a stream keyed by the
+        iteration, the micro-batch (as the first grid numbered it) and the layer: the same masks on
+        whatever stage of whatever grid the layer runs, re-routed or re-gridded."""
+        start = self.module._local_start
+        for k, layer in enumerate(self.module.forward_funcs):
+            if isinstance(layer, torch.nn.Module):
+                layer.register_forward_pre_hook(functools.partial(self._reseed, _LAYER_KEY + start + k))
+
+    def _reseed(self, key: int, module: Any, args: Any) -> None:
+        current = self.executor.current
+        if current is None:
+            return
+        pipeline, iteration, microbatch = current
+        if self.origin_microbatches is not None:
+            pipeline, microbatch = self.origin_microbatches[pipeline][microbatch]
+        torch.manual_seed(rng_seed(self.resilience.seed, iteration, pipeline, microbatch, key))
+
     def _configure_optimizer(self, client_optimizer, model_parameters):
         """bf16 / fp16 and ZeRO-1: our own optimizers instead of DeepSpeed's BF16/FP16/ZeRO ones, whose
         steps, overflow checks and partitions run collectives over DeepSpeed's fixed groups; the

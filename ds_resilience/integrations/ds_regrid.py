@@ -84,6 +84,7 @@ class RegridContext:
     gone: tuple[int, ...]  # every rank lost so far
     recovery_log: list
     progress: Any  # what the heartbeat reads of the main thread (a stalled one stops the beats)
+    origin_microbatches: tuple  # new (pipeline, micro-batch) -> the first grid's (the data and dropout keys)
     load: Callable[[Any], None] = field(repr=False)  # puts the moved state into the new engine
 
 
@@ -132,11 +133,18 @@ def regrid_pays_for(engine: Any, failed: frozenset) -> bool:
     return regrid_pays(reroute, regrid_s, 2.0 * base, HORIZON)
 
 
-def _remap(source: Callable | None, plan: LiveRegridPlan) -> Callable | None:
-    """A batch source of the new grid: new (pipeline, step, micro-batch) -> the old one it trains."""
+def _compose(origin: tuple | None, plan: LiveRegridPlan) -> tuple:
+    """New (pipeline, micro-batch) -> the first grid's, through this re-grid and the ones before."""
+    if origin is None:
+        return plan.microbatches
+    return tuple(tuple(origin[p][i] for p, i in block) for block in plan.microbatches)
+
+
+def _remap(source: Callable | None, table: tuple) -> Callable | None:
+    """A batch source of the new grid: new (pipeline, step, micro-batch) -> the first grid's (the
+    user's source numbers micro-batches as the job started)."""
     if source is None:
         return None
-    table = plan.microbatches
 
     def remapped(pipeline: int, iteration: int, microbatch: int):
         old_pipeline, old_microbatch = table[pipeline][microbatch]
@@ -241,7 +249,9 @@ def regrid(engine: Any, record: Any, plan: RecoveryPlan) -> None:
     context = RegridContext(ranks=ranks, coordinator=engine.coordinator, session=f"live/regrid{count}", grid=count,
                             origin=getattr(engine, "origin_topology", old),
                             gone=tuple(sorted(set(getattr(engine, "gone", ())) | set(failed))),
-                            recovery_log=engine.recovery_log, progress=engine.progress, load=load)
+                            recovery_log=engine.recovery_log, progress=engine.progress,
+                            origin_microbatches=_compose(getattr(engine, "origin_microbatches", None), live),
+                            load=load)
     new = _build(engine, old_module, rebuild, live, position, context)
     new.regrids = count
     rebuild_s = time.perf_counter() - t1
@@ -351,6 +361,7 @@ def _build(engine: Any, old_module: Any, rebuild: dict[str, Any], live: LiveRegr
         model_parameters=[p for p in module.parameters() if p.requires_grad], training_data=None,
         lr_scheduler=rebuild.get("lr_scheduler"), mpu=mpu, dist_init_required=False,
         collate_fn=rebuild.get("collate_fn"), config=config, config_class=config_class,
-        resilience=replace(engine.resilience, microbatches=None), batch_source=_remap(rebuild["batch_source"], live),
-        eval_source=_remap(rebuild.get("eval_source"), live), launch=engine.launch,
+        resilience=replace(engine.resilience, microbatches=None),
+        batch_source=_remap(rebuild["batch_source"], context.origin_microbatches),
+        eval_source=_remap(rebuild.get("eval_source"), context.origin_microbatches), launch=engine.launch,
         config_dir=rebuild.get("config_dir"), regrid_from=context, rebuild=rebuild)

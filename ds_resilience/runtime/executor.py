@@ -68,6 +68,12 @@ def _to_device(value: Any, device: str) -> Any:
     return value
 
 
+def rng_seed(seed: int, iteration: int, pipeline: int, microbatch: int, stage: int) -> int:
+    """The seed of one micro-batch's RNG stream on one stage (or, with ``stage`` a layer key, on one
+    layer: ``integrations/ds_engine.py`` reseeds every layer so a re-formed grid draws the same)."""
+    return _rng_seed(seed, iteration, pipeline, microbatch, stage)
+
+
 def _rng_seed(seed: int, iteration: int, pipeline: int, microbatch: int, stage: int) -> int:
     value = seed
     for part in (iteration, pipeline, microbatch, stage):
