@@ -363,7 +363,8 @@ class ResilienceConfig(_Section):
     microbatches: int | None = _opt(int, "micro-batches per pipeline; null = DeepSpeed's "
                                     "gradient_accumulation_steps", default=None, nullable=True, minimum=1)
     seed: int = _opt(int, "base of every micro-batch's RNG stream (dropout masks are drawn from (seed, "
-                     "iteration, pipeline, micro-batch, stage), so a re-routed micro-batch draws the same)",
+                     "iteration, pipeline, micro-batch, and the layer (DeepSpeed engine) or the stage (Megatron)), so a re-routed "
+                     "or re-gridded micro-batch draws the same)",
                      default=1234, minimum=0)
     clipping: str = _opt(str, "how gradient clipping and fp16 overflow checks agree on the global norm: each "
                          "stage steps speculatively and validates (rolling back when wrong), or all wait at a "

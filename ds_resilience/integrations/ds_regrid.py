@@ -27,8 +27,8 @@ store key, snapshot owner and later recovery plan keeps using them. What this do
 (:func:`regrid_blocker` refuses it at start-up): ZeRO-1 shards, bf16/fp16 masters, tied layers,
 data from ``training_data`` or iterators (a ``batch_source`` is needed), an optimizer or scheduler
 object built by the caller (it would belong to the old parameters), and tensor parallelism.
-Dropout masks are drawn per (pipeline, micro-batch, stage) of the grid that runs them, so with
-dropout a re-gridded step draws other masks than the old grid would have.
+Dropout draws the old grid's masks: the engine reseeds every layer from (iteration, the
+micro-batch as the first grid numbered it, layer), and the new engine takes the composed map.
 """
 
 from __future__ import annotations
