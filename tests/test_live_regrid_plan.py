@@ -154,3 +154,20 @@ def test_regrid_pays_only_when_faster_over_the_horizon():
     assert not regrid_pays(12.0, 10.0, 50.0, 20)  # 250 > 240
     with pytest.raises(PlanningError, match="horizon"):
         regrid_pays(1.0, 1.0, 0.0, 0)
+
+
+def test_a_stage_count_without_a_fitting_partition_is_skipped():
+    """bounds_for answers None (the template planner found no partition under the memory cap)."""
+    got = choose_grid(4, 6, 8, bounds_for=lambda pp: None if pp < 3 else uniform_bounds(6, pp))
+    assert got.pp >= 3
+    with pytest.raises(PlanningError, match="memory cap"):
+        choose_grid(4, 6, 8, bounds_for=lambda pp: None)
+
+
+def test_the_engines_template_partition_balances_the_layers_state():
+    from ds_resilience.integrations.ds_regrid import _templates
+
+    sizes = [1.0, 6.0, 6.0, 6.0, 6.0, 1.0]  # an embedding, four blocks, a head
+    bounds_for = _templates(sizes, cap=13.0)
+    assert bounds_for(1) is None  # 26 does not fit 13
+    assert bounds_for(2) == (0, 3, 6) and bounds_for(4) == (0, 2, 3, 4, 6)

@@ -54,7 +54,9 @@ from ..errors import ResilienceError
 from ..errors import PlanningError
 from ..planning.live_regrid import LiveRegridPlan, choose_grid, one_f_one_b_time, plan_live_regrid, regrid_pays
 from ..planning.recovery import RecoveryPlan
+from ..planning.layers import LayerProfile
 from ..planning.regrid import RegridPlan
+from ..planning.templates import partition
 from ..runtime import membership
 from ..runtime.recovery import BeyondTolerance
 from ..topology import Topology
@@ -202,9 +204,12 @@ def regrid(engine: Any, record: Any, plan: RecoveryPlan) -> None:
         mean = sum(sizes.values()) / max(len(sizes), 1)
         layer_bytes = [sizes.get(i, mean) for i in range(parts[-1])]
         # a worker may hold up to twice the state of the largest stage it had (no profile of the
-        # device's memory yet)
+        # device's memory yet); each stage count's partition is the template planner's best one,
+        # with the layers' state standing in for their time (DeepSpeed's "parameters" method)
         cap = 2.0 * max(sum(layer_bytes[a:b]) for a, b in zip(parts, parts[1:]))
-        live = plan_live_regrid(old, failed, parts, engine.micro_batches, layer_bytes=layer_bytes, memory_cap=cap)
+        bounds_for = _templates(layer_bytes, cap)
+        live = plan_live_regrid(old, failed, parts, engine.micro_batches, layer_bytes=layer_bytes, memory_cap=cap,
+                                bounds_for=bounds_for, layer_cost=layer_bytes)
         if sorted(d for d, _ in live.fetches.values()) != sorted(lost_ranks):  # pragma: no cover - one rule, two places
             raise RegridError(f"the plan fetches {sorted(live.fetches.values())}, the step was agreed for {lost_ranks}")
         _log(engine, f"re-grid plan (from step {step}) {live.to_json()}")
@@ -270,6 +275,21 @@ def regrid(engine: Any, record: Any, plan: RecoveryPlan) -> None:
              "recovery_s": time.time() - record.detected_at if record.detected_at else None}
     engine.recovery_log.append(entry)
     _log(engine, f"re-grid done {json.dumps(entry, sort_keys=True)}")
+
+
+def _templates(layer_bytes: list[float], cap: float) -> Callable[[int], tuple[int, ...] | None]:
+    """``pp -> bounds`` of the best ``pp``-stage template (``planning/templates.py``) under the
+    memory cap, the layers' state bytes standing in for their time; ``None`` when none fits."""
+    n = len(layer_bytes)
+    profile = LayerProfile(t_f=tuple(layer_bytes), t_b=tuple(2.0 * b for b in layer_bytes), t_w=(0.0,) * n,
+                           param_bytes=tuple(layer_bytes), optimizer_bytes=(0.0,) * n, activation_bytes=(0.0,) * n,
+                           output_bytes=(0.0,) * n, name="layer state bytes")
+
+    def bounds_for(pp: int) -> tuple[int, ...] | None:
+        template = partition(profile, pp, memory_cap=cap)
+        return None if template is None else template.bounds
+
+    return bounds_for
 
 
 def _give_up(engine: Any, record: Any, plan: RecoveryPlan, exc: Exception) -> None:

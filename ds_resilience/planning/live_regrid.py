@@ -77,7 +77,7 @@ def one_f_one_b_time(bounds: Sequence[int], microbatches: int, layer_cost: Seque
 
 
 def choose_grid(survivors: int, layers: int, total_microbatches: int, *,
-                bounds_for: Callable[[int], Sequence[int]] | None = None,
+                bounds_for: Callable[[int], Sequence[int] | None] | None = None,
                 layer_cost: Sequence[float] | None = None,
                 time_of: Callable[[int, int, tuple[int, ...], int], float] | None = None,
                 max_pp: int | None = None, layer_memory: Sequence[float] | None = None,
@@ -88,7 +88,8 @@ def choose_grid(survivors: int, layers: int, total_microbatches: int, *,
         survivors: how many workers are left.
         layers: the model's pipeline layers.
         total_microbatches: the global batch in micro-batches (old ``dp x M``).
-        bounds_for: ``pp -> bounds`` (default :func:`uniform_bounds`); every stage must get a layer.
+        bounds_for: ``pp -> bounds`` (default :func:`uniform_bounds`); every stage must get a layer;
+            ``None`` for a stage count no partition fits (a template planner's answer).
         layer_cost: per-layer time of one micro-batch's forward and backward (default 1 each).
         time_of: ``(dp, pp, bounds, M) -> iteration time``, replacing the 1F1B estimate.
         max_pp: the most stages a grid may have (default: no more than layers or survivors).
@@ -112,7 +113,10 @@ def choose_grid(survivors: int, layers: int, total_microbatches: int, *,
         raise PlanningError(f"{len(memory)} layer memory sizes for {layers} layers")
     best: tuple[tuple[float, int, int], GridChoice] | None = None
     for pp in range(1, min(survivors, layers, max_pp or layers) + 1):
-        bounds = tuple(int(b) for b in cut(pp))
+        got = cut(pp)
+        if got is None:
+            continue
+        bounds = tuple(int(b) for b in got)
         if len(bounds) != pp + 1 or bounds[0] != 0 or bounds[-1] != layers or any(
                 b >= c for b, c in zip(bounds, bounds[1:])):
             raise PlanningError(f"bounds_for({pp}) gave {list(bounds)}: {pp} non-empty ranges covering 0..{layers} wanted")
