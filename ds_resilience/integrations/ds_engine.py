@@ -217,7 +217,7 @@ class ResilientPipelineEngine(PipelineEngine):
         """Each layer's forward draws its random numbers (dropout) from a stream keyed by the
         iteration, the micro-batch (as the first grid numbered it) and the layer: the same masks on
         whatever stage of whatever grid the layer runs, re-routed or re-gridded."""
-        start = self.module._local_start
+        start = int(self.module._local_start)  # numpy's with DeepSpeed's uniform partition
         for k, layer in enumerate(self.module.forward_funcs):
             if isinstance(layer, torch.nn.Module):
                 layer.register_forward_pre_hook(functools.partial(self._reseed, _LAYER_KEY + start + k))
@@ -226,7 +226,7 @@ class ResilientPipelineEngine(PipelineEngine):
         current = self.executor.current
         if current is None:
             return
-        pipeline, iteration, microbatch = current
+        pipeline, iteration, microbatch = (int(v) for v in current)  # a data source may set numpy integers
         if self.origin_microbatches is not None:
             pipeline, microbatch = self.origin_microbatches[pipeline][microbatch]
         value = rng_seed(self.resilience.seed, iteration, pipeline, microbatch, key)
