@@ -178,7 +178,7 @@ def main(argv=None) -> int:
                            "recovery": engine.recovery_log, "stopped": stopped}, fh)
     if args.dump:
         master_of = getattr(engine.optimizer, "master_of", {})
-        module = engine.module
+        module = engine.module  # the stage the engine trains (after a re-grid, another one than the script built)
         torch.save({
             "rank": rank,
             "local_rank": int(os.environ.get("LOCAL_RANK", "-1")),
@@ -186,11 +186,10 @@ def main(argv=None) -> int:
             "pipeline": engine.me.pipeline,
             "alive": engine.alive,
             "steps": engine.global_steps,
-            # engine.module: the stage the engine trains (after a re-grid, another one than `module`)
-            "params": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
+            "params": {n: p.detach().clone() for n, p in module.named_parameters()},
             "optimizer": {n: {k: v.detach().clone() if torch.is_tensor(v) else v
                               for k, v in getattr(engine.optimizer, "state", {}).get(p, {}).items()}
-                          for n, p in engine.module.named_parameters()},
+                          for n, p in module.named_parameters()},
             "lr": [g["lr"] for g in getattr(engine.optimizer, "param_groups", [])],
             # bf16/fp16: the fp32 master weights (what the optimizer steps; the module holds their rounding)
             "masters": {n: master_of[id(p)].detach().clone() for n, p in module.named_parameters() if id(p) in master_of},

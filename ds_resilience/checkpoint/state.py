@@ -31,7 +31,8 @@ import torch
 from ..accelerator import on_device, rng_states, set_rng_states, wait_current_stream
 from ..errors import ResilienceError
 
-__all__ = ["STATE_FORMAT", "StageHost", "StageState", "StateMismatch", "apply", "apply_tree", "capture", "clone_tree", "collect"]
+__all__ = ["STATE_FORMAT", "StageHost", "StageState", "StateMismatch", "apply", "apply_tree", "capture", "clone_tree", "collect",
+           "tree_nbytes"]
 
 STATE_FORMAT = 2
 _KEYS = ("format", "rank", "stage", "steps", "samples", "params", "optimizer", "lr_scheduler", "rng", "sampler", "extra")
@@ -54,6 +55,17 @@ class StageHost(Protocol):
 
     def set_counters(self, steps: int, samples: int) -> None:
         """Set the engine's step and sample counters (after a state was applied)."""
+
+
+def tree_nbytes(obj: Any) -> int:
+    """Bytes of the tensors in a nest of dicts, lists and tuples."""
+    if torch.is_tensor(obj):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tree_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tree_nbytes(v) for v in obj)
+    return 0
 
 
 def clone_tree(obj: Any, *, host: bool = False) -> Any:
@@ -118,21 +130,7 @@ class StageState:
     @property
     def nbytes(self) -> int:
         """Bytes of the tensors it holds."""
-        total = 0
-
-        def add(obj: Any) -> None:
-            nonlocal total
-            if torch.is_tensor(obj):
-                total += obj.numel() * obj.element_size()
-            elif isinstance(obj, dict):
-                for v in obj.values():
-                    add(v)
-            elif isinstance(obj, (list, tuple)):
-                for v in obj:
-                    add(v)
-
-        add([self.params, self.optimizer, self.lr_scheduler, self.extra])
-        return total
+        return tree_nbytes([self.params, self.optimizer, self.lr_scheduler, self.extra])
 
     def clone(self, *, host: bool = False) -> "StageState":
         """A deep copy: later in-place optimizer updates never reach it. ``host``: tensors on an

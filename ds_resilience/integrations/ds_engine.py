@@ -105,6 +105,7 @@ class ResilientPipelineEngine(PipelineEngine):
                                  ranks=regrid_from.ranks if regrid_from is not None else None)
         self.origin_topology = regrid_from.origin if regrid_from is not None else self.topology
         self.gone = regrid_from.gone if regrid_from is not None else ()
+        self.regrids = regrid_from.grid if regrid_from is not None else 0  # re-grids so far
         self.me = Worker(pipeline=self.grid.data_parallel_id, stage=self.stage_id)
         self.my_index = self.topology.worker_index(self.me)
         self.rank = self.topology.rank(self.me)
@@ -217,6 +218,12 @@ class ResilientPipelineEngine(PipelineEngine):
         """Each layer's forward draws its random numbers (dropout) from a stream keyed by the
         iteration, the micro-batch (as the first grid numbered it) and the layer: the same masks on
         whatever stage of whatever grid the layer runs, re-routed or re-gridded."""
+        # the generators this stage draws from, not torch.manual_seed's every backend (60x the cost)
+        self._layer_generators = [torch.random.default_generator]
+        device = torch.device(self.device)
+        if device.type == "cuda":
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            self._layer_generators.append(torch.cuda.default_generators[index])
         start = int(self.module._local_start)  # numpy's with DeepSpeed's uniform partition
         for k, layer in enumerate(self.module.forward_funcs):
             if isinstance(layer, torch.nn.Module):
@@ -230,12 +237,8 @@ class ResilientPipelineEngine(PipelineEngine):
         if self.origin_microbatches is not None:
             pipeline, microbatch = self.origin_microbatches[pipeline][microbatch]
         value = rng_seed(self.resilience.seed, iteration, pipeline, microbatch, key)
-        # the generators this stage draws from, not torch.manual_seed's every backend (60x the cost)
-        torch.random.default_generator.manual_seed(value)
-        device = torch.device(self.device)
-        if device.type == "cuda":
-            torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()] \
-                .manual_seed(value)
+        for generator in self._layer_generators:
+            generator.manual_seed(value)
 
     def _configure_optimizer(self, client_optimizer, model_parameters):
         """bf16 / fp16 and ZeRO-1: our own optimizers instead of DeepSpeed's BF16/FP16/ZeRO ones, whose
@@ -396,7 +399,6 @@ class ResilientPipelineEngine(PipelineEngine):
             return None
         launch = self.launch
         world = launch.world_size
-        topology = self.topology
         topology = self.origin_topology  # the machines of the first grid hold the snapshots, after a re-grid too
         return InMemoryCheckpointer(
             cfg, rank=self.rank, world=world, job_id=launch.job_id or f"job-{self.session}",

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -47,12 +48,12 @@ from ..checkpoint.fetch import fetch_versions
 from ..checkpoint.inmemory import owner_name
 from ..checkpoint.layer_state import layer_trees, stage_state
 from ..checkpoint.layer_transfer import transfer
-from ..checkpoint.state import StageState, apply, capture
+from ..checkpoint.state import StageState, apply, capture, tree_nbytes
 from ..comm.groups import build_groups
 from ..epochs import WorkerInfo
-from ..errors import ResilienceError
-from ..errors import PlanningError
-from ..planning.live_regrid import LiveRegridPlan, choose_grid, one_f_one_b_time, plan_live_regrid, regrid_pays
+from ..errors import PlanningError, ResilienceError
+from ..planning.live_regrid import (LiveRegridPlan, choose_grid, lost_stage_sources, one_f_one_b_time,
+                                    plan_live_regrid, regrid_pays)
 from ..planning.recovery import RecoveryPlan
 from ..planning.layers import LayerProfile
 from ..planning.regrid import RegridPlan
@@ -81,7 +82,7 @@ class RegridContext:
     ranks: tuple[int, ...]  # the new grid's rank table (worker index -> the agent's rank)
     coordinator: Any
     session: str
-    grid: int  # how many re-grids so far, this one included
+    grid: int  # how many re-grids so far, this one included (the new engine's ``regrids``)
     origin: Topology  # the first grid: the machines' placement of the snapshots
     gone: tuple[int, ...]  # every rank lost so far
     recovery_log: list
@@ -187,7 +188,7 @@ def regrid(engine: Any, record: Any, plan: RecoveryPlan) -> None:
     timeout = engine.resilience.detector.pg_timeout_s
     world = build_groups(target, engine.me, session=f"{engine.session}/regrid", generation=record.epoch,
                          timeout_s=timeout, store=engine.coordinator.store, device=engine._comm_device()).world
-    lost_ranks = _lost_ranks(old, failed)
+    lost_ranks = sorted(lost_stage_sources(old, failed).values())  # the plan fetches these
     try:
         step = _agree_step(engine, world, lost_ranks, step)
         if step == plan.resume_step:
@@ -198,7 +199,7 @@ def regrid(engine: Any, record: Any, plan: RecoveryPlan) -> None:
         held = layer_trees(state, engine.stage_host.param_layers)
         # every layer's state in bytes, from its holders (a lost stage's layers: the mean of the others)
         sizes: dict[int, float] = {}
-        for part in world.all_gather_json({str(k): _nbytes(v) for k, v in held.items()}):
+        for part in world.all_gather_json({str(k): tree_nbytes(v) for k, v in held.items()}):
             sizes.update({int(k): float(v) for k, v in part.items()})
         parts = engine.module.parts
         mean = sum(sizes.values()) / max(len(sizes), 1)
@@ -210,8 +211,6 @@ def regrid(engine: Any, record: Any, plan: RecoveryPlan) -> None:
         bounds_for = _templates(layer_bytes, cap)
         live = plan_live_regrid(old, failed, parts, engine.micro_batches, layer_bytes=layer_bytes, memory_cap=cap,
                                 bounds_for=bounds_for, layer_cost=layer_bytes)
-        if sorted(d for d, _ in live.fetches.values()) != sorted(lost_ranks):  # pragma: no cover - one rule, two places
-            raise RegridError(f"the plan fetches {sorted(live.fetches.values())}, the step was agreed for {lost_ranks}")
         _log(engine, f"re-grid plan (from step {step}) {live.to_json()}")
         receivers = {dead: receiver for dead, receiver in live.fetches.values()}
         t0 = time.perf_counter()
@@ -243,7 +242,7 @@ def regrid(engine: Any, record: Any, plan: RecoveryPlan) -> None:
     engine.tier.close()
     old_module = engine.module
     rebuild = engine._rebuild
-    count = getattr(engine, "regrids", 0) + 1
+    count = engine.regrids + 1
 
     def load(new: Any) -> None:
         new_state = stage_state(layers, new.stage_host.param_layers,
@@ -252,17 +251,15 @@ def regrid(engine: Any, record: Any, plan: RecoveryPlan) -> None:
         apply(new_state, new.stage_host, stage=new.stage_id)
 
     context = RegridContext(ranks=ranks, coordinator=engine.coordinator, session=f"live/regrid{count}", grid=count,
-                            origin=getattr(engine, "origin_topology", old),
-                            gone=tuple(sorted(set(getattr(engine, "gone", ())) | set(failed))),
+                            origin=engine.origin_topology, gone=tuple(sorted(set(engine.gone) | set(failed))),
                             recovery_log=engine.recovery_log, progress=engine.progress,
-                            origin_microbatches=_compose(getattr(engine, "origin_microbatches", None), live),
+                            origin_microbatches=_compose(engine.origin_microbatches, live),
                             load=load)
     new = _build(engine, old_module, rebuild, live, position, context)
-    new.regrids = count
     rebuild_s = time.perf_counter() - t1
     object.__setattr__(engine, "__dict__", new.__dict__)  # the script's engine object is the new engine now
     membership.register_worker(engine.coordinator.store, WorkerInfo(
-        rank=engine.rank, pipeline=position.pipeline, stage=position.stage, pid=_pid(),
+        rank=engine.rank, pipeline=position.pipeline, stage=position.stage, pid=os.getpid(),
         incarnation=engine.launch.incarnation, dp=grid.dp, pp=grid.pp,
         heartbeat_interval_s=engine.coordinator.heartbeat_interval_s, grid=count))
     engine.coordinator.mark_applied(record)
@@ -307,17 +304,6 @@ def _give_up(engine: Any, record: Any, plan: RecoveryPlan, exc: Exception) -> No
                           lost_stages=list(plan.lost_stages), restart=True) from exc
 
 
-def _lost_ranks(topology: Topology, failed: list[int]) -> list[int]:
-    """The snapshot each lost stage is fetched from: its lowest dead rank (``plan_live_regrid``'s rule)."""
-    alive_stages = {w.stage for w in topology.workers() if topology.rank(w) not in set(failed)}
-    lowest: dict[int, int] = {}
-    for r in sorted(failed):
-        stage = topology.coord(r)[0].stage
-        if stage not in alive_stages:
-            lowest.setdefault(stage, r)
-    return sorted(lowest.values())
-
-
 def _agree_step(engine: Any, world: Any, lost: list[int], resume: int) -> int:
     """The step the re-grid starts from: the resume step when every lost stage's snapshot of it is
     held by some survivor, else the newest older step at which those snapshots and every
@@ -335,22 +321,6 @@ def _agree_step(engine: Any, world: Any, lost: list[int], resume: int) -> int:
             return s
     raise RegridError(f"no step in {candidates} has both the lost stages' snapshots (ranks {lost}) and every "
                       f"survivor's own in host memory")
-
-
-def _nbytes(tree: Any) -> int:
-    if torch.is_tensor(tree):
-        return tree.numel() * tree.element_size()
-    if isinstance(tree, dict):
-        return sum(_nbytes(v) for v in tree.values())
-    if isinstance(tree, (list, tuple)):
-        return sum(_nbytes(v) for v in tree)
-    return 0
-
-
-def _pid() -> int:
-    import os
-
-    return os.getpid()
 
 
 def _build(engine: Any, old_module: Any, rebuild: dict[str, Any], live: LiveRegridPlan, position, context):

@@ -30,14 +30,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from ..errors import PlanningError
 from ..topology import Topology
 from .regrid import Move, Position, plan_regrid
 
-__all__ = ["GridChoice", "LiveRegridPlan", "choose_grid", "microbatch_map", "plan_live_regrid", "regrid_pays",
-           "uniform_bounds"]
+__all__ = ["GridChoice", "LiveRegridPlan", "choose_grid", "lost_stage_sources", "microbatch_map", "plan_live_regrid",
+           "regrid_pays", "uniform_bounds"]
 
 
 def uniform_bounds(layers: int, parts: int) -> tuple[int, ...]:
@@ -206,6 +206,19 @@ class LiveRegridPlan:
         return json.dumps(self.to_dict(), sort_keys=True)
 
 
+def lost_stage_sources(topology: Topology, failed_ranks: Iterable[int]) -> dict[int, int]:
+    """Each stage that lost every replica -> the dead rank whose snapshot it is fetched from (its
+    lowest: ZeRO-0 replicas hold the same state)."""
+    failed = set(failed_ranks)
+    alive = {w.stage for w in topology.workers() if topology.rank(w) not in failed}
+    out: dict[int, int] = {}
+    for r in sorted(r for r in failed if topology.has_rank(r)):
+        stage = topology.coord(r)[0].stage
+        if stage not in alive:
+            out.setdefault(stage, r)
+    return out
+
+
 def plan_live_regrid(topology: Topology, failed_ranks: Iterable[int], old_bounds: Sequence[int],
                      microbatches: int, *, layer_bytes: Sequence[float] | None = None,
                      bounds_for: Callable[[int], Sequence[int]] | None = None,
@@ -243,13 +256,12 @@ def plan_live_regrid(topology: Topology, failed_ranks: Iterable[int], old_bounds
     held = {r: list(range(old_bounds[stage_of[r]], old_bounds[stage_of[r] + 1])) for r in alive}
     targets = [Position(p, k, grid.bounds[k], grid.bounds[k + 1]) for p in range(grid.dp) for k in range(grid.pp)]
     first = plan_regrid(held, targets, weights)
-    lost = sorted({stage_of[r] for r in failed if r in stage_of} - {stage_of[r] for r in alive})
     fetches: dict[int, tuple[int, int]] = {}
     lost_layers: dict[int, tuple[int, int]] = {}
-    for s in lost:
+    sources = lost_stage_sources(topology, failed)
+    for s, dead in sorted(sources.items()):
         span = range(old_bounds[s], old_bounds[s + 1])
         lost_layers[s] = (span.start, span.stop)
-        dead = min(r for r in failed if stage_of.get(r) == s)
 
         def need(r: int) -> float:
             pos = first.assignment.get(r)
@@ -258,7 +270,7 @@ def plan_live_regrid(topology: Topology, failed_ranks: Iterable[int], old_bounds
         receiver = min(alive, key=lambda r: (-need(r), r))
         fetches[s] = (dead, receiver)
         held[receiver] = sorted(set(held[receiver]) | set(span))
-    plan = plan_regrid(held, targets, weights) if lost else first
+    plan = plan_regrid(held, targets, weights) if sources else first
     if any(m.source is None for m in plan.moves):
         raise PlanningError("a layer is held by no survivor and fetched by none")  # pragma: no cover - invariant
     return LiveRegridPlan(grid=grid, positions=dict(plan.assignment), idle=tuple(sorted(plan.idle)),

@@ -24,7 +24,7 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -147,8 +147,6 @@ class SurvivorView(RankView):
         self.topology = topology
 
     def workers(self, record: EpochRecord) -> EpochRecord:
-        from dataclasses import replace
-
         keep = self.topology.has_rank
         return replace(record, failed=tuple(r for r in record.failed if keep(r)),
                        alive=tuple(r for r in record.alive if keep(r)),
