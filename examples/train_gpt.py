@@ -58,6 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="samples in the --training-data Dataset (fewer than the steps need: it wraps into "
                         "the next epoch as DeepSpeed's RepeatingLoader does)")
     parser.add_argument("--dropout", type=float, default=0.0, help="the GPT's dropout probability (default 0)")
+    parser.add_argument("--activation-checkpoint-interval", type=int, default=0,
+                        help="PipelineModule's activation_checkpoint_interval (0: off)")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     return parser.parse_args(argv)
 
@@ -76,7 +78,8 @@ def main(argv=None) -> int:
     microbatches = int(config["gradient_accumulation_steps"])
     cfg = gpt_model.GPTConfig(dropout=args.dropout)
     corpus = gpt_model.SyntheticCorpus(cfg, seed=args.seed)
-    module = gpt_model.build_pipeline_module(cfg, num_stages=args.pp, seed=args.seed)
+    module = gpt_model.build_pipeline_module(cfg, num_stages=args.pp, seed=args.seed,
+                                             activation_checkpoint_interval=args.activation_checkpoint_interval)
 
     def batch_source(pipeline: int, iteration: int, microbatch: int):
         return gpt_model.micro_batch(corpus, pipeline=pipeline, iteration=iteration, microbatch=microbatch, dp=dp,

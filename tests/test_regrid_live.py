@@ -18,9 +18,11 @@ SCRIPT = REPO / "examples" / "train_gpt.py"
 STEPS = 7
 
 
-def run(tmp: Path, name: str, *, world: int, pp: int, faults=(), regrid=True, checkpoint=None, restarts=0, extra=()):
+def run(tmp: Path, name: str, *, world: int, pp: int, faults=(), regrid=True, checkpoint=None, restarts=0, extra=(),
+        clipping=0.0):
     base = json.loads((REPO / "configs" / "gpt_cpu_pp2_dp2.json").read_text())
     base["optimizer"] = {"type": "Adam", "params": {"lr": 0.002, "torch_adam": True}}
+    base["gradient_clipping"] = clipping
     base["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.002,
                                                         "warmup_num_steps": 10}}
     base["resilience"] = {
@@ -106,13 +108,14 @@ def test_failures_piled_past_rerouting_make_the_survivors_regrid(tmp_path):
 
 @pytest.mark.timeout(900)
 def test_both_replicas_of_a_stage_killed_the_survivors_regrid_and_end_at_the_fault_free_state(tmp_path):
-    """With dropout: every layer draws its masks from (iteration, micro-batch as the first grid
-    numbered it, layer), so the re-formed grid draws the fault-free run's masks."""
-    dropout = ("--dropout", "0.1")
-    code, _, reference = run(tmp_path, "ref", world=6, pp=3, regrid=False, extra=dropout)
+    """In a user's configuration: DeepSpeed's default gradient clipping (1.0, checked speculatively),
+    activation checkpointing and dropout (every layer draws its masks from (iteration, micro-batch as
+    the first grid numbered it, layer), so the re-formed grid draws the fault-free run's masks)."""
+    user = ("--dropout", "0.1", "--activation-checkpoint-interval", "1")
+    code, _, reference = run(tmp_path, "ref", world=6, pp=3, regrid=False, extra=user, clipping=1.0)
     assert code == 0, logs(tmp_path, "ref")
     faults = [{"rank": r, "step": 3, "point": "before_forward", "kind": "sigkill"} for r in (2, 3)]  # stage 1 of 3
-    code, agent, dumps = run(tmp_path, "regrid", world=6, pp=3, faults=faults, extra=dropout)
+    code, agent, dumps = run(tmp_path, "regrid", world=6, pp=3, faults=faults, extra=user, clipping=1.0)
     assert code == 0, logs(tmp_path, "regrid")
     assert not [e for e in agent.events if e.kind in ("restart", "relaunch", "stop")]  # nobody was relaunched
     grid = assert_fault_free_state(dumps, reference, [0, 1, 4, 5], resume_step=3, pp_before=3)
