@@ -17,6 +17,8 @@ from ..costs import CostModel
 from ..errors import PlanningError, ScheduleError
 from .action import ActionKind
 from .render import format_steps
+from .native import peaks as native_peaks
+from .native import replay_times
 from .replay import replay
 from .schedule import Schedule
 
@@ -108,6 +110,9 @@ def memory_peaks(schedule: Schedule) -> tuple[tuple[int, ...], tuple[int, ...], 
 
     Counted in action order, which is what a worker holds whatever the timing.
     """
+    fast = native_peaks(schedule, [(1.0, 1.0)] * schedule.pp)
+    if fast is not None:
+        return fast[1], fast[2], fast[3]
     acts, pend, state = [], [], []
     for actions in schedule.workers:
         a = p = peak_a = peak_p = peak_s = 0
@@ -181,6 +186,13 @@ def iteration_time(schedule: Schedule, cost: CostModel, variant: str) -> float:
     repeat = STEADY_ITERATIONS if variant == "recycle" else 1
     total = 0.0
     for mode, weight in cost.step_mix():
+        fast = replay_times(schedule, cost, repeat=repeat, mode=mode)  # the C loop where it applies
+        if fast is not None:
+            if fast.blocked:
+                raise PlanningError(f"{variant} schedule deadlocks" + (" when repeated" if repeat > 1 else ""))
+            ends = fast.iteration_ends
+            total += weight * (fast.makespan if len(ends) == 1 else steady_period(ends))
+            continue
         result = replay(schedule, cost, repeat=repeat, mode=mode)
         if result.blocked:
             raise PlanningError(f"{variant} schedule deadlocks" + (" when repeated" if repeat > 1 else ""))

@@ -18,6 +18,10 @@ What a valid schedule satisfies (checked in this order; the first violation rais
    one TIED_REDUCE(g) per iteration, after all its compute (F/B/W/BW) and its REDUCE_GRAD and
    before its OPT_STEP; workers of stages outside g run none, and g names an existing group (rule 1).
 6. No deadlock: the timed replay (:mod:`.replay`) under unit costs completes.
+
+Rules 1-5 and 7 run first in C (:func:`.native.check`, the same rules over flat arrays) where the
+library builds; it passes only what this module passes, and whenever it does not pass, the Python
+checks below run and raise with the exact message.
 7. Pair order (NCCL matches a pair's messages in order and ignores tags): for every two workers
    a -> b, a sends its messages to b in the order b receives them. With rule 6 this is what the
    runtime needs to run the schedule under NCCL's rules too (:mod:`.pairs`: receives are posted
@@ -28,7 +32,9 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
+from ..costs import CostModel
 from ..errors import ScheduleError
+from . import native
 from .action import ActionKind
 from .render import format_steps
 from .replay import message_key, replay
@@ -297,11 +303,15 @@ def validate(schedule: Schedule, *, replayed: bool = False) -> Schedule:
     Raises:
         ScheduleError: the first rule broken, with the per-worker grid and the failing step marked.
     """
-    _check_shape(schedule)
-    forwards = _check_order(schedule)
-    _check_coverage(schedule, forwards)
-    _check_messages(schedule)
+    if not native.check(schedule):  # the C checks pass only what these pass; else they name the fault
+        _check_shape(schedule)
+        forwards = _check_order(schedule)
+        _check_coverage(schedule, forwards)
+        _check_messages(schedule)
     if replayed:
+        return schedule
+    fast = native.replay_times(schedule, CostModel.unit())
+    if fast is not None and not fast.blocked:
         return schedule
     result = replay(schedule)
     if result.blocked:

@@ -20,7 +20,7 @@ from typing import Sequence
 
 from ..costs import CostModel, format_memory, parse_size
 from ..errors import MemoryCapError, PlanningError
-from ..ir import Action, ActionKind, Schedule, TiedGroups
+from ..ir import Action, ActionKind, Schedule, TiedGroups, native
 from .generators import one_f_one_b
 
 __all__ = ["parse_memory", "worker_peaks", "fault_free_peak", "resolve_cap", "max_deferred_w", "format_memory"]
@@ -55,6 +55,9 @@ def _order_peak(actions: Sequence[Action], act_w: float, w_w: float) -> float:
 def worker_peaks(schedule: Schedule, cost: CostModel) -> tuple[float, ...]:
     """Per worker, the most memory its micro-batch states take at once (in ``cost.memory_unit``)."""
     weights = cost.memory_weights(schedule.pp)
+    fast = native.peaks(schedule, weights)  # the same sums in C, where it builds
+    if fast is not None:
+        return fast[0]
     return tuple(
         _order_peak(actions, *weights[w // schedule.dp]) if actions else 0.0
         for w, actions in enumerate(schedule.workers)

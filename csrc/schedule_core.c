@@ -1,0 +1,283 @@
+/* The timed replay's inner loop in C (ds_resilience/ir/native.py loads it with ctypes).
+ *
+ * The same execution model as ds_resilience/ir/replay.py with buffered sends (gloo's), for the
+ * step modes whose OPT_STEP is a local compute or a collective; the Python side encodes a schedule
+ * into flat arrays and checks that the results agree with the pure-Python replay in the tests.
+ *
+ * Every worker's program is a slice [off[w], off[w+1]) of the op arrays, run `repeat` times back to
+ * back; the per-op outputs (starts, ends, arrivals) are laid out per worker at roff[w] + copy *
+ * size + i. Ops:
+ *   OP_COMPUTE     dur = duration
+ *   OP_SEND        a = peer, b = link id (the directed pair), dur = time on the link
+ *   OP_RECV        a = sender, b = the matched send's index in the sender's program (the same
+ *                  copy's send: the k-th receive of a message key matches its k-th send)
+ *   OP_COLLECTIVE  a = group, dur = this member's duration; starts when its last member arrives
+ * Times come from the same double operations in the same order as the Python loop, so they are
+ * equal bit for bit. No allocation failure goes unreported: the function returns -1.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { OP_COMPUTE = 0, OP_SEND = 1, OP_RECV = 2, OP_COLLECTIVE = 3 };
+
+typedef int64_t i64;
+
+/* Returns the number of transfers written (>= 0) or -1 when out of memory. pcs[w] ends below
+ * size * repeat for every worker that could not finish (a deadlock). iter_ends[k] (k < n_iter) is
+ * the latest end of the k-th is_opt op over all workers. */
+i64 dsr_replay(int n, const i64 *off, const i64 *roff, const int32_t *code, const int32_t *a,
+               const i64 *b, const double *dur, const uint8_t *is_opt, int repeat, double latency,
+               int n_links, int n_groups, const i64 *goff, const int32_t *gmem, double *starts,
+               double *ends, double *arrival, i64 *pcs, int32_t *t_src, int32_t *t_dst, i64 *t_idx,
+               double *t_begin, double *t_end, double *t_arr, double *iter_ends, int n_iter)
+{
+    double *clock = calloc((size_t)n, sizeof(double));
+    double *link_free = calloc((size_t)(n_links > 0 ? n_links : 1), sizeof(double));
+    int *queue = malloc(sizeof(int) * (size_t)(n > 0 ? n : 1));
+    uint8_t *queued = calloc((size_t)n, 1);
+    uint8_t *registered = calloc((size_t)n, 1);
+    int *woken = malloc(sizeof(int) * (size_t)(n > 0 ? n : 1));
+    uint8_t *is_woken = calloc((size_t)n, 1);
+    i64 *g_count = calloc((size_t)(n_groups > 0 ? n_groups : 1), sizeof(i64));
+    double *g_max = calloc((size_t)(n_groups > 0 ? n_groups : 1), sizeof(double));
+    if (!clock || !link_free || !queue || !queued || !registered || !woken || !is_woken || !g_count || !g_max) {
+        free(clock); free(link_free); free(queue); free(queued); free(registered); free(woken);
+        free(is_woken); free(g_count); free(g_max);
+        return -1;
+    }
+    i64 nt = 0;
+    int head = 0, count = 0;
+    for (int w = 0; w < n; w++) {
+        pcs[w] = 0;
+        queue[w] = w;
+        queued[w] = 1;
+    }
+    count = n;
+    while (count > 0) {
+        int w = queue[head];
+        head = (head + 1) % n;
+        count--;
+        queued[w] = 0;
+        int n_woken = 0;
+        const i64 base = off[w], size = off[w + 1] - off[w], total = size * repeat, rbase = roff[w];
+        while (pcs[w] < total) {
+            const i64 i = pcs[w];
+            const i64 copy = size ? i / size : 0;
+            const i64 op = base + (i - copy * size);
+            const double now = clock[w];
+            const int c = code[op];
+            if (c == OP_COMPUTE) {
+                starts[rbase + i] = now;
+                clock[w] = ends[rbase + i] = now + dur[op];
+            } else if (c == OP_SEND) {
+                const int peer = a[op];
+                const i64 l = b[op];
+                const double begin = now >= link_free[l] ? now : link_free[l];
+                link_free[l] = begin + dur[op];
+                const double arr = begin + dur[op] + latency;
+                arrival[rbase + i] = arr;
+                if (!is_woken[peer]) { is_woken[peer] = 1; woken[n_woken++] = peer; }
+                t_src[nt] = w; t_dst[nt] = peer; t_idx[nt] = i - copy * size;
+                t_begin[nt] = begin; t_end[nt] = begin + dur[op]; t_arr[nt] = arr;
+                nt++;
+                starts[rbase + i] = ends[rbase + i] = now;
+            } else if (c == OP_RECV) {
+                const int src = a[op];
+                const i64 ssize = off[src + 1] - off[src];
+                const i64 sent = copy * ssize + b[op];
+                if (pcs[src] <= sent) break; /* not sent yet */
+                const double arr = arrival[roff[src] + sent];
+                starts[rbase + i] = now;
+                clock[w] = ends[rbase + i] = arr > now ? arr : now;
+            } else { /* OP_COLLECTIVE */
+                const int g = a[op];
+                if (!registered[w]) {
+                    registered[w] = 1;
+                    if (g_count[g] == 0 || now > g_max[g]) g_max[g] = now;
+                    g_count[g]++;
+                }
+                if (g_count[g] < goff[g + 1] - goff[g]) break;
+                const double begin = g_max[g];
+                for (i64 k = goff[g]; k < goff[g + 1]; k++) {
+                    const int m = gmem[k];
+                    const i64 msize = off[m + 1] - off[m];
+                    const i64 j = pcs[m];
+                    const double end = begin + dur[off[m] + j % msize];
+                    starts[roff[m] + j] = begin;
+                    ends[roff[m] + j] = end;
+                    clock[m] = end;
+                    pcs[m]++;
+                    registered[m] = 0;
+                    if (!is_woken[m]) { is_woken[m] = 1; woken[n_woken++] = m; }
+                }
+                g_count[g] = 0;
+                continue;
+            }
+            pcs[w]++;
+        }
+        for (int k = 0; k < n_woken; k++) {
+            const int v = woken[k];
+            is_woken[v] = 0;
+            if (!queued[v]) {
+                queued[v] = 1;
+                queue[(head + count) % n] = v;
+                count++;
+            }
+        }
+    }
+    for (int k = 0; k < n_iter; k++) iter_ends[k] = 0.0;
+    for (int w = 0; w < n; w++) {
+        const i64 base = off[w], size = off[w + 1] - off[w];
+        int k = 0;
+        for (i64 i = 0; i < pcs[w]; i++) {
+            const i64 op = base + i % size;
+            if (is_opt[op]) {
+                if (k < n_iter && ends[roff[w] + i] > iter_ends[k]) iter_ends[k] = ends[roff[w] + i];
+                k++;
+            }
+        }
+    }
+    free(clock); free(link_free); free(queue); free(queued); free(registered); free(woken);
+    free(is_woken); free(g_count); free(g_max);
+    return nt;
+}
+
+/* Action kinds, in ActionKind's declaration order (ds_resilience/ir/action.py). */
+enum { K_F, K_B, K_W, K_BW, K_SA, K_RA, K_SG, K_RG, K_RD, K_OPT, K_TR, K_CS, K_CR };
+
+/* The validator's rules 1-5 (ds_resilience/ir/validate.py), returning 0 when every one holds and
+ * a positive rule number at the first violation; the Python validator then runs to name it.
+ * Fields a kind does not have are ignored (Action's own checks guarantee they are None).
+ * tied_member[g * pp + s]: stage s is in tied group g (at most 64 groups). forwards: dp*pp*mbs
+ * zeroed counters. Scratch per worker: 8 * dp * mbs int32 (state, in_iteration, ra, rg, F, bwd,
+ * sa, sg per key of the worker's stage). */
+int dsr_check(int dp, int pp, int mbs, int iterations, int n_tied, const uint8_t *tied_member,
+              const uint8_t *failed, const i64 *off, const int32_t *kind, const int32_t *stage,
+              const i64 *mb, const i64 *pipe, const i64 *peer, int32_t *forwards)
+{
+    const int n = dp * pp, last = pp - 1;
+    const i64 keys = (i64)dp * mbs;
+    if (n_tied > 64) return 99;
+    int32_t *scratch = calloc((size_t)(8 * keys), sizeof(int32_t));
+    i64 *touched = malloc(sizeof(i64) * (size_t)(keys > 0 ? keys : 1));
+    if (!scratch || !touched) { free(scratch); free(touched); return -1; }
+    int32_t *st = scratch, *in_it = scratch + keys, *ra = scratch + 2 * keys, *rg = scratch + 3 * keys,
+            *nf = scratch + 4 * keys, *nb = scratch + 5 * keys, *sa = scratch + 6 * keys, *sg = scratch + 7 * keys;
+    int rc = 0;
+    /* rule 1: shape */
+    for (int w = 0; w < n && !rc; w++) {
+        const int s_w = w / dp;
+        for (i64 i = off[w]; i < off[w + 1]; i++) {
+            const int k = kind[i];
+            if (stage[i] != s_w) { rc = 1; break; }
+            const int has_pipe = !(k == K_RD || k == K_OPT || k == K_TR || k == K_CS || k == K_CR);
+            if (has_pipe && (pipe[i] < 0 || pipe[i] >= dp)) { rc = 1; break; }
+            if (k == K_TR) {
+                if (mb[i] < 0 || mb[i] >= n_tied || !tied_member[mb[i] * pp + s_w]) { rc = 1; break; }
+                continue;
+            }
+            const int has_mb = !(k == K_RD || k == K_OPT);
+            if (has_mb && k != K_CS && k != K_CR && (mb[i] < 0 || mb[i] >= mbs)) { rc = 1; break; }
+            const int has_peer = (k >= K_SA && k <= K_RG) || k == K_CS || k == K_CR;
+            if (!has_peer) continue;
+            if (peer[i] < 0 || peer[i] >= n || peer[i] == w || failed[peer[i]]) { rc = 1; break; }
+            int want = -1;
+            if (k == K_SA || k == K_RG) want = s_w + 1;
+            if (k == K_RA || k == K_SG) want = s_w - 1;
+            if (want != -1 || k == K_SA || k == K_RG || k == K_RA || k == K_SG) {
+                if (peer[i] / dp != want) { rc = 1; break; }
+            }
+        }
+    }
+    /* rules 2 and 5: order on each worker, the optimizer's tail */
+    for (int w = 0; w < n && !rc; w++) {
+        if (failed[w]) continue;
+        const int s_w = w / dp;
+        memset(scratch, 0, sizeof(int32_t) * (size_t)(8 * keys));
+        uint64_t due = 0, done = 0;
+        for (int g = 0; g < n_tied; g++)
+            if (tied_member[g * pp + s_w]) due |= (uint64_t)1 << g;
+        int reduced = 0, reduces = 0, steps = 0;
+        i64 open = 0, n_touched = 0;
+        for (i64 i = off[w]; i < off[w + 1] && !rc; i++) {
+            const int k = kind[i];
+            if (k == K_TR) {
+                const uint64_t bit = (uint64_t)1 << mb[i];
+                if (!reduced || (done & bit)) { rc = 2; break; }
+                done |= bit;
+                continue;
+            }
+            const int compute = k == K_F || k == K_B || k == K_W || k == K_BW;
+            if (reduced && (compute || k == K_RD)) { rc = 5; break; }
+            const i64 key = (k == K_RD || k == K_OPT || k == K_CS || k == K_CR) ? -1 : pipe[i] * mbs + mb[i];
+            switch (k) {
+            case K_F:
+                if (st[key] != 0 || in_it[key]) { rc = 2; break; }
+                if (s_w > 0 && ra[key] <= nf[key]) { rc = 2; break; }
+                st[key] = 1; open++;
+                nf[key]++;
+                in_it[key] = 1; touched[n_touched++] = key;
+                forwards[((i64)pipe[i] * pp + s_w) * mbs + mb[i]]++;
+                break;
+            case K_B: case K_BW:
+                if (st[key] != 1) { rc = 2; break; }
+                if (s_w < last && rg[key] <= nb[key]) { rc = 2; break; }
+                if (k == K_B) st[key] = 2; else { st[key] = 0; open--; }
+                nb[key]++;
+                break;
+            case K_W:
+                if (st[key] != 2) { rc = 2; break; }
+                st[key] = 0; open--;
+                break;
+            case K_RA: ra[key]++; break;
+            case K_RG: rg[key]++; break;
+            case K_SA: if (++sa[key] > nf[key]) rc = 2; break;
+            case K_SG: if (++sg[key] > nb[key]) rc = 2; break;
+            case K_RD:
+                if (open) { rc = 5; break; }
+                reduced = 1; reduces++;
+                break;
+            case K_OPT:
+                if (!reduced || (due & ~done)) { rc = 5; break; }
+                done = 0; reduced = 0; steps++;
+                for (i64 t = 0; t < n_touched; t++) in_it[touched[t]] = 0;
+                n_touched = 0;
+                break;
+            default: break; /* checkpoint messages: no order rule */
+            }
+        }
+        if (!rc && (reduces != iterations || steps != iterations || reduced)) rc = 5;
+    }
+    /* rule 3: coverage */
+    for (i64 j = 0; j < (i64)n * mbs && !rc; j++)
+        if (forwards[j] != iterations) rc = 3;
+    free(scratch); free(touched);
+    return rc;
+}
+
+/* Per worker, the memory-weighted peak of its micro-batch states and the peaks of the three counts
+ * (activations F..B, pending W B..W, their sum), in action order, with the same double operations
+ * as ds_resilience/planning/memory.py. act_w/w_w: per stage. */
+void dsr_peaks(int n, int dp, const i64 *off, const int32_t *kind, const double *act_w, const double *w_w,
+               double *peak, int32_t *acts, int32_t *pend, int32_t *state)
+{
+    for (int w = 0; w < n; w++) {
+        const double aw = act_w[w / dp], ww = w_w[w / dp];
+        double held = 0.0, top = 0.0;
+        int32_t a = 0, p = 0, pa = 0, pw = 0, ps = 0;
+        for (i64 i = off[w]; i < off[w + 1]; i++) {
+            const int k = kind[i];
+            if (k == K_F) { held += aw; a++; }
+            else if (k == K_BW) { held -= aw; a--; }
+            else if (k == K_B) { held += ww - aw; a--; p++; }
+            else if (k == K_W) { held -= ww; p--; }
+            else continue;
+            if (held > top) top = held;
+            if (a > pa) pa = a;
+            if (p > pw) pw = p;
+            if (a + p > ps) ps = a + p;
+        }
+        peak[w] = top; acts[w] = pa; pend[w] = pw; state[w] = ps;
+    }
+}
