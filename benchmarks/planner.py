@@ -1,6 +1,7 @@
 """Planner figures: the reference case, a grid, and plan-table scale.
 
     python benchmarks/planner.py [--quick] [--skip-scale] [--json FILE]
+    python benchmarks/planner.py --on-demand [--runs 3]
 
 Reference: 3 pipelines x 4 stages, 6 micro-batches per pipeline, unit costs, one failed worker at
 each stage in turn: degradation of (a) adaptive, (b) decoupled, (c) recycle, and the memory-aware
@@ -11,7 +12,12 @@ Scale: D=16, P=16, M=32, every normalized set with <= 2 failures, heuristic, 2 p
 lookup latency. --nccl: the reference plans replayed under NCCL's rules (ir/pairs.py: one stream
 per pair, sends that wait for their posted receive) against buffered sends (gloo, what the planner
 rates), with the example GPT's cost model at its link speed and at a tenth of it; and whether they
-complete with every receive posted where it waits (without the early posts). All times are wall-clock on this machine; the degradations are simulator figures.
+complete with every receive posted where it waits (without the early posts). --on-demand: one
+plan outside any table, D=64, P=16, M=64, three failures (two in stage 3, one in stage 8),
+heuristic, each run in a fresh process: cold (the job's first plan, which also computes fault-free
+1F1B and the best fault-free schedule) and warm (the same set again after one other plan), with the
+C schedule core (csrc/schedule_core.c) and with it off (DSR_NATIVE=0), same run. All times are
+wall-clock on this machine; the degradations are simulator figures.
 """
 
 from __future__ import annotations
@@ -171,6 +177,47 @@ def nccl_rules() -> list[dict]:
     return rows
 
 
+_ON_DEMAND = """
+import json, sys, time
+from ds_resilience.ir import native
+from ds_resilience.planning.planner import plan
+from ds_resilience.topology import Worker
+failed = [Worker(pipeline=0, stage=3), Worker(pipeline=1, stage=3), Worker(pipeline=2, stage=8)]
+t = time.perf_counter(); p = plan(64, 16, 64, failed); cold = time.perf_counter() - t
+plan(64, 16, 64, [Worker(pipeline=5, stage=1)])
+t = time.perf_counter(); q = plan(64, 16, 64, failed); warm = time.perf_counter() - t
+print(json.dumps({"native": native.available(), "cold_s": cold, "warm_s": warm, "iteration_time": q.iteration_time,
+                  "best_fault_free": q.best_fault_free_iteration_time, "bound": q.lower_bound,
+                  "same": p.schedule == q.schedule}))
+"""
+
+
+def on_demand(runs: int) -> dict:
+    """The D=64 on-demand plan, cold and warm, with the C core on and off (fresh processes)."""
+    import os
+    import subprocess
+
+    print("\n== On demand: D=64 P=16 M=64, three failures (stage 3 twice, stage 8), heuristic ==", flush=True)
+    out: dict = {"on": [], "off": []}
+    root = Path(__file__).resolve().parents[1]
+    for _ in range(runs):
+        for flag, name in (("1", "on"), ("0", "off")):
+            env = {**os.environ, "DSR_NATIVE": flag}
+            done = subprocess.run([sys.executable, "-c", _ON_DEMAND], capture_output=True, text=True, env=env,
+                                  cwd=root, check=True)
+            row = json.loads(done.stdout.strip().splitlines()[-1])
+            out[name].append(row)
+            print(f"C core {name:3s}: cold {row['cold_s']:6.2f} s, warm {row['warm_s']:6.2f} s | plan "
+                  f"{row['iteration_time']:g}, best fault-free {row['best_fault_free']:g}, bound {row['bound']:g}",
+                  flush=True)
+    med = {name: {k: statistics.median(r[k] for r in rows) for k in ("cold_s", "warm_s")} for name, rows in out.items()}
+    print(f"median warm {med['on']['warm_s']:.2f} s with the C core, {med['off']['warm_s']:.2f} s without "
+          f"({med['off']['warm_s'] / med['on']['warm_s']:.1f}x); cold {med['on']['cold_s']:.2f} s vs "
+          f"{med['off']['cold_s']:.2f} s; target < 2 s warm", flush=True)
+    out["median"] = med
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller grid")
@@ -180,8 +227,15 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--json", metavar="FILE")
     parser.add_argument("--nccl", action="store_true", help="only the NCCL-rules replay of the reference plans")
+    parser.add_argument("--on-demand", action="store_true", help="only the D=64 on-demand plan, C core on and off")
+    parser.add_argument("--runs", type=int, default=3, help="--on-demand: runs of each")
     args = parser.parse_args()
     results: dict = {}
+    if args.on_demand:
+        results["on_demand"] = on_demand(args.runs)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
+        return
     if args.nccl:
         results["nccl"] = nccl_rules()
         if args.json:

@@ -76,3 +76,15 @@ def test_failed_worker_round_trips_and_is_checked():
 def test_bad_schedule_text(text, fragment):
     with pytest.raises(ScheduleError, match=fragment):
         Schedule.from_text(text)
+
+
+def test_trusted_action_equals_the_checked_one():
+    """The unchecked constructor the list scheduler and the lowering use builds the same action
+    (equal, same hash, same text) as the checked one, for every kind."""
+    from ds_resilience.ir.action import trusted_action
+
+    for text in ("p1s2F5", "p1s2B5", "p1s2W5", "p1s2BW5", "p1s2SA5>7", "p1s3RA5<6", "p1s2SG5>3", "p1s1RG5<6",
+                 "s2RD", "s2OPT", "s3TR0", "s2CS3>4", "s2CR3<5"):
+        a = parse_action(text)
+        b = trusted_action(a.kind, a.stage, a.microbatch, a.pipeline, a.peer)
+        assert b == a and hash(b) == hash(a) and str(b) == text and type(b) is Action

@@ -106,6 +106,31 @@ def test_lowering_receives_in_send_order():
     assert not replay_nccl(lowered).blocked
 
 
+def test_lowering_reorders_exactly_the_receivers_out_of_send_order(monkeypatch):
+    """The lowering checks each pair's message order as it emits it and reorders only the workers
+    with a pair out of order: its output is what reordering every worker gives."""
+    from ds_resilience.planning import lowering
+
+    full = lowering._receives_in_send_order
+    reordered: list[set] = []
+    monkeypatch.setattr(lowering, "_receives_in_send_order",
+                        lambda workers, only=None: reordered.append(set(only)) or full(workers, only))
+    rng = random.Random(7)
+    for _ in range(20):
+        dp, pp, m = rng.randint(1, 3), rng.randint(2, 4), rng.randint(3, 6)
+        orders = compute_orders(one_f_one_b(dp, pp, m))
+        for w in range(dp, dp * pp):  # stages > 0: swap two forwards in a row where there are some
+            acts = orders[w]
+            pairs = [i for i in range(len(acts) - 1) if acts[i].kind.name == "F" == acts[i + 1].kind.name]
+            if pairs and rng.random() < 0.7:
+                i = rng.choice(pairs)
+                acts[i], acts[i + 1] = acts[i + 1], acts[i]
+        lowered = lower(orders, dp=dp, pp=pp, microbatches=m)
+        assert full(list(lowered.workers)) == list(lowered.workers)  # nothing left to move
+        validate(lowered)
+    assert len(reordered) >= 5 and all(reordered)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_every_plan_runs_under_nccl_rules(seed):
     """Random grids, costs, failure sets, variants, tied groups and both solvers: every plan passes

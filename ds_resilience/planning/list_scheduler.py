@@ -20,6 +20,7 @@ from typing import Mapping, Sequence
 from ..costs import CostModel
 from ..errors import PlanningError
 from ..ir import Action, ActionKind
+from ..ir.action import trusted_action
 
 __all__ = ["ListResult", "list_schedule"]
 
@@ -106,7 +107,7 @@ def list_schedule(
 
     def emit(w: int, kind: ActionKind, key: Key, t: float, duration: float) -> float:
         p, s, m = key
-        orders[w].append(Action(kind=kind, stage=s, microbatch=m, pipeline=p))
+        orders[w].append(trusted_action(kind, s, m, p))
         end = t + duration
         free_at[w] = end
         heapq.heappush(events, (end, w))

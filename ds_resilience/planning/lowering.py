@@ -27,6 +27,7 @@ from typing import Mapping, Sequence
 
 from ..errors import ScheduleError
 from ..ir import Action, ActionKind, Schedule, TiedGroups, check_tied
+from ..ir.action import trusted_action
 
 __all__ = ["lower", "placement_of", "repeat", "compute_orders"]
 
@@ -81,6 +82,15 @@ def lower(
             raise ScheduleError(f"micro-batch {m} of pipeline {p} at stage {s} is not placed on any worker") from None
 
     workers: list[tuple[Action, ...]] = []
+    # per directed pair (src * n + dst): the messages in the sender's order and in the receiver's;
+    # where the two agree for every pair into a worker (nearly always), its receives stay put
+    n = dp * pp
+    span = 2 * microbatches
+    sent: dict[int, list[int]] = defaultdict(list)
+    received: dict[int, list[int]] = defaultdict(list)
+    make = trusted_action  # the fields below are right by construction; validate() checks the result
+    RA, SA, RG, SG = ActionKind.RECV_ACT, ActionKind.SEND_ACT, ActionKind.RECV_GRAD, ActionKind.SEND_GRAD
+    F, B, BW = ActionKind.F, ActionKind.B, ActionKind.BW
     for w, compute in enumerate(orders):
         if w in failed:
             workers.append(())
@@ -90,27 +100,40 @@ def lower(
         for a in compute:
             p, s, m = a.pipeline, a.stage, a.microbatch
             assert p is not None and m is not None
-            if a.kind is ActionKind.F:
+            kind = a.kind
+            if kind is F:
+                msg = p * span + 2 * m
                 if s > 0:
-                    out.append(Action(kind=ActionKind.RECV_ACT, stage=s, microbatch=m, pipeline=p, peer=peer(p, s - 1, m)))
+                    src = peer(p, s - 1, m)
+                    out.append(make(RA, s, m, p, src))
+                    received[src * n + w].append(msg)
                 out.append(a)
                 if s < last:
-                    out.append(Action(kind=ActionKind.SEND_ACT, stage=s, microbatch=m, pipeline=p, peer=peer(p, s + 1, m)))
-            elif a.kind in (ActionKind.B, ActionKind.BW):
+                    dst = peer(p, s + 1, m)
+                    out.append(make(SA, s, m, p, dst))
+                    sent[w * n + dst].append(msg)
+            elif kind is B or kind is BW:
+                msg = p * span + 2 * m + 1
                 if s < last:
-                    out.append(Action(kind=ActionKind.RECV_GRAD, stage=s, microbatch=m, pipeline=p, peer=peer(p, s + 1, m)))
+                    src = peer(p, s + 1, m)
+                    out.append(make(RG, s, m, p, src))
+                    received[src * n + w].append(msg)
                 out.append(a)
                 if s > 0:
-                    out.append(Action(kind=ActionKind.SEND_GRAD, stage=s, microbatch=m, pipeline=p, peer=peer(p, s - 1, m)))
+                    dst = peer(p, s - 1, m)
+                    out.append(make(SG, s, m, p, dst))
+                    sent[w * n + dst].append(msg)
             else:
                 out.append(a)
-        out.append(Action(kind=ActionKind.REDUCE_GRAD, stage=stage))
+        out.append(make(ActionKind.REDUCE_GRAD, stage))
         for g, group in enumerate(tied):
             if stage in group:
-                out.append(Action(kind=ActionKind.TIED_REDUCE, stage=stage, microbatch=g))
-        out.append(Action(kind=ActionKind.OPT_STEP, stage=stage))
+                out.append(make(ActionKind.TIED_REDUCE, stage, g))
+        out.append(make(ActionKind.OPT_STEP, stage))
         workers.append(tuple(out))
-    workers = _receives_in_send_order(workers)
+    unordered = {pair % n for pair, seq in received.items() if sent.get(pair) != seq}
+    if unordered:
+        workers = _receives_in_send_order(workers, unordered)
     return Schedule(
         dp=dp,
         pp=pp,
@@ -126,8 +149,9 @@ def lower(
 _RECEIVES = {ActionKind.RECV_ACT: (ActionKind.SEND_ACT, -1), ActionKind.RECV_GRAD: (ActionKind.SEND_GRAD, 1)}
 
 
-def _receives_in_send_order(workers: list[tuple[Action, ...]]) -> list[tuple[Action, ...]]:
-    """Each worker's receives from each peer moved into that peer's send order (module docstring)."""
+def _receives_in_send_order(workers: list[tuple[Action, ...]], only: set[int] | None = None) -> list[tuple[Action, ...]]:
+    """Each worker's receives from each peer moved into that peer's send order (module docstring);
+    only the workers in ``only`` when given (the others' receives are in order already)."""
     sent: dict[tuple[int, int], list[tuple]] = defaultdict(list)  # (src, dst) -> (kind, p, sender stage, m)
     for w, actions in enumerate(workers):
         for a in actions:
@@ -135,6 +159,9 @@ def _receives_in_send_order(workers: list[tuple[Action, ...]]) -> list[tuple[Act
                 sent[w, a.peer].append((a.kind, a.pipeline, a.stage, a.microbatch))
     out = []
     for w, actions in enumerate(workers):
+        if only is not None and w not in only:
+            out.append(actions)
+            continue
         receives = {}
         for a in actions:
             if a.kind in _RECEIVES:
