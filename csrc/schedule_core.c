@@ -281,3 +281,211 @@ void dsr_peaks(int n, int dp, const i64 *off, const int32_t *kind, const double 
         peak[w] = top; acts[w] = pa; pend[w] = pw; state[w] = ps;
     }
 }
+
+/* The list scheduler's event loop (ds_resilience/planning/list_scheduler.py), the same choices in
+ * the same order: every worker woken at an instant, in worker order, runs a ready B (unless its
+ * pending-W cap forces a W), else a ready F within its caps, else a pending W. Ready work sits in
+ * per-worker heaps ordered by (arrival, micro-batch, pipeline); the event heap by (time, worker).
+ * Writes the emitted tasks in emission order (worker, kind 0=F 1=B 2=W 3=BW, pipeline,
+ * micro-batch) and the makespan; returns the number of tasks, or -1 (out of memory) or -2 (stuck:
+ * the caps make the placement unschedulable; the Python scheduler then names why). */
+typedef struct { double t; int32_t m, p; } Ready;
+typedef struct { double t; int32_t w; } Event;
+
+static int ready_less(const Ready *a, const Ready *b)
+{
+    if (a->t != b->t) return a->t < b->t;
+    if (a->m != b->m) return a->m < b->m;
+    return a->p < b->p;
+}
+
+static void ready_push(Ready *h, i64 *len, Ready x)
+{
+    i64 i = (*len)++;
+    while (i > 0) {
+        i64 up = (i - 1) / 2;
+        if (!ready_less(&x, &h[up])) break;
+        h[i] = h[up];
+        i = up;
+    }
+    h[i] = x;
+}
+
+static Ready ready_pop(Ready *h, i64 *len)
+{
+    Ready top = h[0], x = h[--(*len)];
+    i64 i = 0, size = *len;
+    for (;;) {
+        i64 c = 2 * i + 1;
+        if (c >= size) break;
+        if (c + 1 < size && ready_less(&h[c + 1], &h[c])) c++;
+        if (!ready_less(&h[c], &x)) break;
+        h[i] = h[c];
+        i = c;
+    }
+    if (size > 0) h[i] = x;
+    return top;
+}
+
+static int event_less(const Event *a, const Event *b)
+{
+    return a->t < b->t || (a->t == b->t && a->w < b->w);
+}
+
+static void event_push(Event *h, i64 *len, Event x)
+{
+    i64 i = (*len)++;
+    while (i > 0) {
+        i64 up = (i - 1) / 2;
+        if (!event_less(&x, &h[up])) break;
+        h[i] = h[up];
+        i = up;
+    }
+    h[i] = x;
+}
+
+static Event event_pop(Event *h, i64 *len)
+{
+    Event top = h[0], x = h[--(*len)];
+    i64 i = 0, size = *len;
+    for (;;) {
+        i64 c = 2 * i + 1;
+        if (c >= size) break;
+        if (c + 1 < size && event_less(&h[c + 1], &h[c])) c++;
+        if (!event_less(&h[c], &x)) break;
+        h[i] = h[c];
+        i = c;
+    }
+    if (size > 0) h[i] = x;
+    return top;
+}
+
+static int int_cmp(const void *a, const void *b)
+{
+    return (*(const int *)a > *(const int *)b) - (*(const int *)a < *(const int *)b);
+}
+
+i64 dsr_list_schedule(int dp, int pp, int mbs, int split, const int32_t *owner /* [(p*pp+s)*mbs+m] */,
+                      const double *t_f, const double *t_b, const double *t_w, const double *t_bw,
+                      const double *links, const int32_t *act_caps, const int32_t *w_caps /* -1: none */,
+                      const double *mem_caps /* INFINITY: none */, const double *start, const double *act_weight,
+                      const double *w_weight, int32_t *o_w, int32_t *o_kind, int32_t *o_p, int32_t *o_m,
+                      double *makespan_out)
+{
+    const int n = dp * pp, last = pp - 1;
+    const i64 keys = (i64)dp * pp * mbs;
+    i64 *count = calloc((size_t)n + 1, sizeof(i64));
+    i64 *hoff = calloc((size_t)n + 1, sizeof(i64));
+    if (!count || !hoff) { free(count); free(hoff); return -1; }
+    for (i64 k = 0; k < keys; k++) count[owner[k]]++;
+    for (int w = 0; w < n; w++) hoff[w + 1] = hoff[w] + count[w];
+    Ready *fh = malloc(sizeof(Ready) * (size_t)(keys + 1));
+    Ready *bh = malloc(sizeof(Ready) * (size_t)(keys + 1));
+    Ready *pend = malloc(sizeof(Ready) * (size_t)(keys + 1)); /* FIFO of (_, m, p) per worker */
+    i64 *flen = calloc((size_t)n, sizeof(i64)), *blen = calloc((size_t)n, sizeof(i64));
+    i64 *phead = calloc((size_t)n, sizeof(i64)), *ptail = calloc((size_t)n, sizeof(i64));
+    const i64 ecap = 6 * keys + n + 8;
+    Event *ev = malloc(sizeof(Event) * (size_t)ecap);
+    double *free_at = malloc(sizeof(double) * (size_t)n), *held = calloc((size_t)n, sizeof(double));
+    int32_t *in_flight = calloc((size_t)n, sizeof(int32_t));
+    int *woken = malloc(sizeof(int) * (size_t)n);
+    uint8_t *mark = calloc((size_t)n, 1);
+    i64 rc = 0;
+    if (!fh || !bh || !pend || !flen || !blen || !phead || !ptail || !ev || !free_at || !held || !in_flight || !woken
+        || !mark) { rc = -1; goto out; }
+    for (int p = 0; p < dp; p++)
+        for (int m = 0; m < mbs; m++) {
+            const int w = owner[((i64)p * pp + 0) * mbs + m];
+            Ready x = {0.0, m, p};
+            ready_push(fh + hoff[w], &flen[w], x);
+        }
+    i64 elen = 0;
+    for (int w = 0; w < n; w++) {
+        free_at[w] = start[w];
+        if (count[w]) { Event e = {start[w], w}; event_push(ev, &elen, e); }
+    }
+    i64 remaining = keys * (split ? 3 : 2), emitted = 0;
+    double makespan = 0.0;
+    while (remaining) {
+        if (!elen) { rc = -2; goto out; }
+        Event first = event_pop(ev, &elen);
+        const double t = first.t;
+        int nw = 0;
+        woken[nw++] = first.w; mark[first.w] = 1;
+        while (elen && ev[0].t <= t) {
+            Event e = event_pop(ev, &elen);
+            if (!mark[e.w]) { mark[e.w] = 1; woken[nw++] = e.w; }
+        }
+        qsort(woken, (size_t)nw, sizeof(int), int_cmp);
+        for (int k = 0; k < nw; k++) mark[woken[k]] = 0;
+        for (int k = 0; k < nw; k++) {
+            const int w = woken[k], s = w / dp;
+            if (free_at[w] > t) continue;
+            Ready *wb = bh + hoff[w], *wf = fh + hoff[w], *wp = pend + hoff[w];
+            const int has_b = blen[w] && wb[0].t <= t;
+            const int has_f = flen[w] && wf[0].t <= t;
+            const i64 n_pend = ptail[w] - phead[w];
+            const int must_w = split && n_pend && w_caps[w] >= 0 && n_pend >= w_caps[w];
+            double aw = act_weight[w];
+            const double ww = w_weight[w];
+            if (split) aw = aw >= ww ? aw : ww;
+            const int mem_full = held[w] + aw > mem_caps[w] + 1e-9;
+            double end;
+            int kind;
+            Ready x;
+            if (has_b && !must_w) {
+                x = ready_pop(wb, &blen[w]);
+                in_flight[w]--;
+                if (split) {
+                    kind = 1; end = t + t_b[s];
+                    wp[ptail[w]++] = x;
+                    held[w] += ww - aw;
+                } else {
+                    kind = 3; end = t + t_bw[s];
+                    held[w] -= aw;
+                }
+            } else if (has_f && in_flight[w] < act_caps[w] && !mem_full) {
+                x = ready_pop(wf, &flen[w]);
+                in_flight[w]++;
+                held[w] += aw;
+                kind = 0; end = t + t_f[s];
+            } else if (n_pend) {
+                x = wp[phead[w]++];
+                held[w] -= ww;
+                kind = 2; end = t + t_w[s];
+            } else {
+                continue;
+            }
+            o_w[emitted] = w; o_kind[emitted] = kind; o_p[emitted] = x.p; o_m[emitted] = x.m;
+            emitted++;
+            free_at[w] = end;
+            { Event e = {end, w}; event_push(ev, &elen, e); }
+            remaining--;
+            if ((kind == 1 || kind == 3) && s > 0) {
+                const double arrival = end + links[s - 1];
+                const int o = owner[((i64)x.p * pp + s - 1) * mbs + x.m];
+                Ready r = {arrival, x.m, x.p};
+                ready_push(bh + hoff[o], &blen[o], r);
+                Event e = {arrival, o};
+                event_push(ev, &elen, e);
+            } else if (kind == 0) {
+                if (s == last) { Ready r = {0.0, x.m, x.p}; ready_push(wb, &blen[w], r); }
+                if (s < last) {
+                    const double arrival = end + links[s];
+                    const int o = owner[((i64)x.p * pp + s + 1) * mbs + x.m];
+                    Ready r = {arrival, x.m, x.p};
+                    ready_push(fh + hoff[o], &flen[o], r);
+                    Event e = {arrival, o};
+                    event_push(ev, &elen, e);
+                }
+            }
+            if (end > makespan) makespan = end;
+        }
+    }
+    rc = emitted;
+    *makespan_out = makespan;
+out:
+    free(count); free(hoff); free(fh); free(bh); free(pend); free(flen); free(blen); free(phead); free(ptail);
+    free(ev); free(free_at); free(held); free(in_flight); free(woken); free(mark);
+    return rc;
+}

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ds_resilience.costs import CostModel
-from ds_resilience.errors import ScheduleError
+from ds_resilience.errors import PlanningError, ScheduleError
 from ds_resilience.ir import Schedule, native
 import importlib
 validate_module = importlib.import_module("ds_resilience.ir.validate")
@@ -191,3 +191,55 @@ def test_without_the_library_the_planner_gives_the_same_plan(tmp_path):
         outs[flag] = done.stdout.split()
     assert outs["0"][0] == "False" and outs["1"][0] == "True"
     assert outs["0"][1:] == outs["1"][1:]
+
+
+def test_the_c_list_scheduler_gives_the_python_orders(monkeypatch):
+    """Random placements (re-routed after failures), caps, memory weights and start times, fused
+    and split backward: the C loop's orders and makespan equal the Python loop's."""
+    from ds_resilience.planning import list_scheduler
+    from ds_resilience.planning.reroute import reroute_assignment
+    from ds_resilience.topology import Topology
+
+    rng = random.Random(11)
+    cases = []
+    for _ in range(40):
+        dp, pp, m = rng.randint(1, 4), rng.randint(1, 5), rng.randint(1, 8)
+        topo = Topology(dp=dp, pp=pp)
+        if dp > 1 and rng.random() < 0.7:
+            topo = topo.without([Worker(pipeline=rng.randrange(dp), stage=rng.randrange(pp))])
+        n = dp * pp
+        cost = CostModel.from_dict({"name": "r", "t_f": [rng.uniform(0.5, 2) for _ in range(pp)],
+                                    "t_b": [rng.uniform(0.5, 2) for _ in range(pp)],
+                                    "t_w": [rng.uniform(0.2, 2) for _ in range(pp)],
+                                    "p2p_latency": rng.choice([0.0, 0.05])})
+        kwargs = dict(dp=dp, pp=pp, microbatches=m, cost=cost, assignment=reroute_assignment(topo, m),
+                      split_backward=rng.random() < 0.7, act_caps=[rng.randint(1, m + 1) for _ in range(n)],
+                      w_caps=[rng.choice([None, 1, 2, m]) for _ in range(n)],
+                      mem_caps=rng.choice([None, [float(rng.randint(2, 2 * m + 2)) for _ in range(n)]]),
+                      start_times=rng.choice([None, [rng.uniform(0, 3) for _ in range(n)]]),
+                      mem_weights=rng.choice([None, [(rng.uniform(0.5, 2), rng.uniform(0.1, 2.5)) for _ in range(n)]]))
+        cases.append(kwargs)
+    direct = [native.list_orders(**kw) for kw in cases]
+    fast = [list_scheduler.list_schedule(**kw) if d is not None else None for kw, d in zip(cases, direct)]
+    monkeypatch.setattr(native, "list_orders", lambda **kw: None)
+    ran = 0
+    for kw, got in zip(cases, fast):
+        try:
+            want = list_scheduler.list_schedule(**kw)
+        except PlanningError:  # caps too tight for the weights: the C loop gives up too, and Python says why
+            assert got is None
+            continue
+        assert got is not None and got.orders == want.orders and got.makespan == want.makespan
+        ran += 1
+    assert ran >= 30
+
+
+def test_a_stuck_list_schedule_still_says_why():
+    from ds_resilience.planning.list_scheduler import list_schedule
+    from ds_resilience.planning.reroute import reroute_assignment
+    from ds_resilience.topology import Topology
+
+    with pytest.raises(PlanningError, match="list scheduling cannot proceed"):
+        list_schedule(dp=1, pp=2, microbatches=2, cost=CostModel.unit(),
+                      assignment=reroute_assignment(Topology(dp=1, pp=2), 2), split_backward=True,
+                      act_caps=[1, 1], w_caps=[None, None], mem_caps=[0.5, 0.5])

@@ -31,7 +31,7 @@ from ..costs import CostModel
 from .action import ActionKind
 from .schedule import Schedule
 
-__all__ = ["NativeTimes", "available", "check", "peaks", "replay_times", "why_unavailable"]
+__all__ = ["NativeTimes", "available", "check", "list_orders", "peaks", "replay_times", "why_unavailable"]
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,8 @@ def _build() -> ctypes.CDLL:
     lib.dsr_check.argtypes = [ctypes.c_int] * 5 + [p] * 9
     lib.dsr_peaks.restype = None
     lib.dsr_peaks.argtypes = [ctypes.c_int, ctypes.c_int] + [p] * 8
+    lib.dsr_list_schedule.restype = ctypes.c_int64
+    lib.dsr_list_schedule.argtypes = [ctypes.c_int] * 4 + [p] * 17
     return lib
 
 
@@ -364,3 +366,57 @@ def _program(schedule: Schedule, st: _Structure, cost: CostModel, mode: str, np)
     b[st.r_order] = st.s_order - st.off[st.worker[st.s_order]]  # the matched send's index in its sender's list
     b[st.s_pos] = st.link_id
     return codes, a, b, np.ascontiguousarray(dur, dtype=np.float64)
+
+
+_TASK_KINDS = (ActionKind.F, ActionKind.B, ActionKind.W, ActionKind.BW)
+
+
+def list_orders(*, dp: int, pp: int, microbatches: int, cost: CostModel, assignment, split_backward: bool,
+                act_caps, w_caps, mem_caps, start_times, mem_weights) -> tuple[list[list], float] | None:  # noqa: ANN001
+    """The list scheduler's orders and makespan from the C loop (arguments as
+    :func:`ds_resilience.planning.list_scheduler.list_schedule`, every one given), or ``None``
+    where only the Python loop applies: the library is off, the placement is not a full one of
+    same-stage workers, or the caps leave it stuck (the Python loop then says why)."""
+    lib = _library()
+    if lib is None:
+        return None
+    import numpy as np
+
+    from .action import trusted_action
+
+    n, keys = dp * pp, dp * pp * microbatches
+    if len(assignment) != keys:
+        return None
+    owner = np.full(keys, -1, dtype=np.int32)
+    for (p, s, m), w in assignment.items():
+        if not (0 <= p < dp and 0 <= s < pp and 0 <= m < microbatches and 0 <= w < n and w // dp == s):
+            return None
+        owner[(p * pp + s) * microbatches + m] = w
+    if (owner < 0).any():
+        return None
+    stages = cost.stages(pp)
+    t_f, t_b, t_w, t_bw = (np.array([getattr(c, name) for c in stages], dtype=np.float64)
+                           for name in ("t_f", "t_b", "t_w", "t_bw"))
+    links = np.array([cost.p2p_latency + cost.transfer_time(c.activation_bytes) for c in stages], dtype=np.float64)
+    act = np.array([int(x) for x in act_caps], dtype=np.int32)
+    wc = np.array([-1 if x is None else int(x) for x in w_caps], dtype=np.int32)
+    mem = np.array([np.inf if x is None else float(x) for x in (mem_caps if mem_caps is not None else [None] * n)])
+    start = np.array([float(x) for x in (start_times if start_times is not None else [0.0] * n)])
+    weights = mem_weights if mem_weights is not None else [(1.0, 1.0)] * n
+    aw = np.array([float(a) for a, _ in weights])
+    ww = np.array([float(b) for _, b in weights])
+    total = keys * (3 if split_backward else 2)
+    o_w, o_kind, o_p, o_m = (np.zeros(max(1, total), dtype=np.int32) for _ in range(4))
+    makespan = ctypes.c_double(0.0)
+    arrays = (owner, t_f, t_b, t_w, t_bw, links, act, wc, mem, start, aw, ww, o_w, o_kind, o_p, o_m)
+    got = lib.dsr_list_schedule(dp, pp, microbatches, int(bool(split_backward)),
+                                *(x.ctypes.data for x in arrays), ctypes.addressof(makespan))
+    if got == -1:
+        raise MemoryError("native list scheduler: out of memory")
+    if got < 0:
+        return None
+    orders: list[list] = [[] for _ in range(n)]
+    kinds = _TASK_KINDS
+    for w, k, p, m in zip(o_w[:got].tolist(), o_kind[:got].tolist(), o_p[:got].tolist(), o_m[:got].tolist()):
+        orders[w].append(trusted_action(kinds[k], w // dp, m, p))
+    return orders, makespan.value

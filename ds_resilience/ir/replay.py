@@ -20,7 +20,8 @@ The execution model, which the runtime follows:
   redoes the step (``t_undo + t_opt``).
 
 The replay needs no real clock, so it doubles as the deadlock check: if no worker can advance and
-some have actions left, the schedule deadlocks. Pure Python.
+some have actions left, the schedule deadlocks. Pure Python; the planner's hot path, which needs only
+the iteration ends, runs the same loop in C (:mod:`.native`).
 """
 
 from __future__ import annotations

@@ -8,7 +8,10 @@ bounds the memory held by deferred W work.
 
 It is used for the fault-free decoupled schedule and, with re-routed placements, by the planner. It
 runs in milliseconds and never fails on a feasible input; the timeline replay of the lowered
-schedule is the judge of its timing. Pure Python.
+schedule is the judge of its timing. The loop runs in C (``csrc/schedule_core.c``, through
+:func:`ds_resilience.ir.native.list_orders`) where the library builds, with the same choices in the
+same order (the orders are equal, ``tests/test_native.py``); this module's Python loop is the
+reference and the fallback.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Mapping, Sequence
 
 from ..costs import CostModel
 from ..errors import PlanningError
-from ..ir import Action, ActionKind
+from ..ir import Action, ActionKind, native
 from ..ir.action import trusted_action
 
 __all__ = ["ListResult", "list_schedule"]
@@ -71,6 +74,11 @@ def list_schedule(
         PlanningError: the caps make the placement unschedulable (e.g. a cap of 0).
     """
     n = dp * pp
+    fast = native.list_orders(dp=dp, pp=pp, microbatches=microbatches, cost=cost, assignment=assignment,
+                              split_backward=split_backward, act_caps=act_caps, w_caps=w_caps, mem_caps=mem_caps,
+                              start_times=start_times, mem_weights=mem_weights)
+    if fast is not None:  # the same loop in C (csrc/schedule_core.c), where it builds
+        return ListResult(orders=tuple(tuple(o) for o in fast[0]), makespan=fast[1])
     comm = cost.p2p_latency
     todo: list[list[Key]] = [[] for _ in range(n)]
     for key, w in sorted(assignment.items(), key=lambda kv: (kv[0][2], kv[0][0], kv[0][1])):

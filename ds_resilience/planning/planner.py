@@ -23,7 +23,9 @@ on another stage no change; 2 x 4 x 16 fault-free 48 -> 51 (+6 %). It shrinks as
 The heuristic (list scheduling over a few memory splits) always answers in milliseconds; the CP-SAT
 solver (:mod:`.cpsat`), warm-started from it, may improve one-iteration variants within a time
 limit. Whatever produced it, a plan's schedule is validated and its claimed iteration time is the
-timeline simulator's replay of it: the simulator is the judge. Pure Python (plus OR-Tools).
+timeline simulator's replay of it: the simulator is the judge. Python (plus OR-Tools); the list
+scheduler's loop, the replay's and the validator's checks run in C where it builds (:mod:`..ir.native`),
+and Python's garbage collector is paused during a plan.
 """
 
 from __future__ import annotations
