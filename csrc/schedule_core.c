@@ -299,66 +299,42 @@ static int ready_less(const Ready *a, const Ready *b)
     return a->p < b->p;
 }
 
-static void ready_push(Ready *h, i64 *len, Ready x)
-{
-    i64 i = (*len)++;
-    while (i > 0) {
-        i64 up = (i - 1) / 2;
-        if (!ready_less(&x, &h[up])) break;
-        h[i] = h[up];
-        i = up;
-    }
-    h[i] = x;
-}
-
-static Ready ready_pop(Ready *h, i64 *len)
-{
-    Ready top = h[0], x = h[--(*len)];
-    i64 i = 0, size = *len;
-    for (;;) {
-        i64 c = 2 * i + 1;
-        if (c >= size) break;
-        if (c + 1 < size && ready_less(&h[c + 1], &h[c])) c++;
-        if (!ready_less(&h[c], &x)) break;
-        h[i] = h[c];
-        i = c;
-    }
-    if (size > 0) h[i] = x;
-    return top;
-}
-
 static int event_less(const Event *a, const Event *b)
 {
     return a->t < b->t || (a->t == b->t && a->w < b->w);
 }
 
-static void event_push(Event *h, i64 *len, Event x)
-{
-    i64 i = (*len)++;
-    while (i > 0) {
-        i64 up = (i - 1) / 2;
-        if (!event_less(&x, &h[up])) break;
-        h[i] = h[up];
-        i = up;
+/* A binary min-heap of T ordered by LESS: NAME_push and NAME_pop (the two heaps above share it). */
+#define DEFINE_HEAP(NAME, T, LESS)                                \
+    static void NAME##_push(T *h, i64 *len, T x)                  \
+    {                                                             \
+        i64 i = (*len)++;                                         \
+        while (i > 0) {                                           \
+            i64 up = (i - 1) / 2;                                 \
+            if (!LESS(&x, &h[up])) break;                         \
+            h[i] = h[up];                                         \
+            i = up;                                               \
+        }                                                         \
+        h[i] = x;                                                 \
+    }                                                             \
+    static T NAME##_pop(T *h, i64 *len)                           \
+    {                                                             \
+        T top = h[0], x = h[--(*len)];                            \
+        i64 i = 0, size = *len;                                   \
+        for (;;) {                                                \
+            i64 c = 2 * i + 1;                                    \
+            if (c >= size) break;                                 \
+            if (c + 1 < size && LESS(&h[c + 1], &h[c])) c++;      \
+            if (!LESS(&h[c], &x)) break;                          \
+            h[i] = h[c];                                          \
+            i = c;                                                \
+        }                                                         \
+        if (size > 0) h[i] = x;                                   \
+        return top;                                               \
     }
-    h[i] = x;
-}
 
-static Event event_pop(Event *h, i64 *len)
-{
-    Event top = h[0], x = h[--(*len)];
-    i64 i = 0, size = *len;
-    for (;;) {
-        i64 c = 2 * i + 1;
-        if (c >= size) break;
-        if (c + 1 < size && event_less(&h[c + 1], &h[c])) c++;
-        if (!event_less(&h[c], &x)) break;
-        h[i] = h[c];
-        i = c;
-    }
-    if (size > 0) h[i] = x;
-    return top;
-}
+DEFINE_HEAP(ready, Ready, ready_less)
+DEFINE_HEAP(event, Event, event_less)
 
 static int int_cmp(const void *a, const void *b)
 {

@@ -243,3 +243,14 @@ def test_a_stuck_list_schedule_still_says_why():
         list_schedule(dp=1, pp=2, microbatches=2, cost=CostModel.unit(),
                       assignment=reroute_assignment(Topology(dp=1, pp=2), 2), split_backward=True,
                       act_caps=[1, 1], w_caps=[None, None], mem_caps=[0.5, 0.5])
+
+
+def test_the_c_core_compiles_warning_free_as_c99(tmp_path):
+    """The planner's C core is strict C99 with every warning an error (what any cc must accept)."""
+    import shutil
+
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    done = subprocess.run([compiler, "-std=c99", "-pedantic", "-O2", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC",
+                           "-o", str(tmp_path / "core.so"), str(native.SOURCE)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
