@@ -32,6 +32,7 @@ setup(
     install_requires=[
         "ortools>=9.10",  # CP-SAT: the planner's optimizing solver
         "matplotlib>=3.7",  # Gantt charts and plots (imported lazily)
+        "numpy>=1.24",  # the planner's C core reads schedules as arrays (ir/native.py)
     ],
     extras_require={
         "deepspeed": DEEPSPEED,

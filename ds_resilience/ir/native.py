@@ -1,23 +1,31 @@
-"""The replay's inner loop in C, for the planner's hot path (``csrc/replay_core.c``, via ctypes).
+"""The planner's hot loops in C (``csrc/schedule_core.c``, loaded with ctypes).
 
-:func:`replay_times` gives what :func:`~.timeline.iteration_time` needs from a replay (every
-iteration's end, the makespan, whether it deadlocked) 20-60x faster than the pure-Python loop on
-large grids; the times are equal bit for bit (the same double operations in the same order,
-checked against :func:`~.replay.replay` in ``tests/test_native_replay.py``). It covers buffered
-sends and the step modes whose OPT_STEP is a local step or a collective (``plain``, ``barrier``,
-``wait``); for the others it returns ``None`` and the caller replays in Python.
+Four loops over a schedule encoded as flat numpy arrays, each with the same double operations in
+the same order as its Python reference, so the results are equal bit for bit
+(``tests/test_native.py`` compares each with its reference):
 
-The library is compiled on first use with the system C compiler (``$CC``, else ``cc``) into
-``$DSR_NATIVE_CACHE`` (default ``~/.cache/ds_resilience``), keyed by the source's hash, and reused
-after. No compiler, a failed build, an installed copy without ``csrc/``, or ``DSR_NATIVE=0``: the
-pure-Python replay, with one log line saying why. Everything else about a replay (transfers, spans,
-NCCL's rules) stays in :mod:`.replay`.
+* :func:`list_orders`: the list scheduler's event loop (:mod:`ds_resilience.planning.list_scheduler`);
+* :func:`replay_times`: what :func:`~.timeline.iteration_time` reads from a replay (every iteration's
+  end, the makespan, a deadlock), for buffered sends and the step modes whose OPT_STEP is a local
+  step or a collective (``plain``, ``barrier``, ``wait``); the others replay in Python;
+* :func:`check`: the validator's rules 1-5 and 7 (:mod:`.validate`) as a yes or no; on no the
+  Python validator runs and names the fault, so the C check must never pass what Python rejects;
+* :func:`peaks`: every worker's memory peaks (:func:`~.timeline.memory_peaks`,
+  :func:`ds_resilience.planning.memory.worker_peaks`).
+
+Each returns ``None`` (``check``: ``False``) where it does not apply, and its caller runs the Python
+code. The library is compiled on first use with the system C compiler (``$CC``, else ``cc``) into
+``$DSR_NATIVE_CACHE`` (default ``~/.cache/ds_resilience``), one file per source hash, and reused
+after. No compiler, a failed build, no numpy, an installed copy without ``csrc/``, or
+``DSR_NATIVE=0``: the Python code everywhere, with one log line saying why. The replay's other
+uses (transfers, spans, NCCL's rules) stay in :mod:`.replay`.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib.util
 import logging
 import os
 import shutil
@@ -92,6 +100,8 @@ def _library() -> ctypes.CDLL | None:
             lib, why = None, None
             if os.environ.get("DSR_NATIVE", "1") == "0":
                 why = "DSR_NATIVE=0"
+            elif importlib.util.find_spec("numpy") is None:
+                why = "numpy is not installed"
             elif not SOURCE.exists():
                 why = f"{SOURCE} is not there (an installed copy without csrc/)"
             else:
@@ -100,18 +110,18 @@ def _library() -> ctypes.CDLL | None:
                 except (OSError, subprocess.SubprocessError) as exc:
                     why = str(exc)
             if why is not None:
-                log.info("native replay off, the pure-Python replay runs instead: %s", why)
+                log.info("C schedule core off, the Python code runs instead: %s", why)
             _state["lib"], _state["why"] = lib, why
         return _state["lib"]  # type: ignore[return-value]
 
 
 def available() -> bool:
-    """Whether the C replay loads here (built on the first call)."""
+    """Whether the C core loads here (built on the first call)."""
     return _library() is not None
 
 
 def why_unavailable() -> str | None:
-    """Why the C replay is off (``None`` when it is on)."""
+    """Why the C core is off (``None`` when it is on)."""
     _library()
     return _state.get("why")  # type: ignore[return-value]
 
