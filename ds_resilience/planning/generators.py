@@ -9,6 +9,8 @@ change the sums).
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from ..costs import CostModel
 from ..errors import PlanningError
 from ..ir import Action, ActionKind, Schedule, TiedGroups, validate
@@ -49,7 +51,20 @@ def one_f_one_b_order(stage: int, pp: int, microbatches: int) -> list[tuple[str,
 
 
 def one_f_one_b(dp: int, pp: int, microbatches: int, *, tied: TiedGroups = ()) -> Schedule:
-    """The 1F1B schedule DeepSpeed runs today (fused backward, one global optimizer step)."""
+    """The 1F1B schedule DeepSpeed runs today (fused backward, one global optimizer step).
+
+    The last two grids' schedules are kept (schedules are immutable): a plan asks for 1F1B's time
+    and for its memory peak, and at D=64 x P=16 each generation is a second."""
+    try:
+        key = tuple(tuple(g) for g in tied)
+        hash(key)
+    except TypeError:  # not groups of stages: the lowering's check says what is wrong
+        return _one_f_one_b.__wrapped__(dp, pp, microbatches, tied)
+    return _one_f_one_b(dp, pp, microbatches, key)
+
+
+@lru_cache(maxsize=2)
+def _one_f_one_b(dp: int, pp: int, microbatches: int, tied: TiedGroups) -> Schedule:
     _check_grid(dp, pp, microbatches)
     orders = []
     for w in range(dp * pp):
