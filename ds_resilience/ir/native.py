@@ -107,8 +107,8 @@ def _library() -> ctypes.CDLL | None:
             else:
                 try:
                     lib = _build()
-                except (OSError, subprocess.SubprocessError) as exc:
-                    why = str(exc)
+                except Exception as exc:  # noqa: BLE001 (no compiler, no home, a bad build: Python runs)
+                    why = f"{type(exc).__name__}: {exc}"
             if why is not None:
                 log.info("C schedule core off, the Python code runs instead: %s", why)
             _state["lib"], _state["why"] = lib, why
