@@ -133,8 +133,19 @@ def test_killed_while_their_snapshot_drained_the_survivors_regrid_from_the_step_
     code, _, reference = run(tmp_path, "ref", world=6, pp=3, regrid=False)
     assert code == 0, logs(tmp_path, "ref")
     faults = [{"rank": r, "step": 3, "point": "in_snapshot", "kind": "sigkill"} for r in (2, 3)]
-    code, agent, dumps = run(tmp_path, "drain", world=6, pp=3, faults=faults)
-    assert code == 0, logs(tmp_path, "drain")
+    # The scenario needs both replicas inside their step-3 snapshot before either death is known.
+    # On a loaded machine the second can be descheduled between its reduce and its snapshot for
+    # longer than the first death takes to reach it (about a millisecond): it then recovers instead
+    # of dying, and the run is a single failure. Such a run is repeated once, and says so.
+    for attempt in ("drain", "drain-again"):
+        code, agent, dumps = run(tmp_path, attempt, world=6, pp=3, faults=faults)
+        assert code == 0, logs(tmp_path, attempt)
+        crashed = {e.rank for e in agent.events if e.kind == "crash"}
+        if crashed == {2, 3}:
+            break
+        print(f"{attempt}: only ranks {sorted(crashed)} died in their snapshot; running the scenario again",
+              file=sys.stderr)
+    assert crashed == {2, 3}, f"both stage-1 replicas must die in their step-3 snapshot; died: {sorted(crashed)}"
     assert not [e for e in agent.events if e.kind in ("restart", "relaunch", "stop")]
     resume = next(e for e in dumps[0]["recovery"] if e.get("kind") == "regrid")["resume_step"]
     grid = assert_fault_free_state(dumps, reference, [0, 1, 4, 5], resume_step=resume, pp_before=3)
