@@ -1,12 +1,13 @@
-/* The timed replay's inner loop in C (ds_resilience/ir/native.py loads it with ctypes).
+/* The planner's hot loops in C (ds_resilience/ir/native.py loads them with ctypes): the list
+ * scheduler, the timed replay, the validator's rules 1-5 and the memory peaks.
  *
- * The same execution model as ds_resilience/ir/replay.py with buffered sends (gloo's), for the
- * step modes whose OPT_STEP is a local compute or a collective; the Python side encodes a schedule
- * into flat arrays and checks that the results agree with the pure-Python replay in the tests.
+ * The replay: the same execution model as ds_resilience/ir/replay.py with buffered sends (gloo's),
+ * for the step modes whose OPT_STEP is a local compute or a collective; it gives what the planner
+ * reads (every iteration's end, the makespan, a deadlock), not the spans or the messages.
  *
  * Every worker's program is a slice [off[w], off[w+1]) of the op arrays, run `repeat` times back to
- * back; the per-op outputs (starts, ends, arrivals) are laid out per worker at roff[w] + copy *
- * size + i. Ops:
+ * back; the per-op outputs (ends, arrivals) are laid out per worker at roff[w] + copy * size + i.
+ * Ops:
  *   OP_COMPUTE     dur = duration
  *   OP_SEND        a = peer, b = link id (the directed pair), dur = time on the link
  *   OP_RECV        a = sender, b = the matched send's index in the sender's program (the same
@@ -23,14 +24,13 @@ enum { OP_COMPUTE = 0, OP_SEND = 1, OP_RECV = 2, OP_COLLECTIVE = 3 };
 
 typedef int64_t i64;
 
-/* Returns the number of transfers written (>= 0) or -1 when out of memory. pcs[w] ends below
- * size * repeat for every worker that could not finish (a deadlock). iter_ends[k] (k < n_iter) is
- * the latest end of the k-th is_opt op over all workers. */
-i64 dsr_replay(int n, const i64 *off, const i64 *roff, const int32_t *code, const int32_t *a,
+/* Returns 0, or -1 when out of memory. pcs[w] ends below size * repeat for every worker that
+ * could not finish (a deadlock). iter_ends[k] (k < n_iter) is the latest end of the k-th is_opt op
+ * over all workers; *last_arrival the latest arrival of any message (0 without one). */
+int dsr_replay(int n, const i64 *off, const i64 *roff, const int32_t *code, const int32_t *a,
                const i64 *b, const double *dur, const uint8_t *is_opt, int repeat, double latency,
-               int n_links, int n_groups, const i64 *goff, const int32_t *gmem, double *starts,
-               double *ends, double *arrival, i64 *pcs, int32_t *t_src, int32_t *t_dst, i64 *t_idx,
-               double *t_begin, double *t_end, double *t_arr, double *iter_ends, int n_iter)
+               int n_links, int n_groups, const i64 *goff, const int32_t *gmem, double *ends,
+               double *arrival, i64 *pcs, double *iter_ends, int n_iter, double *last_arrival)
 {
     double *clock = calloc((size_t)n, sizeof(double));
     double *link_free = calloc((size_t)(n_links > 0 ? n_links : 1), sizeof(double));
@@ -46,7 +46,7 @@ i64 dsr_replay(int n, const i64 *off, const i64 *roff, const int32_t *code, cons
         free(is_woken); free(g_count); free(g_max);
         return -1;
     }
-    i64 nt = 0;
+    double latest = 0.0;
     int head = 0, count = 0;
     for (int w = 0; w < n; w++) {
         pcs[w] = 0;
@@ -68,7 +68,6 @@ i64 dsr_replay(int n, const i64 *off, const i64 *roff, const int32_t *code, cons
             const double now = clock[w];
             const int c = code[op];
             if (c == OP_COMPUTE) {
-                starts[rbase + i] = now;
                 clock[w] = ends[rbase + i] = now + dur[op];
             } else if (c == OP_SEND) {
                 const int peer = a[op];
@@ -78,17 +77,14 @@ i64 dsr_replay(int n, const i64 *off, const i64 *roff, const int32_t *code, cons
                 const double arr = begin + dur[op] + latency;
                 arrival[rbase + i] = arr;
                 if (!is_woken[peer]) { is_woken[peer] = 1; woken[n_woken++] = peer; }
-                t_src[nt] = w; t_dst[nt] = peer; t_idx[nt] = i - copy * size;
-                t_begin[nt] = begin; t_end[nt] = begin + dur[op]; t_arr[nt] = arr;
-                nt++;
-                starts[rbase + i] = ends[rbase + i] = now;
+                if (arr > latest) latest = arr;
+                ends[rbase + i] = now;
             } else if (c == OP_RECV) {
                 const int src = a[op];
                 const i64 ssize = off[src + 1] - off[src];
                 const i64 sent = copy * ssize + b[op];
                 if (pcs[src] <= sent) break; /* not sent yet */
                 const double arr = arrival[roff[src] + sent];
-                starts[rbase + i] = now;
                 clock[w] = ends[rbase + i] = arr > now ? arr : now;
             } else { /* OP_COLLECTIVE */
                 const int g = a[op];
@@ -104,7 +100,6 @@ i64 dsr_replay(int n, const i64 *off, const i64 *roff, const int32_t *code, cons
                     const i64 msize = off[m + 1] - off[m];
                     const i64 j = pcs[m];
                     const double end = begin + dur[off[m] + j % msize];
-                    starts[roff[m] + j] = begin;
                     ends[roff[m] + j] = end;
                     clock[m] = end;
                     pcs[m]++;
@@ -140,7 +135,8 @@ i64 dsr_replay(int n, const i64 *off, const i64 *roff, const int32_t *code, cons
     }
     free(clock); free(link_free); free(queue); free(queued); free(registered); free(woken);
     free(is_woken); free(g_count); free(g_max);
-    return nt;
+    *last_arrival = latest;
+    return 0;
 }
 
 /* Action kinds, in ActionKind's declaration order (ds_resilience/ir/action.py). */
@@ -182,12 +178,11 @@ int dsr_check(int dp, int pp, int mbs, int iterations, int n_tied, const uint8_t
             const int has_peer = (k >= K_SA && k <= K_RG) || k == K_CS || k == K_CR;
             if (!has_peer) continue;
             if (peer[i] < 0 || peer[i] >= n || peer[i] == w || failed[peer[i]]) { rc = 1; break; }
-            int want = -1;
+            int want; /* the stage a message's peer holds; checkpoint chunks go to any stage */
             if (k == K_SA || k == K_RG) want = s_w + 1;
-            if (k == K_RA || k == K_SG) want = s_w - 1;
-            if (want != -1 || k == K_SA || k == K_RG || k == K_RA || k == K_SG) {
-                if (peer[i] / dp != want) { rc = 1; break; }
-            }
+            else if (k == K_RA || k == K_SG) want = s_w - 1;
+            else continue;
+            if (peer[i] / dp != want) { rc = 1; break; }
         }
     }
     /* rules 2 and 5: order on each worker, the optimizer's tail */

@@ -82,9 +82,9 @@ def _build() -> ctypes.CDLL:
             os.replace(out, target)
     lib = ctypes.CDLL(str(target))
     p = ctypes.c_void_p
-    lib.dsr_replay.restype = ctypes.c_int64
+    lib.dsr_replay.restype = ctypes.c_int
     lib.dsr_replay.argtypes = [ctypes.c_int, p, p, p, p, p, p, p, ctypes.c_int, ctypes.c_double, ctypes.c_int,
-                               ctypes.c_int, p, p, p, p, p, p, p, p, p, p, p, p, p, ctypes.c_int]
+                               ctypes.c_int, p, p, p, p, p, p, ctypes.c_int, p]
     lib.dsr_check.restype = ctypes.c_int
     lib.dsr_check.argtypes = [ctypes.c_int] * 5 + [p] * 9
     lib.dsr_peaks.restype = None
@@ -233,34 +233,25 @@ def replay_times(schedule: Schedule, cost: CostModel, *, repeat: int = 1, mode: 
     gmem = np.array([x for m in st.members for x in m], dtype=np.int32)
     is_opt = (st.kinds == _K[ActionKind.OPT_STEP]).astype(np.uint8)
     out_len = max(1, total * repeat)
-    starts = np.zeros(out_len)
     ends = np.zeros(out_len)
     arrival = np.zeros(out_len)
     pcs = np.zeros(max(1, n), dtype=np.int64)
-    n_sends = max(1, len(st.s_pos) * repeat)
-    t_src = np.zeros(n_sends, dtype=np.int32)
-    t_dst = np.zeros(n_sends, dtype=np.int32)
-    t_idx = np.zeros(n_sends, dtype=np.int64)
-    t_begin = np.zeros(n_sends)
-    t_end = np.zeros(n_sends)
-    t_arr = np.zeros(n_sends)
     n_iter = schedule.iterations * repeat
     iter_ends = np.zeros(max(1, n_iter))
+    last_arrival = ctypes.c_double(0.0)
 
     def ptr(x: np.ndarray) -> int:
         return x.ctypes.data
 
-    nt = lib.dsr_replay(n, ptr(off), ptr(roff), ptr(codes), ptr(a), ptr(b), ptr(dur), ptr(is_opt), repeat,
-                        float(cost.p2p_latency), st.n_links, len(st.members), ptr(goff), ptr(gmem), ptr(starts),
-                        ptr(ends), ptr(arrival), ptr(pcs), ptr(t_src), ptr(t_dst), ptr(t_idx), ptr(t_begin),
-                        ptr(t_end), ptr(t_arr), ptr(iter_ends), n_iter)
-    if nt < 0:
+    if lib.dsr_replay(n, ptr(off), ptr(roff), ptr(codes), ptr(a), ptr(b), ptr(dur), ptr(is_opt), repeat,
+                      float(cost.p2p_latency), st.n_links, len(st.members), ptr(goff), ptr(gmem), ptr(ends),
+                      ptr(arrival), ptr(pcs), ptr(iter_ends), n_iter, ctypes.addressof(last_arrival)) < 0:
         raise MemoryError("native replay: out of memory")
     size = sizes.tolist()
     blocked = {w: int(pcs[w]) for w in range(n) if pcs[w] < size[w] * repeat}
     # as Replay.makespan: the last slot of every list, and the last arrival
     last = max((float(ends[roff[w] + size[w] * repeat - 1]) for w in range(n) if size[w]), default=0.0)
-    makespan = max(last, float(t_arr[:nt].max()) if nt else 0.0)
+    makespan = max(last, last_arrival.value)
     return NativeTimes(iteration_ends=iter_ends[:n_iter].tolist(), makespan=makespan, blocked=blocked)
 
 
@@ -287,10 +278,8 @@ def check(schedule: Schedule) -> bool:
     failed = np.zeros(max(1, st.n), dtype=np.uint8)
     failed[[i for i in schedule.failed if 0 <= i < st.n]] = 1
     forwards = np.zeros(max(1, dp * pp * mbs), dtype=np.int32)
-    kinds = np.ascontiguousarray(st.kinds)
-    stage = np.ascontiguousarray(st.stage)
     rc = lib.dsr_check(dp, pp, mbs, schedule.iterations, len(schedule.tied), member.ctypes.data, failed.ctypes.data,
-                       st.off.ctypes.data, kinds.ctypes.data, stage.ctypes.data, st.mb.ctypes.data,
+                       st.off.ctypes.data, st.kinds.ctypes.data, st.stage.ctypes.data, st.mb.ctypes.data,
                        st.pipe.ctypes.data, st.peer.ctypes.data, forwards.ctypes.data)
     if rc < 0:
         raise MemoryError("native check: out of memory")
@@ -312,8 +301,7 @@ def peaks(schedule: Schedule, weights) -> tuple | None:  # noqa: ANN001
     w_w = np.array([float(w) for _, w in weights] or [0.0])
     top = np.zeros(max(1, n))
     acts, pend, state = (np.zeros(max(1, n), dtype=np.int32) for _ in range(3))
-    kinds = np.ascontiguousarray(st.kinds)
-    lib.dsr_peaks(n, schedule.dp, st.off.ctypes.data, kinds.ctypes.data, act_w.ctypes.data, w_w.ctypes.data,
+    lib.dsr_peaks(n, schedule.dp, st.off.ctypes.data, st.kinds.ctypes.data, act_w.ctypes.data, w_w.ctypes.data,
                   top.ctypes.data, acts.ctypes.data, pend.ctypes.data, state.ctypes.data)
     return (tuple(top[:n].tolist()), tuple(acts[:n].tolist()), tuple(pend[:n].tolist()), tuple(state[:n].tolist()))
 
@@ -328,17 +316,16 @@ _RECV_CODES = [_K[ActionKind.RECV_ACT], _K[ActionKind.RECV_GRAD], _K[ActionKind.
 def _program(schedule: Schedule, st: _Structure, cost: CostModel, mode: str, np):  # noqa: ANN001
     """The C replay's op arrays for ``cost`` and the step ``mode`` (codes, a, b, durations), the
     same ops as :func:`~.replay._compile`; ``None`` where the C loop does not apply."""
+    from .replay import _COLLECTIVE, _COMPUTE, _duration_table, _opt_op
+
     pp = schedule.pp
     kinds, stage, total = st.kinds, st.stage, st.total
     stages = cost.stages(pp)
     K = _K
+    duration = _duration_table(cost, pp)
     per_kind = np.zeros((len(_KINDS), pp))
-    for s, c in enumerate(stages):
-        per_kind[K[ActionKind.F], s] = c.t_f
-        per_kind[K[ActionKind.B], s] = c.t_b
-        per_kind[K[ActionKind.W], s] = c.t_w
-        per_kind[K[ActionKind.BW], s] = c.t_bw
-        per_kind[K[ActionKind.REDUCE_GRAD], s] = c.t_reduce
+    for (kind, s), value in duration.items():
+        per_kind[K[kind], s] = value
     dur = per_kind[kinds, stage] if total else np.zeros(0)
     codes = np.full(total, _OP_COMPUTE, dtype=np.int32)
     a = np.zeros(total, dtype=np.int32)
@@ -364,15 +351,21 @@ def _program(schedule: Schedule, st: _Structure, cost: CostModel, mode: str, np)
         codes[tied] = _OP_COLLECTIVE
         a[tied] = pp + 1 + groups
         dur[tied] = np.array([cost.tied_reduce_time(g) for g in schedule.tied])[groups]
+    # OPT_STEP per stage as the Python replay runs it in this mode: a local step, or a collective of
+    # every survivor (the global barrier, group pp) with the step check's messages
     opt = kinds == K[ActionKind.OPT_STEP]
-    t_opt = np.array([c.t_opt for c in stages])[stage[opt]]
-    sync = cost.t_sync
-    if mode == "plain" and schedule.optimizer != "global":
-        dur[opt] = t_opt
-    else:  # replay._opt_op: a collective of every survivor, plus the step check's messages
-        codes[opt] = _OP_COLLECTIVE
-        a[opt] = pp
-        dur[opt] = t_opt + (0.0 if mode == "plain" else sync if mode == "barrier" else 2 * sync + 2 * pp * sync)
+    opt_code, opt_dur = np.zeros(pp, dtype=np.int32), np.zeros(pp)
+    for s in range(pp):
+        op = _opt_op(schedule, cost, s, mode, duration[ActionKind.OPT_STEP, s])
+        if op[0] == _COMPUTE:
+            opt_code[s], opt_dur[s] = _OP_COMPUTE, op[1]
+        elif op[0] == _COLLECTIVE:
+            opt_code[s], opt_dur[s] = _OP_COLLECTIVE, op[2]
+        else:
+            return None  # a speculative step's publish-and-validate: the Python replay
+    codes[opt] = opt_code[stage[opt]]
+    a[opt] = np.where(opt_code[stage[opt]] == _OP_COLLECTIVE, pp, 0)
+    dur[opt] = opt_dur[stage[opt]]
     b[st.r_order] = st.s_order - st.off[st.worker[st.s_order]]  # the matched send's index in its sender's list
     b[st.s_pos] = st.link_id
     return codes, a, b, np.ascontiguousarray(dur, dtype=np.float64)

@@ -18,14 +18,14 @@ What a valid schedule satisfies (checked in this order; the first violation rais
    one TIED_REDUCE(g) per iteration, after all its compute (F/B/W/BW) and its REDUCE_GRAD and
    before its OPT_STEP; workers of stages outside g run none, and g names an existing group (rule 1).
 6. No deadlock: the timed replay (:mod:`.replay`) under unit costs completes.
-
-Rules 1-5 and 7 run first in C (:func:`.native.check`, the same rules over flat arrays) where the
-library builds; it passes only what this module passes, and whenever it does not pass, the Python
-checks below run and raise with the exact message.
 7. Pair order (NCCL matches a pair's messages in order and ignores tags): for every two workers
    a -> b, a sends its messages to b in the order b receives them. With rule 6 this is what the
    runtime needs to run the schedule under NCCL's rules too (:mod:`.pairs`: receives are posted
    early so that both sides of a pair issue their operations in the same order).
+
+Rules 1-5 and 7 run first in C (:func:`.native.check`, the same rules over flat arrays) where the
+library builds; it passes only what this module passes, and whenever it does not pass, the Python
+checks below run and raise with the exact message.
 """
 
 from __future__ import annotations
