@@ -26,6 +26,8 @@ from ds_resilience.topology import Worker
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_COST = CostModel.load(ROOT / "configs" / "costs_gpt_example.json")
+# the same model on a link 200x slower: sends queue on their link (the replay's link contention)
+SLOW_LINK_COST = replace(EXAMPLE_COST, p2p_bandwidth=EXAMPLE_COST.p2p_bandwidth / 200)
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"no C compiler here: {native.why_unavailable()}")
 
@@ -35,8 +37,8 @@ def _plans(seed: int, count: int):
     rng = random.Random(seed)
     for _ in range(count):
         dp, pp, m = rng.randint(1, 4), rng.randint(2, 5), rng.randint(2, 7)
-        cost = EXAMPLE_COST if rng.random() < 0.5 else CostModel.unit()
-        if cost is EXAMPLE_COST:  # its per-stage lists are for 4 stages; latency, bandwidth, bytes
+        cost = rng.choice([EXAMPLE_COST, SLOW_LINK_COST, CostModel.unit(), CostModel.unit()])
+        if cost.name == EXAMPLE_COST.name:  # its per-stage lists are for 4 stages
             pp = 4
         failed = [Worker(pipeline=rng.randrange(dp), stage=rng.randrange(pp))] if dp > 1 and rng.random() < 0.7 else []
         tied = ((0, pp - 1),) if rng.random() < 0.4 else ()
