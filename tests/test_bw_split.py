@@ -394,6 +394,12 @@ def test_store_accounting_and_errors():
     store.pop((0, 1))
     assert store.pending_count == 2 and store.peak_count == 3
     assert store.pending_bytes == sizes[0] + sizes[2] and store.peak_bytes == sum(sizes)
+    quiet = WeightGradStore(count_bytes=False)  # the engine outside a profile: counts, no graph walks
+    x = torch.randn(16, H, dtype=D, requires_grad=True)
+    _, pend = backward_input(lin(x), torch.randn(16, 2 * H, dtype=D), (x,), lin.parameters())
+    quiet.put("m", pend)
+    assert quiet.peak_count == 1 and quiet.peak_bytes == 0 and pend._nbytes is None
+    quiet.pop("m")
     assert (0, 2) in store and store.keys() == [(0, 0), (0, 2)]
     with pytest.raises(BackwardSplitError, match=r"\(0, 0\).*\(0, 2\)") as err:
         store.assert_empty()

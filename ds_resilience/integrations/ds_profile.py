@@ -123,6 +123,7 @@ class Profiler:
         schedule = (one_f_one_b(topo.dp, topo.pp, engine.micro_batches, tied=tied) if fused else
                     decoupled(topo.dp, topo.pp, engine.micro_batches, CostModel.unit(), tied=tied))
         engine.generation = replace(generation, schedule=schedule)
+        engine.executor.count_w_bytes = True  # the pending-W bytes per micro-batch (off outside the profile)
         if self.iteration == 0:
             self._hook_forward()
 
@@ -215,6 +216,7 @@ class Profiler:
     # --- the end -------------------------------------------------------------------------------------------
     def _restore(self) -> None:
         self._unhook_forward()
+        self.engine.executor.count_w_bytes = False
         if self._saved is not None and self.engine.generation.epoch == self._saved.epoch:
             self.engine.generation = self._saved
 

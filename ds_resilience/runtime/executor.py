@@ -91,7 +91,7 @@ class IterationStats:
     losses: int = 0
     seconds: float = 0.0
     peak_pending_w: int = 0
-    peak_pending_w_bytes: int = 0
+    peak_pending_w_bytes: int = 0  # 0 unless count_w_bytes was set for the iteration
     loss_dtype: Any = None
     durations: dict = field(default_factory=dict)
     """Seconds per action, by action kind code (``F``, ``B``, ``W``, ``BW``, ``RD``, ``OPT``, ...)."""
@@ -250,7 +250,8 @@ class Executor:
         self._posted: dict[int, Any] = {}  # receive index -> its posted receive (comm.p2p.Posted or None)
         self.progress: Progress | None = None  # the main thread's progress, for hang detection
         self.stats = IterationStats()
-        self.wstore = WeightGradStore()
+        self.count_w_bytes = False  # peak pending-W bytes in the stats (a profile sets it: it costs a graph walk per B)
+        self.wstore = WeightGradStore(count_bytes=False)
         self._inputs: dict = {}
         self._outputs: dict = {}
         self._grads_out: dict = {}
@@ -302,7 +303,7 @@ class Executor:
         self._posted = {}
         self.cursor = 0
         self.stats = IterationStats()
-        self.wstore = WeightGradStore()  # fresh peaks per iteration
+        self.wstore = WeightGradStore(count_bytes=self.count_w_bytes)  # fresh peaks per iteration
 
     def run(self, actions: Sequence[Action]) -> IterationStats:
         """Run a whole action list (one iteration) through the handler table (after
@@ -345,7 +346,7 @@ class Executor:
         self._grads_out.clear()
         self._received.clear()
         self._labels.clear()
-        self.wstore = WeightGradStore()
+        self.wstore = WeightGradStore(count_bytes=self.count_w_bytes)
         self.cursor = 0
         self._posted.clear()  # receives posted on the abandoned iteration's groups
         if self.messenger is not None:
