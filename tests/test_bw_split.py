@@ -644,3 +644,81 @@ def test_fast_linear_w_leaves_hooked_parameters_and_hooked_saved_tensors_to_auto
     _, pw = backward_input(out, torch.ones(3, 5, H, dtype=D), (x,), stage.parameters(), strategy="split")
     assert pw._fast == []  # saved behind pack/unpack hooks: autograd unpacks them
     backward_weight(pw)
+
+
+# ----------------------------------------------------------------------------- the structural plan cache
+class _Branchy(nn.Module):
+    """Data-dependent control flow: the graph of a micro-batch depends on its values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(H, dtype=D)
+        self.a = nn.Linear(H, H, dtype=D)
+        self.b = nn.Linear(H, H, dtype=D)
+
+    def forward(self, x):
+        h = self.ln(x)
+        return x + (self.a(h) if float(x.detach().sum()) > 0 else torch.tanh(self.b(h)) * self.a(h))
+
+
+def _split_then_fused(stage, x0, g):
+    """One micro-batch's (dx, grads) by B then W, and by one fused backward."""
+    got = []
+    for split in (True, False):
+        for p in stage.parameters():
+            p.grad = None
+        x = x0.detach().requires_grad_()
+        out = stage(x)
+        if split:
+            (dx,), pw = backward_input(out, g, (x,), stage.parameters(), strategy="split")
+            del out
+            backward_weight(pw)
+        else:
+            (dx,) = backward_fused(out, g, (x,), list(stage.parameters()))
+        got.append((dx, [None if p.grad is None else p.grad.clone() for p in stage.parameters()]))
+    return got
+
+
+def _equal(a, b):
+    return torch.equal(a[0], b[0]) and all((u is None and v is None) or torch.equal(u, v) for u, v in zip(a[1], b[1]))
+
+
+def test_a_stage_analyses_its_graph_once_and_every_later_micro_batch_reuses_it():
+    torch.manual_seed(5)
+    stage = nn.Sequential(_NoBiasMix(D), ResMLP().double())
+    misses = bw_split._plan_misses
+    for m in range(4):
+        split, fused = _split_then_fused(stage, torch.randn(3, 5, H, dtype=D), torch.randn(3, 5, H, dtype=D))
+        assert _equal(split, fused), f"micro-batch {m}"
+    assert bw_split._plan_misses - misses <= 1  # 0 when an earlier test built the same graph
+    twin = nn.Sequential(_NoBiasMix(D), ResMLP().double())  # same structure, other parameters
+    misses = bw_split._plan_misses
+    split, fused = _split_then_fused(twin, torch.randn(3, 5, H, dtype=D), torch.randn(3, 5, H, dtype=D))
+    assert bw_split._plan_misses == misses and _equal(split, fused)  # the plan names parameters by position
+
+
+def test_data_dependent_graphs_get_their_own_plans():
+    torch.manual_seed(6)
+    stage = _Branchy()
+    misses = bw_split._plan_misses
+    for sign in (1, -1, 1, -1):
+        x0 = sign * (torch.rand(2, H, dtype=D) + 0.1)
+        split, fused = _split_then_fused(stage, x0, torch.randn(2, H, dtype=D))
+        assert _equal(split, fused), sign
+        assert (split[1][4] is None) == (sign > 0)  # b's weight (ln, a, then b) only in the negative branch
+    assert bw_split._plan_misses - misses == 2
+
+
+def test_a_fast_w_refused_for_one_micro_batch_is_taken_by_the_next():
+    # the profile's first iteration saves tensors through hooks; the plan must not remember that
+    torch.manual_seed(7)
+    stage = nn.Sequential(_NoBiasMix(D))
+    x = torch.randn(3, 5, H, dtype=D, requires_grad=True)
+    with torch.autograd.graph.save_on_cpu():
+        out = stage(x)
+    _, pw = backward_input(out, torch.ones(3, 5, H, dtype=D), (x,), stage.parameters(), strategy="split")
+    assert pw._fast == []
+    backward_weight(pw)
+    _, pw = backward_input(stage(x), torch.ones(3, 5, H, dtype=D), (x,), stage.parameters(), strategy="split")
+    assert len(pw._fast) == 3
+    backward_weight(pw)

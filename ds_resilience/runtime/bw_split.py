@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Hashable, Iterable, Iterator
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -187,8 +188,9 @@ def _prepare(outputs: Any, grad_outputs: Any, inputs: Any, params: Iterable[Tens
     return outs, grads, ins, idx, plist
 
 
-def _grad_state(params: list[Tensor]) -> list[tuple]:
-    return [(id(p.grad), -1 if p.grad is None else p.grad._version) for p in params]
+def _grad_state(params: list[Tensor]) -> list:
+    grads = [p.grad for p in params]
+    return [(id(g), g._version) if g is not None else None for g in grads]
 
 
 def _split_blocker(inputs: list[Tensor], params: list[Tensor]) -> str | None:
@@ -201,71 +203,195 @@ def _split_blocker(inputs: list[Tensor], params: list[Tensor]) -> str | None:
     return None
 
 
-def _split(outs: list[Tensor], grads: list[Tensor], inputs: list[Tensor], params: list[Tensor]):
-    """B in "split" mode: returns (input grads, W groups, keep-alive tokens or None)."""
-    out_edges = [get_gradient_edge(o) for o in outs]
-    consumers: dict[Node, list[Node]] = {e.node: [] for e in out_edges}
-    queue = deque(consumers)
-    while queue:  # every node reachable from the outputs -> the nodes consuming its result
-        node = queue.popleft()
-        for nxt, _ in node.next_functions:
-            if nxt is not None:
-                if nxt not in consumers:
-                    consumers[nxt] = []
-                    queue.append(nxt)
-                consumers[nxt].append(node)
-    path = {n for n in (get_gradient_edge(x).node for x in inputs) if n in consumers}
+def _accumulate_type() -> type:
+    leaf = torch.zeros(1, requires_grad=True)
+    with torch.enable_grad():
+        return type(leaf.view_as(leaf).grad_fn.next_functions[0][0])
+
+
+_ACCUMULATE = _accumulate_type()  # the node type of a leaf's gradient accumulator
+_PLANS: dict[tuple, "_SplitPlan"] = {}  # structural key -> analysis (bounded: see _remember)
+_PLANS_MAX = 64
+_plan_misses = 0  # analyses run (tests read it: the second micro-batch of a stage must not analyse)
+
+
+class _SplitPlan:
+    """The structural part of a split, as indices into the graph's BFS order (so it carries over
+    to every graph with the same key): the boundary nodes to capture in B, and per W group its
+    parameters (indices into the call's parameter list), its boundary nodes, the outputs that
+    reach it without crossing an input, and its fast-W spec (:func:`_fast_spec`) or ``None``."""
+
+    __slots__ = ("targets", "groups", "python_nodes")
+
+    def __init__(self, targets: list[int], groups: list[tuple[list[int], list[int], list[int], tuple | None]],
+                 python_nodes: bool) -> None:
+        self.targets, self.groups, self.python_nodes = targets, groups, python_nodes
+
+
+def _graph_key(out_edges: list, inputs: list[Tensor], params: list[Tensor]) -> tuple[list[Node], dict, tuple]:
+    """The nodes reachable from the outputs in BFS order, their positions, and a flat key that
+    determines the graph: the outputs' (position, output number), then per node its type and
+    either its next edges as (position, output number) pairs (-1 for none) or, for a leaf's
+    accumulator, which of the call's parameters (0, k) or inputs (1, k) it is (2, -1: neither).
+    Two graphs with equal keys are the same graph up to the node objects, with nodes matched by
+    position, so an analysis in positions holds for both. (Flat ints: hashing and comparing the
+    key stays a few microseconds for hundreds of nodes.)"""
+    pid = {id(p): k for k, p in enumerate(params)}
+    xid = {id(x): k for k, x in enumerate(inputs)}
+    index: dict[Node, int] = {}
+    order: list[Node] = []
+    for e in out_edges:
+        if e.node not in index:
+            index[e.node] = len(order)
+            order.append(e.node)
+    key: list = [len(out_edges)]
+    for e in out_edges:
+        key += (index[e.node], e.output_nr)
+    append = key.append
+    i = 0
+    while i < len(order):
+        node = order[i]
+        i += 1
+        kind = type(node)
+        append(kind)
+        if kind is _ACCUMULATE:
+            v = id(node.variable)
+            k = pid.get(v)
+            if k is not None:
+                key += (0, k)
+            else:
+                k = xid.get(v)
+                key += (2, -1) if k is None else (1, k)
+            continue
+        nxt = node.next_functions
+        append(len(nxt))
+        for n, nr in nxt:
+            if n is None:
+                key += (-1, 0)
+                continue
+            j = index.get(n)
+            if j is None:
+                j = index[n] = len(order)
+                order.append(n)
+            key += (j, nr)
+    return order, index, tuple(key)
+
+
+def _structure(order: list[Node], index: dict, inputs: list[Tensor], params: list[Tensor]) -> list[tuple]:
+    """Per node of ``order``: ``("p", k)``/``("x", k)``/``("leaf",)`` for a leaf's accumulator,
+    else ``(type, next edges)`` with each edge ``(position, output number)`` or ``None``: the
+    key of :func:`_graph_key` unpacked, built once per key for the analysis."""
+    pid = {id(p): k for k, p in enumerate(params)}
+    xid = {id(x): k for k, x in enumerate(inputs)}
+    graph: list[tuple] = []
+    for node in order:
+        if type(node) is _ACCUMULATE:
+            v = id(node.variable)
+            graph.append(("p", pid[v]) if v in pid else ("x", xid[v]) if v in xid else ("leaf",))
+        else:
+            graph.append((type(node), tuple(None if n is None else (index[n], nr) for n, nr in node.next_functions)))
+    return graph
+
+
+def _analyse(order: list[Node], index: dict, out_edges: list, inputs: list[Tensor], params: list[Tensor]) -> _SplitPlan:
+    """The split's structure (see :func:`_split`), in positions of ``order``."""
+    global _plan_misses
+    _plan_misses += 1
+    graph = _structure(order, index, inputs, params)
+    n, n_params = len(order), len(params)
+    consumers: list[list[int]] = [[] for _ in range(n)]
+    start = [-1] * n_params  # parameter -> its AccumulateGrad's position
+    path: set[int] = set()  # the input-gradient path: nodes downstream of an input
+    for j, entry in enumerate(graph):
+        if entry[0] == "p":
+            start[entry[1]] = j
+        elif entry[0] == "x":
+            path.add(j)
+        elif entry[0] != "leaf":
+            for e in entry[1]:
+                if e is not None:
+                    consumers[e[0]].append(j)
     queue = deque(path)
-    while queue:  # the input-gradient path: nodes downstream of an input
+    while queue:
         for c in consumers[queue.popleft()]:
             if c not in path:
                 path.add(c)
                 queue.append(c)
-    roots = {e.node for e in out_edges} - path  # outputs that do not depend on any input
-    owner: dict[Node, dict] = {}
-    for p in params:  # walk forward from each parameter to the input path or such an output
-        start = get_gradient_edge(p).node
-        if start not in consumers:
+    outs = [index[e.node] for e in out_edges]
+    roots = set(outs) - path  # outputs that do not depend on any input
+    owner: dict[int, dict] = {}
+    for k in range(n_params):  # walk forward from each parameter to the input path or such an output
+        if start[k] < 0:
             continue  # unused by these outputs: .grad stays as it is, as with loss.backward()
-        hits, seen, queue = set(), {start}, deque([start])
+        hits, seen, queue = set(), {start[k]}, deque([start[k]])
         while queue:
-            node = queue.popleft()
-            if node in roots:
-                hits.add(node)
-            for c in consumers[node]:
+            j = queue.popleft()
+            if j in roots:
+                hits.add(j)
+            for c in consumers[j]:
                 if c in path:
                     hits.add(c)
                 elif c not in seen:
                     seen.add(c)
                     queue.append(c)
-        group = {"params": [p], "hits": hits}  # parameters sharing a boundary node share a W pass
+        group = {"params": [k], "hits": hits}  # parameters sharing a boundary node share a W pass
         for old in {id(owner[h]): owner[h] for h in hits if h in owner}.values():
             group = {"params": old["params"] + group["params"], "hits": old["hits"] | group["hits"]}
         for h in group["hits"]:
             owner[h] = group
-    groups = list({id(g): g for g in owner.values()}.values())
-    targets = [n for n in owner if n in path]
-    captured: dict[Node, tuple] = {}
-    handles = [n.register_prehook(lambda g, n=n: captured.__setitem__(n, tuple(g))) for n in targets]
+    groups = []
+    for g in {id(g): g for g in owner.values()}.values():
+        hits = [h for h in sorted(g["hits"]) if h in path]
+        root_outs = [m for m, j in enumerate(outs) if j in g["hits"] and j in roots]
+        groups.append((g["params"], hits, root_outs, _fast_spec(g["params"], hits, root_outs, order, graph)))
+    targets = sorted(h for h in owner if h in path)
+    python_nodes = any(isinstance(order[h], BackwardCFunction) for h in owner)
+    return _SplitPlan(targets, groups, python_nodes)
+
+
+def _remember(key: tuple, plan: _SplitPlan) -> None:
+    if len(_PLANS) >= _PLANS_MAX:  # a stage has a few shapes; a job that keeps making new ones stays bounded
+        del _PLANS[next(iter(_PLANS))]
+    _PLANS[key] = plan
+
+
+def _split(outs: list[Tensor], grads: list[Tensor], inputs: list[Tensor], params: list[Tensor], fast: bool):
+    """B in "split" mode: returns (input grads, W groups for autograd, fast W's, keep-alive tokens
+    or None); ``fast=False`` sends every group through autograd.
+
+    The boundary nodes and the W groups come from the graph's structure alone: they are found once
+    per structural key (:func:`_graph_key`) and reused for every later micro-batch whose graph has
+    the same key, so a stage pays a BFS listing per micro-batch, not the analysis."""
+    out_edges = [get_gradient_edge(o) for o in outs]
+    order, index, key = _graph_key(out_edges, inputs, params)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _analyse(order, index, out_edges, inputs, params)
+        _remember(key, plan)
+    targets = [order[j] for j in plan.targets]
+    captured: dict[Node, tuple] = {}  # a pre-hook gets the node's gradients as a tuple (after tensor hooks)
+    handles = [n.register_prehook(partial(captured.__setitem__, n)) for n in targets]  # C calls, no frames
     try:
-        dinputs = torch.autograd.grad(outs, inputs, grads, retain_graph=bool(groups), allow_unused=True)
+        dinputs = torch.autograd.grad(outs, inputs, grads, retain_graph=bool(plan.groups), allow_unused=True)
     finally:
         for h in handles:
             h.remove()
     if len(captured) != len(targets):
         raise BackwardSplitError(f"{len(targets) - len(captured)} boundary node(s) did not run in B")
-    packed = []
-    for g in groups:
-        clamps = [(n, captured[n]) for n in g["hits"] if n in path]
+    packed, quick = [], []
+    for pk, hits, root_outs, spec in plan.groups:
+        clamps = [(order[j], captured[order[j]]) for j in hits]
+        w = _fast_w(spec, params, pk, *clamps[0]) if fast and spec is not None else None
+        if w is not None:
+            quick.append(w)
+            continue
         edges = [GradientEdge(n, i) for n, gs in clamps for i, x in enumerate(gs) if x is not None]
         seeds = [x for _, gs in clamps for x in gs if x is not None]
-        for e, gr in zip(out_edges, grads):
-            if e.node in g["hits"] and e.node in roots:
-                edges.append(e)
-                seeds.append(gr)
-        packed.append((g["params"], edges, seeds, clamps))
-    python_nodes = any(isinstance(n, BackwardCFunction) for n in owner)
-    return dinputs, packed, (out_edges if python_nodes else None)
+        for m in root_outs:
+            edges.append(out_edges[m])
+            seeds.append(grads[m])
+        packed.append(([params[k] for k in pk], edges, seeds, clamps))
+    return dinputs, packed, quick, (out_edges if plan.python_nodes else None)
 
 
 class _LinearW:
@@ -312,69 +438,73 @@ class _NodeW:
 
 
 _DIRECT_NODES = frozenset({"NativeLayerNormBackward0"})
-
-
-def _as_direct(params: list[Tensor], clamps: list) -> _NodeW | None:
-    """The group as a :class:`_NodeW`, or ``None``."""
-    node, grads = clamps[0]
-    if node.name() not in _DIRECT_NODES or any(g is None for g in grads):
-        return None
-    for name in _saved_names(node):  # called outside the engine, the node must not unpack through hooks
-        raw = getattr(node, name)
-        if any(getattr(r, "unpack_hook", None) is not None for r in (raw if isinstance(raw, (list, tuple)) else (raw,))):
-            return None
-    ids = {id(p) for p in params}  # a leaf stage input is an AccumulateGrad too: its output is dropped
-    targets = [(i, v) for i, (nxt, _) in enumerate(node.next_functions)
-               if (v := _variable(nxt)) is not None and id(v) in ids]
-    if {id(v) for _, v in targets} != ids or len(targets) != len(params):
-        return None
-    return _NodeW(node, tuple(grads), targets)
-
-
 _LINEAR_NODES = {"AddmmBackward0": ("_raw_saved_mat1", 2), "MmBackward0": ("_raw_saved_self", 1)}
 
 
-def _variable(node: Node | None) -> Tensor | None:
-    return getattr(node, "variable", None) if node is not None and node.name().endswith("AccumulateGrad") else None
-
-
-def _fast_w(params: list[Tensor], edges: list, clamps: list) -> _LinearW | _NodeW | None:
-    """The group's W without autograd (a linear layer, or an allowlisted node whose parameters
-    are its direct inputs), or ``None`` when it needs autograd."""
-    if len(clamps) != 1 or len(edges) != 1 or not 1 <= len(params) <= 2:
+def _fast_spec(pk: list[int], hits: list[int], root_outs: list[int], order: list[Node], graph: list[tuple]) -> tuple | None:
+    """The structural half of a group's W without autograd, from the graph's structure (so it holds for
+    every graph with that key): ``("linear", saved-input name, weight, bias)`` for one linear
+    layer's weight (and bias) behind one ``AddmmBackward0``/``MmBackward0`` (``mat2`` a
+    ``TBackward0`` of the weight), ``("direct", [(node output, parameter)])`` for an allowlisted
+    node whose parameters are its direct inputs; parameters as indices into the call's list.
+    ``None``: the group needs autograd. What can change between micro-batches (saved-tensor hooks,
+    dtypes, dims, scalars, parameter hooks) is checked per micro-batch by :func:`_fast_w`."""
+    if len(hits) != 1 or root_outs or not 1 <= len(pk) <= 2:
         return None
-    for p in params:
-        if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None):
+
+    def param(edge) -> int | None:  # the call's parameter behind a next edge, or None
+        tag = graph[edge[0]] if edge is not None else None
+        return tag[1] if tag is not None and tag[0] == "p" else None
+
+    j = hits[0]
+    name, nxt = order[j].name(), graph[j][1]
+    linear = _LINEAR_NODES.get(name)
+    if linear is not None:
+        raw_inp, mat2_at = linear
+        t = nxt[mat2_at] if len(nxt) > mat2_at else None
+        if t is None or order[t[0]].name() != "TBackward0":
+            return None
+        weight = param(graph[t[0]][1][0])
+        bias = param(nxt[0]) if mat2_at == 2 else None
+        if weight is None or (mat2_at == 2 and bias is None) or set(pk) != {weight} | ({bias} - {None}):
+            return None
+        return ("linear", raw_inp, weight, bias)
+    if name in _DIRECT_NODES:
+        targets = [(i, k) for i, e in enumerate(nxt) if (k := param(e)) is not None]
+        if sorted(k for _, k in targets) != sorted(pk):  # a leaf stage input's output is dropped
+            return None
+        return ("direct", targets)
+    return None
+
+
+def _fast_w(spec: tuple, params: list[Tensor], group: list[int], node: Node, grads: tuple) -> _LinearW | _NodeW | None:
+    """The group's W without autograd for this micro-batch, or ``None`` when it needs autograd."""
+    if len(grads) != 1 or grads[0] is None:
+        return None  # one gradient reaches the node (both allowlisted kinds have one output)
+    for k in group:
+        p = params[k]
+        if p._backward_hooks or p._post_accumulate_grad_hooks:
             return None  # a hook on the parameter fires only through AccumulateGrad
-    return _as_linear(params, clamps) or _as_direct(params, clamps)
-
-
-def _as_linear(params: list[Tensor], clamps: list) -> _LinearW | None:
-    """The group as one linear layer's fast W, or ``None`` when it is anything else."""
-    node, grads = clamps[0]
-    spec = _LINEAR_NODES.get(node.name())
-    if spec is None or len(grads) != 1 or grads[0] is None or grads[0].dim() != 2:
+    if spec[0] == "direct":
+        for name in _saved_names(node):  # called outside the engine, the node must not unpack through hooks
+            raw = getattr(node, name)
+            if any(getattr(r, "unpack_hook", None) is not None for r in (raw if isinstance(raw, (list, tuple)) else (raw,))):
+                return None
+        return _NodeW(node, grads, [(i, params[k]) for i, k in spec[1]])
+    _, raw_inp, wk, bk = spec
+    weight, grad = params[wk], grads[0]
+    bias = params[bk] if bk is not None else None
+    if grad.dim() != 2:
         return None
-    raw_inp, mat2_at = spec
-    nxt = node.next_functions
-    t_node = nxt[mat2_at][0]
-    if t_node is None or t_node.name() != "TBackward0":
-        return None
-    weight = _variable(t_node.next_functions[0][0])
-    bias = _variable(nxt[0][0]) if mat2_at == 2 else None
-    if weight is None or {id(p) for p in params} != {id(weight)} | ({id(bias)} if bias is not None else set()):
-        return None
-    if mat2_at == 2 and (bias is None or bias.dim() != 1 or getattr(node, "_saved_beta", None) != 1):
-        return None
-    if getattr(node, "_saved_alpha", 1) != 1:
-        return None
-    saved = getattr(node, raw_inp, None)
-    if saved is None or saved.unpack_hook is not None or not isinstance(saved.data, Tensor):
+    if bias is not None and (bias.dim() != 1 or node._saved_alpha != 1 or node._saved_beta != 1):
+        return None  # an addmm (mm has neither bias nor scalars)
+    saved = getattr(node, raw_inp)
+    if saved.unpack_hook is not None:
         return None  # behind saved-tensor hooks (offload, checkpointing): autograd unpacks it
     inp = saved.data
-    if inp.dim() != 2 or inp.dtype != weight.dtype or grads[0].dtype != weight.dtype:
+    if not isinstance(inp, Tensor) or inp.dim() != 2 or inp.dtype != weight.dtype or grad.dtype != weight.dtype:
         return None
-    return _LinearW(weight, bias, grads[0], inp)
+    return _LinearW(weight, bias, grad, inp)
 
 
 def backward_input(outputs: Any, grad_outputs: Any, inputs: Any, params: Iterable[Tensor], *,
@@ -412,10 +542,9 @@ def backward_input(outputs: Any, grad_outputs: Any, inputs: Any, params: Iterabl
         dins = torch.autograd.grad(outs, req, grads, retain_graph=True, allow_unused=True)
         pending = PendingW("recompute", plist, outputs=outs, grads=grads)
     else:
-        dins, groups, keep = _split(outs, grads, req, plist)
-        linear = [_fast_w(*g[:2], g[3]) if fast_linear else None for g in groups]
-        pending = PendingW("split", plist, groups=[g for g, lw in zip(groups, linear) if lw is None], keep=keep)
-        pending._fast = [lw for lw in linear if lw is not None]
+        dins, groups, quick, keep = _split(outs, grads, req, plist, fast_linear)
+        pending = PendingW("split", plist, groups=groups, keep=keep)
+        pending._fast = quick
     if _grad_state(plist) != before:
         raise BackwardSplitError(
             "B accumulated into parameters' .grad (a custom Function that runs backward itself, "
