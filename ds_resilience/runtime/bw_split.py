@@ -247,11 +247,8 @@ def _graph_key(out_edges: list, inputs: list[Tensor], params: list[Tensor]) -> t
     key: list = [len(out_edges)]
     for e in out_edges:
         key += (index[e.node], e.output_nr)
-    append = key.append
-    i = 0
-    while i < len(order):
-        node = order[i]
-        i += 1
+    append, position, grow = key.append, index.get, order.append
+    for node in order:  # a list iterator sees the nodes appended below: BFS
         kind = type(node)
         append(kind)
         if kind is _ACCUMULATE:
@@ -269,10 +266,10 @@ def _graph_key(out_edges: list, inputs: list[Tensor], params: list[Tensor]) -> t
             if n is None:
                 key += (-1, 0)
                 continue
-            j = index.get(n)
+            j = position(n)
             if j is None:
                 j = index[n] = len(order)
-                order.append(n)
+                grow(n)
             key += (j, nr)
     return order, index, tuple(key)
 
