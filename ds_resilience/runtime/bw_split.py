@@ -24,6 +24,10 @@ it). A LayerNorm's weight and bias (an allowlisted node whose parameters are its
 get theirs by calling that node on the captured gradient: ``autograd.backward`` from a boundary
 node walks the whole graph below it to find what to run, once per group, and that walk, not the
 arithmetic, was most of what made B + W cost more than a fused backward.
+The boundary nodes, the W groups and the structural half of the fast-W test depend only on the
+graph's structure, so they are worked out once per structural key (node types and edges in BFS
+order, which leaves are the call's parameters and inputs) and reused for every later micro-batch
+with the same key; B then costs one listing of the graph, the pre-hooks and the pass itself.
 Callers should drop the stage outputs after B; in "split" mode W then frees the whole graph.
 """
 
