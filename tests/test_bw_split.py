@@ -722,3 +722,45 @@ def test_a_fast_w_refused_for_one_micro_batch_is_taken_by_the_next():
     _, pw = backward_input(stage(x), torch.ones(3, 5, H, dtype=D), (x,), stage.parameters(), strategy="split")
     assert len(pw._fast) == 3
     backward_weight(pw)
+
+
+# ----------------------------------------------------------------------------- B without the graph
+def _mlp_stage():
+    return nn.Sequential(nn.LayerNorm(H, dtype=D), nn.Linear(H, 4 * H, dtype=D), nn.GELU(),
+                         nn.Linear(4 * H, H, dtype=D, bias=False), nn.LayerNorm(H, dtype=D, bias=False),
+                         nn.LayerNorm(H, dtype=D, elementwise_affine=False))
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+def test_a_stage_whose_w_is_all_fast_frees_its_graph_in_b(hooked):
+    torch.manual_seed(8)
+    stage = _mlp_stage()
+    if hooked:  # one group back to autograd: the graph must outlive B
+        stage[3].weight.register_hook(lambda g: g)
+    seen = []
+    stage[1].register_forward_hook(lambda m, i, o: seen.append(weakref.ref(o)))  # only GELU saves fc1's output
+    x0, g = torch.randn(3, 5, H, dtype=D), torch.randn(3, 5, H, dtype=D)
+    split, fused = _split_then_fused(stage, x0, g)
+    assert _equal(split, fused)
+    x = x0.clone().requires_grad_()
+    out = stage(x)
+    _, pend = backward_input(out, g, (x,), stage.parameters())
+    del out
+    gc.collect()
+    assert len(pend._fast) == (3 if hooked else 4) and len(pend._groups) == int(hooked)
+    assert (seen[-1]() is not None) == hooked, "B keeps the graph only when a W group needs autograd"
+    if not hooked:  # W holds what its products read and nothing else
+        held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for w in pend._fast for t in w.tensors()}
+        assert pend.nbytes == sum(held.values())
+    backward_weight(pend)
+
+
+def test_layernorm_w_without_bias_or_affine_equals_autograd_bit_for_bit():
+    torch.manual_seed(9)
+    for dtype in (torch.float32, torch.bfloat16):
+        stage = _mlp_stage().to(dtype)
+        for p in stage.parameters():  # away from the init values, so gamma and beta matter
+            p.data.add_(torch.randn_like(p) * 0.1)
+        x0, g = torch.randn(4, 3, H, dtype=dtype), torch.randn(4, 3, H, dtype=dtype)
+        split, fused = _split_then_fused(stage, x0, g)
+        assert _equal(split, fused), dtype

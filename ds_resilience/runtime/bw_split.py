@@ -86,7 +86,7 @@ class PendingW:
                  outputs: Iterable[Tensor] = (), grads: Iterable[Tensor] = (), keep: Any = None) -> None:
         self._mode, self._params, self._done = mode, params, mode == "empty"
         self._groups = list(groups)  # (params, seed edges, seed grads, clamps [(node, grads)])
-        self._fast: list[_LinearW | _NodeW] = []  # "split" mode's groups that skip autograd
+        self._fast: list[_LinearW | _LayerNormW] = []  # "split" mode's groups that skip autograd
         self._outputs, self._grads = list(outputs), list(grads)  # "full"/"recompute" modes
         self._keep = keep  # output edges owning Python-function boundary nodes (older torch)
         self._nbytes: int | None = None
@@ -119,11 +119,7 @@ class PendingW:
             nodes += [e.node for e in edges] + [n for n, _ in clamps]
             tensors += list(_tensors_in(seeds))
         for lw in self._fast:
-            if isinstance(lw, _LinearW):
-                tensors += [lw.grad, lw.inp]
-            else:
-                nodes.append(lw.node)
-                tensors += list(_tensors_in(lw.grads))
+            tensors += lw.tensors()
         seen: set[Node] = set()
         queue = deque(n for n in nodes if n is not None)
         while queue:
@@ -362,29 +358,37 @@ def _split(outs: list[Tensor], grads: list[Tensor], inputs: list[Tensor], params
 
     The boundary nodes and the W groups come from the graph's structure alone: they are found once
     per structural key (:func:`_graph_key`) and reused for every later micro-batch whose graph has
-    the same key, so a stage pays a BFS listing per micro-batch, not the analysis."""
+    the same key, so a stage pays a BFS listing per micro-batch, not the analysis. When every group
+    gets a fast W (checked before B), B does not retain the graph: each node frees its saved
+    tensors as it runs, as in a plain backward, and W holds only what its products read."""
     out_edges = [get_gradient_edge(o) for o in outs]
     order, index, key = _graph_key(out_edges, inputs, params)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _analyse(order, index, out_edges, inputs, params)
         _remember(key, plan)
+    quick: list[_LinearW | _LayerNormW | None] = []
+    if fast:
+        quick = [_fast_w(spec, params, pk, order[hits[0]]) if spec is not None else None
+                 for pk, hits, _, spec in plan.groups]
+    detached = bool(quick) and all(w is not None for w in quick)  # nothing needs the graph after B
     targets = [order[j] for j in plan.targets]
     captured: dict[Node, tuple] = {}  # a pre-hook gets the node's gradients as a tuple (after tensor hooks)
     handles = [n.register_prehook(partial(captured.__setitem__, n)) for n in targets]  # C calls, no frames
     try:
-        dinputs = torch.autograd.grad(outs, inputs, grads, retain_graph=bool(plan.groups), allow_unused=True)
+        dinputs = torch.autograd.grad(outs, inputs, grads, retain_graph=bool(plan.groups) and not detached,
+                                      allow_unused=True)
     finally:
         for h in handles:
             h.remove()
     if len(captured) != len(targets):
         raise BackwardSplitError(f"{len(targets) - len(captured)} boundary node(s) did not run in B")
-    packed, quick = [], []
-    for pk, hits, root_outs, spec in plan.groups:
+    packed, ready = [], []
+    for (pk, hits, root_outs, _), w in zip(plan.groups, quick or [None] * len(plan.groups)):
         clamps = [(order[j], captured[order[j]]) for j in hits]
-        w = _fast_w(spec, params, pk, *clamps[0]) if fast and spec is not None else None
         if w is not None:
-            quick.append(w)
+            if w.take(clamps[0][1]):
+                ready.append(w)
             continue
         edges = [GradientEdge(n, i) for n, gs in clamps for i, x in enumerate(gs) if x is not None]
         seeds = [x for _, gs in clamps for x in gs if x is not None]
@@ -392,7 +396,18 @@ def _split(outs: list[Tensor], grads: list[Tensor], inputs: list[Tensor], params
             edges.append(out_edges[m])
             seeds.append(grads[m])
         packed.append(([params[k] for k in pk], edges, seeds, clamps))
-    return dinputs, packed, quick, (out_edges if plan.python_nodes else None)
+    return dinputs, packed, ready, (out_edges if plan.python_nodes and packed else None)
+
+
+def _take_grad(grads: tuple, like: Tensor) -> Tensor | None:
+    """The one gradient a fast W's node received in B (``None``: none reached it, so its W adds
+    nothing, as the fused backward would not); its dtype must be the layer's."""
+    if len(grads) != 1:
+        raise BackwardSplitError(f"a fast W's node received {len(grads)} gradients, expected 1")
+    grad = grads[0]
+    if grad is not None and grad.dtype != like.dtype:
+        raise BackwardSplitError(f"a fast W's gradient is {grad.dtype}, its layer {like.dtype}")
+    return grad
 
 
 class _LinearW:
@@ -400,8 +415,17 @@ class _LinearW:
 
     __slots__ = ("weight", "bias", "grad", "inp")
 
-    def __init__(self, weight: Tensor, bias: Tensor | None, grad: Tensor, inp: Tensor) -> None:
-        self.weight, self.bias, self.grad, self.inp = weight, bias, grad, inp
+    def __init__(self, weight: Tensor, bias: Tensor | None, inp: Tensor) -> None:
+        self.weight, self.bias, self.inp = weight, bias, inp
+        self.grad: Tensor | None = None
+
+    def take(self, grads: tuple) -> bool:
+        """Keep the output gradient captured in B; False when none reached the layer."""
+        self.grad = _take_grad(grads, self.weight)
+        return self.grad is not None
+
+    def tensors(self) -> list[Tensor]:
+        return [self.grad, self.inp]
 
     def run(self) -> None:
         with torch.no_grad():
@@ -412,6 +436,36 @@ class _LinearW:
                 _accumulate(self.bias, self.grad.sum(0, keepdim=True).view(self.bias.shape))
 
 
+class _LayerNormW:
+    """One LayerNorm's W: the kernel its backward node calls (``native_layer_norm_backward``), on
+    the input and statistics the forward saved, asked for gamma and beta only (the node would also
+    recompute the input gradient B already sent); the same bits as the node's outputs."""
+
+    __slots__ = ("weight", "bias", "grad", "inp", "mean", "rstd", "shape")
+
+    def __init__(self, weight: Tensor | None, bias: Tensor | None, inp: Tensor, mean: Tensor, rstd: Tensor,
+                 shape: list[int]) -> None:
+        self.weight, self.bias, self.inp, self.mean, self.rstd, self.shape = weight, bias, inp, mean, rstd, shape
+        self.grad: Tensor | None = None
+
+    def take(self, grads: tuple) -> bool:
+        self.grad = _take_grad(grads, self.inp)
+        return self.grad is not None
+
+    def tensors(self) -> list[Tensor]:
+        return [self.grad, self.inp, self.mean, self.rstd]
+
+    def run(self) -> None:
+        with torch.no_grad():
+            _, dw, db = torch.ops.aten.native_layer_norm_backward(
+                self.grad, self.inp, self.shape, self.mean, self.rstd, self.weight, self.bias,
+                [False, self.weight is not None, self.bias is not None])
+            if self.weight is not None:
+                _accumulate(self.weight, dw)
+            if self.bias is not None:
+                _accumulate(self.bias, db)
+
+
 def _accumulate(param: Tensor, grad: Tensor) -> None:
     """What ``AccumulateGrad`` does outside grad mode: adopt the first gradient, add in place after."""
     if param.grad is None:
@@ -420,36 +474,18 @@ def _accumulate(param: Tensor, grad: Tensor) -> None:
         param.grad += grad
 
 
-class _NodeW:
-    """A group whose parameters are direct inputs of its one boundary node (a LayerNorm's weight
-    and bias): W calls that node on the gradient captured in B and keeps the parameters' outputs.
-    The node's kernel also returns its input gradient, which is dropped: for the allowlisted nodes
-    that is cheap, where ``autograd.backward`` from the node would walk the whole graph below it."""
-
-    __slots__ = ("node", "grads", "targets")
-
-    def __init__(self, node: Node, grads: tuple, targets: list[tuple[int, Tensor]]) -> None:
-        self.node, self.grads, self.targets = node, grads, targets
-
-    def run(self) -> None:
-        with torch.no_grad():
-            out = self.node(*self.grads)
-            for i, param in self.targets:
-                _accumulate(param, out[i])
-
-
-_DIRECT_NODES = frozenset({"NativeLayerNormBackward0"})
 _LINEAR_NODES = {"AddmmBackward0": ("_raw_saved_mat1", 2), "MmBackward0": ("_raw_saved_self", 1)}
+_LAYER_NORM = "NativeLayerNormBackward0"
 
 
 def _fast_spec(pk: list[int], hits: list[int], root_outs: list[int], order: list[Node], graph: list[tuple]) -> tuple | None:
-    """The structural half of a group's W without autograd, from the graph's structure (so it holds for
-    every graph with that key): ``("linear", saved-input name, weight, bias)`` for one linear
-    layer's weight (and bias) behind one ``AddmmBackward0``/``MmBackward0`` (``mat2`` a
-    ``TBackward0`` of the weight), ``("direct", [(node output, parameter)])`` for an allowlisted
-    node whose parameters are its direct inputs; parameters as indices into the call's list.
-    ``None``: the group needs autograd. What can change between micro-batches (saved-tensor hooks,
-    dtypes, dims, scalars, parameter hooks) is checked per micro-batch by :func:`_fast_w`."""
+    """The structural half of a group's W without autograd, from the graph's structure (so it
+    holds for every graph with that key): ``("linear", saved-input name, weight, bias)`` for one
+    linear layer's weight (and bias) behind one ``AddmmBackward0``/``MmBackward0`` (``mat2`` a
+    ``TBackward0`` of the weight), ``("layernorm", weight, bias)`` for a LayerNorm's affine
+    parameters; parameters as indices into the call's list (a bias may be ``None``). ``None``: the
+    group needs autograd. What can change between micro-batches (saved-tensor hooks, dtypes, dims,
+    scalars, parameter hooks) is checked per micro-batch by :func:`_fast_w`."""
     if len(hits) != 1 or root_outs or not 1 <= len(pk) <= 2:
         return None
 
@@ -470,42 +506,40 @@ def _fast_spec(pk: list[int], hits: list[int], root_outs: list[int], order: list
         if weight is None or (mat2_at == 2 and bias is None) or set(pk) != {weight} | ({bias} - {None}):
             return None
         return ("linear", raw_inp, weight, bias)
-    if name in _DIRECT_NODES:
-        targets = [(i, k) for i, e in enumerate(nxt) if (k := param(e)) is not None]
-        if sorted(k for _, k in targets) != sorted(pk):  # a leaf stage input's output is dropped
-            return None
-        return ("direct", targets)
+    if name == _LAYER_NORM and len(nxt) == 3 and param(nxt[0]) is None:
+        weight, bias = param(nxt[1]), param(nxt[2])
+        if sorted(k for k in (weight, bias) if k is not None) == sorted(pk):
+            return ("layernorm", weight, bias)
     return None
 
 
-def _fast_w(spec: tuple, params: list[Tensor], group: list[int], node: Node, grads: tuple) -> _LinearW | _NodeW | None:
-    """The group's W without autograd for this micro-batch, or ``None`` when it needs autograd."""
-    if len(grads) != 1 or grads[0] is None:
-        return None  # one gradient reaches the node (both allowlisted kinds have one output)
+def _fast_w(spec: tuple, params: list[Tensor], group: list[int], node: Node) -> _LinearW | _LayerNormW | None:
+    """The group's W without autograd for this micro-batch, before B runs (so B knows whether the
+    graph must outlive it), or ``None`` when it needs autograd. Its gradient comes after B."""
     for k in group:
         p = params[k]
         if p._backward_hooks or p._post_accumulate_grad_hooks:
             return None  # a hook on the parameter fires only through AccumulateGrad
-    if spec[0] == "direct":
-        for name in _saved_names(node):  # called outside the engine, the node must not unpack through hooks
-            raw = getattr(node, name)
-            if any(getattr(r, "unpack_hook", None) is not None for r in (raw if isinstance(raw, (list, tuple)) else (raw,))):
-                return None
-        return _NodeW(node, grads, [(i, params[k]) for i, k in spec[1]])
+    if spec[0] == "layernorm":
+        raws = [node._raw_saved_input, node._raw_saved_result1, node._raw_saved_result2]
+        if any(r.unpack_hook is not None for r in raws):
+            return None  # behind saved-tensor hooks (offload, checkpointing): autograd unpacks them
+        inp, mean, rstd = (r.data.detach() for r in raws)  # no grad_fn: W keeps no node alive
+        _, wk, bk = spec
+        return _LayerNormW(params[wk] if wk is not None else None, params[bk] if bk is not None else None,
+                           inp, mean, rstd, list(node._saved_normalized_shape))
     _, raw_inp, wk, bk = spec
-    weight, grad = params[wk], grads[0]
+    weight = params[wk]
     bias = params[bk] if bk is not None else None
-    if grad.dim() != 2:
-        return None
     if bias is not None and (bias.dim() != 1 or node._saved_alpha != 1 or node._saved_beta != 1):
         return None  # an addmm (mm has neither bias nor scalars)
     saved = getattr(node, raw_inp)
     if saved.unpack_hook is not None:
-        return None  # behind saved-tensor hooks (offload, checkpointing): autograd unpacks it
-    inp = saved.data
-    if not isinstance(inp, Tensor) or inp.dim() != 2 or inp.dtype != weight.dtype or grad.dtype != weight.dtype:
         return None
-    return _LinearW(weight, bias, grad, inp)
+    inp = saved.data
+    if not isinstance(inp, Tensor) or inp.dim() != 2 or inp.dtype != weight.dtype:
+        return None
+    return _LinearW(weight, bias, inp.detach())
 
 
 def backward_input(outputs: Any, grad_outputs: Any, inputs: Any, params: Iterable[Tensor], *,
