@@ -20,10 +20,12 @@ with one exception, the fast path for linear layers: in "split" mode a group tha
 plain saved tensors and parameters without tensor hooks, gets its W as ``grad_out^T @ input`` (and
 ``grad_out`` summed for the bias) from the gradient captured in B and the input autograd saved,
 with no second trip through autograd: the same kernels autograd runs, so the same bits (a test holds
-it). A LayerNorm's weight and bias (an allowlisted node whose parameters are its direct inputs)
-get theirs by calling that node on the captured gradient: ``autograd.backward`` from a boundary
-node walks the whole graph below it to find what to run, once per group, and that walk, not the
-arithmetic, was most of what made B + W cost more than a fused backward.
+it). A LayerNorm's weight and bias get theirs from ``native_layer_norm_backward``, the kernel its
+node calls, asked for gamma and beta only, on the input and statistics the forward saved (the same
+bits). ``autograd.backward`` from a boundary node walks the whole graph below it to find what to
+run, once per group, and that walk, not the arithmetic, was most of what made B + W cost more than
+a fused backward. The fast W's hold detached tensors, no node: when every group has one, B does
+not retain the graph, and what a pending W holds is what its products read.
 The boundary nodes, the W groups and the structural half of the fast-W test depend only on the
 graph's structure, so they are worked out once per structural key (node types and edges in BFS
 order, which leaves are the call's parameters and inputs) and reused for every later micro-batch
