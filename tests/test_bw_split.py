@@ -764,3 +764,41 @@ def test_layernorm_w_without_bias_or_affine_equals_autograd_bit_for_bit():
         x0, g = torch.randn(4, 3, H, dtype=dtype), torch.randn(4, 3, H, dtype=dtype)
         split, fused = _split_then_fused(stage, x0, g)
         assert _equal(split, fused), dtype
+
+
+class _RMSBlock(nn.Module):
+    """Llama-style: RMSNorm (composed of ops on CPU: its weight is a MulBackward0's operand), a
+    bias-free projection and a learned scalar gate broadcast over the activation."""
+
+    def __init__(self, dtype, param_dtype=None) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(H, dtype=dtype)
+        self.proj = nn.Linear(H, H, bias=False, dtype=dtype)
+        self.gate = nn.Parameter(torch.full((1,), 0.5, dtype=param_dtype or dtype))
+
+    def forward(self, x):
+        return x + self.gate * self.proj(self.norm(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_scale_parameters_get_a_fast_w_equal_to_autograd_bit_for_bit(dtype):
+    torch.manual_seed(10)
+    stage = nn.Sequential(_RMSBlock(dtype), _RMSBlock(dtype))
+    for p in stage.parameters():
+        p.data.add_(torch.randn_like(p) * 0.1)
+    x0, g = torch.randn(4, 3, H, dtype=dtype), torch.randn(4, 3, H, dtype=dtype)
+    split, fused = _split_then_fused(stage, x0, g)
+    assert _equal(split, fused)
+    x = x0.clone().requires_grad_()
+    _, pend = backward_input(stage(x), g, (x,), stage.parameters())
+    assert len(pend._fast) == 6 and not pend._groups  # norm, projection and gate of both blocks
+    backward_weight(pend)
+
+
+def test_scale_w_sums_and_casts_like_the_engine_for_a_mixed_dtype_gate():
+    torch.manual_seed(11)
+    stage = _RMSBlock(torch.float32, param_dtype=torch.bfloat16)  # bf16 gate * fp32 activation -> fp32
+    x0, g = torch.randn(2, 5, H), torch.randn(2, 5, H)
+    split, fused = _split_then_fused(stage, x0, g)
+    gate = [n for n, _ in stage.named_parameters()].index("gate")
+    assert _equal(split, fused) and split[1][gate].dtype == torch.bfloat16

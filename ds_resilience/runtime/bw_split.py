@@ -88,7 +88,7 @@ class PendingW:
                  outputs: Iterable[Tensor] = (), grads: Iterable[Tensor] = (), keep: Any = None) -> None:
         self._mode, self._params, self._done = mode, params, mode == "empty"
         self._groups = list(groups)  # (params, seed edges, seed grads, clamps [(node, grads)])
-        self._fast: list[_LinearW | _LayerNormW] = []  # "split" mode's groups that skip autograd
+        self._fast: list[_LinearW | _LayerNormW | _ScaleW] = []  # "split" mode's groups that skip autograd
         self._outputs, self._grads = list(outputs), list(grads)  # "full"/"recompute" modes
         self._keep = keep  # output edges owning Python-function boundary nodes (older torch)
         self._nbytes: int | None = None
@@ -369,7 +369,7 @@ def _split(outs: list[Tensor], grads: list[Tensor], inputs: list[Tensor], params
     if plan is None:
         plan = _analyse(order, index, out_edges, inputs, params)
         _remember(key, plan)
-    quick: list[_LinearW | _LayerNormW | None] = []
+    quick: list[_LinearW | _LayerNormW | _ScaleW | None] = []
     if fast:
         quick = [_fast_w(spec, params, pk, order[hits[0]]) if spec is not None else None
                  for pk, hits, _, spec in plan.groups]
@@ -401,13 +401,13 @@ def _split(outs: list[Tensor], grads: list[Tensor], inputs: list[Tensor], params
     return dinputs, packed, ready, (out_edges if plan.python_nodes and packed else None)
 
 
-def _take_grad(grads: tuple, like: Tensor) -> Tensor | None:
+def _take_grad(grads: tuple, like: Tensor | None) -> Tensor | None:
     """The one gradient a fast W's node received in B (``None``: none reached it, so its W adds
-    nothing, as the fused backward would not); its dtype must be the layer's."""
+    nothing, as the fused backward would not); its dtype must be ``like``'s when given."""
     if len(grads) != 1:
         raise BackwardSplitError(f"a fast W's node received {len(grads)} gradients, expected 1")
     grad = grads[0]
-    if grad is not None and grad.dtype != like.dtype:
+    if grad is not None and like is not None and grad.dtype != like.dtype:
         raise BackwardSplitError(f"a fast W's gradient is {grad.dtype}, its layer {like.dtype}")
     return grad
 
@@ -468,6 +468,35 @@ class _LayerNormW:
                 _accumulate(self.bias, db)
 
 
+class _ScaleW:
+    """A parameter that multiplies an activation elementwise (an RMSNorm's weight where RMSNorm is
+    composed of ops, a learned scale): ``grad * other``, summed to the parameter's shape and cast
+    to its dtype, the formula of ``MulBackward0`` and then what the engine does to a gradient of
+    another shape or dtype (``sum_to``, then the cast)."""
+
+    __slots__ = ("param", "grad", "other")
+
+    def __init__(self, param: Tensor, other: Tensor) -> None:
+        self.param, self.other = param, other
+        self.grad: Tensor | None = None
+
+    def take(self, grads: tuple) -> bool:
+        self.grad = _take_grad(grads, None)
+        return self.grad is not None
+
+    def tensors(self) -> list[Tensor]:
+        return [self.grad, self.other]
+
+    def run(self) -> None:
+        with torch.no_grad():
+            g = self.grad * self.other
+            if g.shape != self.param.shape:
+                g = g.sum_to_size(self.param.shape)
+            if g.dtype != self.param.dtype:
+                g = g.to(self.param.dtype)
+            _accumulate(self.param, g)
+
+
 def _accumulate(param: Tensor, grad: Tensor) -> None:
     """What ``AccumulateGrad`` does outside grad mode: adopt the first gradient, add in place after."""
     if param.grad is None:
@@ -485,7 +514,8 @@ def _fast_spec(pk: list[int], hits: list[int], root_outs: list[int], order: list
     holds for every graph with that key): ``("linear", saved-input name, weight, bias)`` for one
     linear layer's weight (and bias) behind one ``AddmmBackward0``/``MmBackward0`` (``mat2`` a
     ``TBackward0`` of the weight), ``("layernorm", weight, bias)`` for a LayerNorm's affine
-    parameters; parameters as indices into the call's list (a bias may be ``None``). ``None``: the
+    parameters, ``("scale", saved operand, parameter)`` for a parameter one ``MulBackward0``
+    multiplies with an activation; parameters as indices into the call's list (a bias may be ``None``). ``None``: the
     group needs autograd. What can change between micro-batches (saved-tensor hooks, dtypes, dims,
     scalars, parameter hooks) is checked per micro-batch by :func:`_fast_w`."""
     if len(hits) != 1 or root_outs or not 1 <= len(pk) <= 2:
@@ -512,16 +542,28 @@ def _fast_spec(pk: list[int], hits: list[int], root_outs: list[int], order: list
         weight, bias = param(nxt[1]), param(nxt[2])
         if sorted(k for k in (weight, bias) if k is not None) == sorted(pk):
             return ("layernorm", weight, bias)
+    if name == "MulBackward0" and len(nxt) == 2 and len(pk) == 1:
+        sides = [i for i in (0, 1) if param(nxt[i]) == pk[0]]
+        if len(sides) == 1:  # p * x or x * p (not p * p): W reads the other operand autograd saved
+            return ("scale", "_raw_saved_other" if sides[0] == 0 else "_raw_saved_self", pk[0])
     return None
 
 
-def _fast_w(spec: tuple, params: list[Tensor], group: list[int], node: Node) -> _LinearW | _LayerNormW | None:
+def _fast_w(spec: tuple, params: list[Tensor], group: list[int], node: Node) -> _LinearW | _LayerNormW | _ScaleW | None:
     """The group's W without autograd for this micro-batch, before B runs (so B knows whether the
     graph must outlive it), or ``None`` when it needs autograd. Its gradient comes after B."""
     for k in group:
         p = params[k]
         if p._backward_hooks or p._post_accumulate_grad_hooks:
             return None  # a hook on the parameter fires only through AccumulateGrad
+    if spec[0] == "scale":
+        saved = getattr(node, spec[1], None)
+        if saved is None or saved.unpack_hook is not None:
+            return None
+        other = saved.data
+        if not isinstance(other, Tensor) or other.is_complex() or params[spec[2]].is_complex():
+            return None  # complex: the formula conjugates
+        return _ScaleW(params[spec[2]], other.detach())
     if spec[0] == "layernorm":
         raws = [node._raw_saved_input, node._raw_saved_result1, node._raw_saved_result2]
         if any(r.unpack_hook is not None for r in raws):
