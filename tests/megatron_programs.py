@@ -312,6 +312,43 @@ def attention_check(rank: int, world: int) -> dict:
     return {"diff": float((got - want).abs().max()), "is_subclass": issubclass(type(attn), DotProductAttention)}
 
 
+def split_check(rank: int, world: int, tp: int = 1) -> dict:
+    """A decoder chunk (no embedding, no head) split into B then W against one fused backward on the
+    same input: bit-equality of the input and every parameter gradient, how many W groups took a
+    fast path, and whether B left megatron-core's main_grad attribute behind."""
+    import torch
+
+    from ds_resilience.runtime.bw_split import backward_fused, backward_input, backward_weight
+
+    _megatron(tp, 1)
+    torch.manual_seed(0)
+    model = _model(pre_process=False, post_process=False, tp=tp)
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:  # biases away from zero, so their gradients' path matters
+        p.data.add_(torch.randn_like(p) * 0.02)
+    x0, g = torch.randn(SEQ, MBS, HIDDEN), torch.randn(SEQ, MBS, HIDDEN)
+    mask = torch.triu(torch.ones(1, 1, SEQ, SEQ), diagonal=1) > 0.5
+    got, fast, autograd = [], [], []
+    for split in (True, True, False):  # twice split: the second micro-batch reuses the cached analysis
+        for p in params:
+            p.grad = None
+        x = x0.clone().requires_grad_()
+        model.set_input_tensor(x)
+        y = model(None, None, attention_mask=mask)
+        if split:
+            (dx,), pending = backward_input(y, g, x, params)
+            fast.append(len(pending._fast))
+            autograd.append(len(pending._groups))
+            del y
+            backward_weight(pending)
+        else:
+            (dx,) = backward_fused(y, g, x, params)
+        got.append([dx] + [p.grad.clone() for p in params])
+    equal = all(len(a) == len(got[-1]) and all(torch.equal(u, v) for u, v in zip(a, got[-1])) for a in got[:2])
+    return {"equal": equal, "fast": fast, "autograd": autograd, "groups": len(params),
+            "main_grad": any(hasattr(p, "main_grad") for p in params)}
+
+
 def ddp_refusal(rank: int, world: int, bf16_plain: bool = False) -> str:
     """A chunk whose parameters carry megatron-core DDP's main_grad is refused with the fix named;
     ``bf16_plain``: a --bf16 job whose optimizer has no fp32 masters, refused the same way."""

@@ -802,3 +802,31 @@ def test_scale_w_sums_and_casts_like_the_engine_for_a_mixed_dtype_gate():
     split, fused = _split_then_fused(stage, x0, g)
     gate = [n for n, _ in stage.named_parameters()].index("gate")
     assert _equal(split, fused) and split[1][gate].dtype == torch.bfloat16
+
+
+class _Shifts(nn.Module):
+    """Parameters added on their own: a broadcast bias after a bias-free projection, one scaled by
+    alpha, one on the left of the sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(H, H, bias=False, dtype=D)
+        self.b1 = nn.Parameter(torch.randn(H, dtype=D))
+        self.b2 = nn.Parameter(torch.randn(1, 1, H, dtype=D))
+        self.b3 = nn.Parameter(torch.randn(1, dtype=D))
+
+    def forward(self, x):
+        h = torch.add(self.proj(x) + self.b1, self.b2, alpha=2.5)
+        return torch.tanh(self.b3 + h)
+
+
+def test_added_parameters_get_a_fast_w_equal_to_autograd_bit_for_bit():
+    torch.manual_seed(12)
+    stage = _Shifts()
+    x0, g = torch.randn(3, 5, H, dtype=D), torch.randn(3, 5, H, dtype=D)
+    split, fused = _split_then_fused(stage, x0, g)
+    assert _equal(split, fused)
+    x = x0.clone().requires_grad_()
+    _, pend = backward_input(stage(x), g, (x,), stage.parameters())
+    assert len(pend._fast) == 4 and not pend._groups
+    backward_weight(pend)

@@ -229,6 +229,18 @@ def test_the_device_safe_core_attention_is_causal_softmax_attention():
     assert out["diff"] < 1e-5 and out["is_subclass"]
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_megatron_linear_layers_get_a_fast_w_equal_to_their_own_backward(tp):
+    # megatron-core's linear layers are an autograd Function whose backward computes both
+    # gradients: B defers the weight gradient (no wasted wgrad), W computes it without a second
+    # input-gradient matmul or tensor-parallel all-reduce; biases added on their own (skip_bias_add)
+    # and LayerNorms take their fast W too
+    results = run_workers(mp.split_check, tp, args=(tp,), timeout_s=180)
+    for out in results:
+        assert out["equal"] and not out["main_grad"]
+        assert out["autograd"] == [0, 0] and out["fast"][0] == out["fast"][1] > 0
+
+
 class _MegatronLikeOptimizer:
     """megatron-core's optimizer protocol (FP32Optimizer / Float16OptimizerWithFloat16Params): step()
     = prepare_grads, clip over the model-parallel group, step_with_ready_grads."""

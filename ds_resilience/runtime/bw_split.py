@@ -88,7 +88,7 @@ class PendingW:
                  outputs: Iterable[Tensor] = (), grads: Iterable[Tensor] = (), keep: Any = None) -> None:
         self._mode, self._params, self._done = mode, params, mode == "empty"
         self._groups = list(groups)  # (params, seed edges, seed grads, clamps [(node, grads)])
-        self._fast: list[_LinearW | _LayerNormW | _ScaleW] = []  # "split" mode's groups that skip autograd
+        self._fast: list[_LinearW | _LayerNormW | _ScaleW | _ShiftW | _MegatronLinearW] = []  # "split" mode's groups that skip autograd
         self._outputs, self._grads = list(outputs), list(grads)  # "full"/"recompute" modes
         self._keep = keep  # output edges owning Python-function boundary nodes (older torch)
         self._nbytes: int | None = None
@@ -369,7 +369,7 @@ def _split(outs: list[Tensor], grads: list[Tensor], inputs: list[Tensor], params
     if plan is None:
         plan = _analyse(order, index, out_edges, inputs, params)
         _remember(key, plan)
-    quick: list[_LinearW | _LayerNormW | _ScaleW | None] = []
+    quick: list[_LinearW | _LayerNormW | _ScaleW | _ShiftW | _MegatronLinearW | None] = []
     if fast:
         quick = [_fast_w(spec, params, pk, order[hits[0]]) if spec is not None else None
                  for pk, hits, _, spec in plan.groups]
@@ -383,6 +383,9 @@ def _split(outs: list[Tensor], grads: list[Tensor], inputs: list[Tensor], params
     finally:
         for h in handles:
             h.remove()
+        for w in quick:
+            if isinstance(w, _MegatronLinearW):
+                w.weight.__dict__.pop("main_grad", None)  # set to None by megatron-core's fusion branch
     if len(captured) != len(targets):
         raise BackwardSplitError(f"{len(targets) - len(captured)} boundary node(s) did not run in B")
     packed, ready = [], []
@@ -497,6 +500,66 @@ class _ScaleW:
             _accumulate(self.param, g)
 
 
+class _ShiftW:
+    """A parameter added to an activation (``x + alpha * p``): ``grad`` (times alpha when it is not 1),
+    summed to the parameter's shape and cast to its dtype, as ``AddBackward0`` and then the engine do."""
+
+    __slots__ = ("param", "grad", "alpha")
+
+    def __init__(self, param: Tensor, alpha: Any) -> None:
+        self.param, self.alpha = param, alpha
+        self.grad: Tensor | None = None
+
+    def take(self, grads: tuple) -> bool:
+        self.grad = _take_grad(grads, None)
+        return self.grad is not None
+
+    def tensors(self) -> list[Tensor]:
+        return [self.grad]
+
+    def run(self) -> None:
+        with torch.no_grad():
+            g = self.grad if self.alpha == 1 else self.grad * self.alpha
+            if g.shape != self.param.shape:
+                g = g.sum_to_size(self.param.shape)
+            if g.dtype != self.param.dtype:
+                g = g.to(self.param.dtype)
+            _accumulate(self.param, g)
+
+
+class _MegatronLinearW:
+    """A megatron-core linear layer's W (``LinearWithGradAccumulationAndAsyncCommunication``, what
+    its ``ColumnParallelLinear``/``RowParallelLinear`` run). B sets the node's own deferral
+    (``grad_output_buffer``, the mechanism megatron-core uses to defer a weight gradient), so its
+    backward sends the input gradient (all-reduced over tensor parallelism as before) and skips the
+    weight gradient; W then does what that backward would have done: the same reshape to 2-D,
+    ``grad^T @ input`` and the bias sum, with no second input-gradient matmul or all-reduce."""
+
+    __slots__ = ("weight", "bias", "grad", "inp")
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, inp: Tensor) -> None:
+        self.weight, self.bias, self.inp = weight, bias, inp
+        self.grad: Tensor | None = None
+
+    def take(self, grads: tuple) -> bool:
+        self.grad = _take_grad(grads, None)
+        return self.grad is not None
+
+    def tensors(self) -> list[Tensor]:
+        return [self.grad, self.inp]
+
+    def run(self) -> None:
+        with torch.no_grad():
+            grad, inp = self.grad.contiguous(), self.inp.contiguous()  # prepare_input_tensors_for_wgrad_compute
+            if grad.dim() == 3:
+                grad = grad.view(grad.shape[0] * grad.shape[1], grad.shape[2])
+                inp = inp.view(inp.shape[0] * inp.shape[1], inp.shape[2])
+            for param, g in ((self.weight, grad.t().matmul(inp)),
+                             (self.bias, grad.sum(dim=0) if self.bias is not None else None)):
+                if param is not None:  # the engine casts a gradient to its parameter's dtype
+                    _accumulate(param, g if g.dtype == param.dtype else g.to(param.dtype))
+
+
 def _accumulate(param: Tensor, grad: Tensor) -> None:
     """What ``AccumulateGrad`` does outside grad mode: adopt the first gradient, add in place after."""
     if param.grad is None:
@@ -507,6 +570,7 @@ def _accumulate(param: Tensor, grad: Tensor) -> None:
 
 _LINEAR_NODES = {"AddmmBackward0": ("_raw_saved_mat1", 2), "MmBackward0": ("_raw_saved_self", 1)}
 _LAYER_NORM = "NativeLayerNormBackward0"
+_MEGATRON_LINEAR = "LinearWithGradAccumulationAndAsyncCommunicationBackward"
 
 
 def _fast_spec(pk: list[int], hits: list[int], root_outs: list[int], order: list[Node], graph: list[tuple]) -> tuple | None:
@@ -515,7 +579,9 @@ def _fast_spec(pk: list[int], hits: list[int], root_outs: list[int], order: list
     linear layer's weight (and bias) behind one ``AddmmBackward0``/``MmBackward0`` (``mat2`` a
     ``TBackward0`` of the weight), ``("layernorm", weight, bias)`` for a LayerNorm's affine
     parameters, ``("scale", saved operand, parameter)`` for a parameter one ``MulBackward0``
-    multiplies with an activation; parameters as indices into the call's list (a bias may be ``None``). ``None``: the
+    multiplies with an activation, ``("shift", side, parameter)`` for one ``AddBackward0`` adds,
+    ``("megatron", weight, bias)`` for a megatron-core linear layer's
+    autograd function; parameters as indices into the call's list (a bias may be ``None``). ``None``: the
     group needs autograd. What can change between micro-batches (saved-tensor hooks, dtypes, dims,
     scalars, parameter hooks) is checked per micro-batch by :func:`_fast_w`."""
     if len(hits) != 1 or root_outs or not 1 <= len(pk) <= 2:
@@ -542,20 +608,50 @@ def _fast_spec(pk: list[int], hits: list[int], root_outs: list[int], order: list
         weight, bias = param(nxt[1]), param(nxt[2])
         if sorted(k for k in (weight, bias) if k is not None) == sorted(pk):
             return ("layernorm", weight, bias)
-    if name == "MulBackward0" and len(nxt) == 2 and len(pk) == 1:
+    if name == _MEGATRON_LINEAR and len(nxt) >= 2 and param(nxt[0]) is None:
+        weight, bias = param(nxt[1]), (param(nxt[2]) if len(nxt) > 2 else None)
+        if weight is not None and sorted(k for k in (weight, bias) if k is not None) == sorted(pk):
+            return ("megatron", weight, bias)
+    if name in ("MulBackward0", "AddBackward0") and len(nxt) == 2 and len(pk) == 1:
         sides = [i for i in (0, 1) if param(nxt[i]) == pk[0]]
-        if len(sides) == 1:  # p * x or x * p (not p * p): W reads the other operand autograd saved
+        if len(sides) == 1 and name == "MulBackward0":  # p * x or x * p (not p * p): W reads the other operand
             return ("scale", "_raw_saved_other" if sides[0] == 0 else "_raw_saved_self", pk[0])
+        if len(sides) == 1:  # x + p (a bias added on its own, as megatron-core's skip_bias_add does)
+            return ("shift", sides[0], pk[0])
     return None
 
 
-def _fast_w(spec: tuple, params: list[Tensor], group: list[int], node: Node) -> _LinearW | _LayerNormW | _ScaleW | None:
+def _fast_w(spec: tuple, params: list[Tensor], group: list[int], node: Node) -> _LinearW | _LayerNormW | _ScaleW | _ShiftW | _MegatronLinearW | None:
     """The group's W without autograd for this micro-batch, before B runs (so B knows whether the
     graph must outlive it), or ``None`` when it needs autograd. Its gradient comes after B."""
     for k in group:
         p = params[k]
         if p._backward_hooks or p._post_accumulate_grad_hooks:
             return None  # a hook on the parameter fires only through AccumulateGrad
+    if spec[0] == "megatron":
+        if (getattr(node, "gradient_accumulation_fusion", True) or getattr(node, "sequence_parallel", True)
+                or getattr(node, "grad_output_buffer", 0) is not None or getattr(node, "_fwd_used_autocast", True)):
+            return None  # fused main_grad kernels, a gathered input, megatron's own deferral, autocast
+        raws = node._raw_saved_tensors
+        if len(raws) != 2 or any(r.unpack_hook is not None for r in raws):
+            return None
+        inp = raws[0].data
+        _, wk, bk = spec
+        weight = params[wk]
+        if not isinstance(inp, Tensor) or inp.dim() not in (2, 3) or hasattr(weight, "main_grad"):
+            return None
+        # B: the input gradient only. megatron-core skips the weight gradient when it defers it into
+        # grad_output_buffer, which it honours on its gradient-accumulation-fusion branch; that
+        # branch then returns no weight gradient (the weight has no grad_added_to_main_grad) and
+        # only sets weight.main_grad to the None it saved, which _split removes after B. Whatever
+        # B does with the weight gradient, W uses the gradient captured by the pre-hook.
+        node.grad_output_buffer, node.wgrad_deferral_limit, node.gradient_accumulation_fusion = [], 0, True
+        return _MegatronLinearW(weight, params[bk] if bk is not None else None, inp.detach())
+    if spec[0] == "shift":
+        param = params[spec[2]]
+        if param.is_complex():
+            return None
+        return _ShiftW(param, node._saved_alpha if spec[1] == 1 else 1)
     if spec[0] == "scale":
         saved = getattr(node, spec[1], None)
         if saved is None or saved.unpack_hook is not None:
