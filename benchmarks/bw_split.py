@@ -2,9 +2,11 @@
 
     python benchmarks/bw_split.py [--device auto|cpu|cuda] [--dtype float32|bfloat16|float16]
                                   [--shapes D:T:MB:L,...] [--repeats 20] [--warmup 3] [--json FILE]
+                                  [--model gpt|llama|megatron]
 
-One middle pipeline stage of the example GPT (``L`` of its pre-LN transformer blocks, width ``D``,
-``T`` tokens, micro-batch ``MB``, ``D / 64`` heads), its input an activation that needs a gradient
+One middle pipeline stage (``--model``: the example GPT's pre-LN blocks, Llama-style RMSNorm
+blocks, or a megatron-core decoder chunk) of ``L`` transformer blocks, width ``D``,
+``T`` tokens, micro-batch ``MB``, ``D / 64`` heads, its input an activation that needs a gradient
 (what a middle stage receives). Per round, one forward, then one of three backwards, the methods
 interleaved round by round so drift hits them alike:
 
@@ -58,9 +60,71 @@ def parse_shapes(text: str) -> list[tuple[int, int, int, int]]:
     return shapes
 
 
+class LlamaBlock(torch.nn.Module):
+    """A Llama-style block: RMSNorm, bias-free projections, a SiLU-gated MLP (RMSNorm's weight is
+    a parameter multiplying an activation: the "scale" fast W)."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = torch.nn.RMSNorm(d), torch.nn.RMSNorm(d)
+        self.qkv, self.proj = torch.nn.Linear(d, 3 * d, bias=False), torch.nn.Linear(d, d, bias=False)
+        self.gate, self.up = torch.nn.Linear(d, 4 * d, bias=False), torch.nn.Linear(d, 4 * d, bias=False)
+        self.down = torch.nn.Linear(4 * d, d, bias=False)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = (z.reshape(b, t, self.heads, d // self.heads).transpose(1, 2)
+                   for z in self.qkv(self.norm1(x)).split(d, dim=-1))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        h = self.norm2(x)
+        return x + self.down(torch.nn.functional.silu(self.gate(h)) * self.up(h))
+
+
+class MegatronChunk(torch.nn.Module):
+    """A megatron-core GPTModel decoder chunk (local layer spec, no embedding, no head) taking and
+    returning [T, MB, D], as a middle pipeline stage sees it."""
+
+    def __init__(self, d: int, t: int, layers: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        import torch.distributed as dist
+        from unittest import mock
+
+        from megatron.core import parallel_state
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        from ds_resilience.megatron.attention import device_safe_layer_spec
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29561", rank=0, world_size=1)
+            parallel_state.initialize_model_parallel()
+        config = TransformerConfig(num_layers=layers, hidden_size=d, num_attention_heads=max(1, d // 64),
+                                   use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+                                   params_dtype=dtype, pipeline_dtype=dtype)
+        with mock.patch.object(torch.Tensor, "cuda", lambda self, *a, **k: self):
+            self.model = GPTModel(config=config, transformer_layer_spec=device_safe_layer_spec(get_gpt_layer_local_spec()),
+                                  vocab_size=64, max_sequence_length=t, pre_process=False, post_process=False)
+        self.register_buffer("mask", torch.triu(torch.ones(1, 1, t, t), diagonal=1) > 0.5, persistent=False)
+
+    def forward(self, x):
+        self.model.set_input_tensor(x)
+        return self.model(None, None, attention_mask=self.mask)
+
+
+MODEL = "gpt"  # set by --model
+
+
 def build_stage(d: int, t: int, layers: int, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    cfg = GPTConfig(d_model=d, seq_len=t, n_heads=max(1, d // 64), n_layers=layers)
-    stage = torch.nn.Sequential(*(Block(cfg, seed=1, layer_index=1 + i) for i in range(layers)))
+    if MODEL == "megatron":
+        return MegatronChunk(d, t, layers, dtype).to(device=device)
+    if MODEL == "llama":
+        stage = torch.nn.Sequential(*(LlamaBlock(d, max(1, d // 64)) for _ in range(layers)))
+    else:
+        cfg = GPTConfig(d_model=d, seq_len=t, n_heads=max(1, d // 64), n_layers=layers)
+        stage = torch.nn.Sequential(*(Block(cfg, seed=1, layer_index=1 + i) for i in range(layers)))
     return stage.to(device=device, dtype=dtype)
 
 
@@ -113,8 +177,9 @@ def setup(shape, device, dtype):
     d, t, mb, layers = shape
     torch.manual_seed(0)
     stage = build_stage(d, t, layers, device, dtype)
-    x0 = torch.randn(mb, t, d, device=device, dtype=dtype)
-    g = torch.randn(mb, t, d, device=device, dtype=dtype) * 1e-2
+    shape = (t, mb, d) if MODEL == "megatron" else (mb, t, d)  # megatron-core is sequence-first
+    x0 = torch.randn(*shape, device=device, dtype=dtype)
+    g = torch.randn(*shape, device=device, dtype=dtype) * 1e-2
     return stage, x0, g, Clock(device)
 
 
@@ -185,8 +250,13 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (one per worker, as the engine runs)")
     parser.add_argument("--profile", action="store_true",
                         help="also print torch.profiler's top kernels of one fused and one split backward (first shape)")
+    parser.add_argument("--model", choices=("gpt", "llama", "megatron"), default="gpt",
+                        help="the example GPT's blocks (LayerNorm, biases), Llama-style blocks (RMSNorm, no "
+                             "biases, SiLU gate) or a megatron-core decoder chunk (its linear layers' autograd function)")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(argv)
+    global MODEL
+    MODEL = args.model
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is visible to this torch")
     device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu")
@@ -194,7 +264,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     shapes = parse_shapes(args.shapes or (GPU_SHAPES if device.type == "cuda" else CPU_SHAPES))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {args.threads} thread(s)"
-    print(f"B + W against the fused backward: {name}, {dtype}, torch {torch.__version__}, "
+    print(f"B + W against the fused backward: {args.model} stage, {name}, {dtype}, torch {torch.__version__}, "
           f"medians of {args.repeats} rounds after {args.warmup}")
     print(f"{'D':>5} {'T':>5} {'MB':>3} {'L':>2} {'equal':>5} {'F ms':>8} {'fused ms':>9} "
           f"{'B ms':>8} {'W ms':>8} {'B+W/fused':>9} {'autograd-W ratio':>16}")
@@ -209,7 +279,7 @@ def main(argv=None) -> int:
     if args.profile:
         profile(shapes[0], device, dtype)
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": name, "dtype": str(dtype), "torch": torch.__version__,
+        Path(args.json).write_text(json.dumps({"model": args.model, "device": name, "dtype": str(dtype), "torch": torch.__version__,
                                                "rows": rows}, indent=2))
     return 0 if all(r["equal"] for r in rows) else 1
 
