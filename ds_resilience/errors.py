@@ -62,3 +62,7 @@ class PlanningError(ResilienceError, ValueError):
 class MemoryCapError(PlanningError):
     """The memory cap cannot hold one micro-batch's state for the variant asked for (the planner's
     ``auto`` variant rules that variant out instead of failing)."""
+
+
+class BackwardSplitError(ResilienceError, RuntimeError):
+    """A B/W split was misused (W twice, unknown or duplicate key, W left pending) or is impossible."""

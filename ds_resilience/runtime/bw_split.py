@@ -15,7 +15,8 @@ the split cannot be used (a non-leaf input, an input that is also a parameter, o
 ``GradientEdge``): B is ``autograd.grad(..., retain_graph=True)`` and W re-runs the backward
 restricted to the parameters; ``"empty"`` when nothing needs a gradient. W always accumulates through
 autograd's ``AccumulateGrad``: ``.grad`` semantics and grad hooks are those of ``loss.backward()``,
-with one exception, the fast path for linear layers: in "split" mode a group that is exactly one
+with one exception, the fast W's (:mod:`.fast_w`: linear and megatron-core linear layers,
+LayerNorms, parameters that scale or shift an activation): in "split" mode a group that is exactly one
 ``nn.Linear``'s weight (and bias) behind one ``AddmmBackward0``/``MmBackward0`` boundary node, with
 plain saved tensors and parameters without tensor hooks, gets its W as ``grad_out^T @ input`` (and
 ``grad_out`` summed for the bias) from the gradient captured in B and the input autograd saved,
@@ -45,7 +46,8 @@ from torch import Tensor
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import Node
 
-from ..errors import ResilienceError
+from ..errors import BackwardSplitError
+from .fast_w import FastW, fast_spec, fast_w
 
 try:  # public since torch 2.4; without it every stage takes the "recompute" fallback
     from torch.autograd.graph import GradientEdge, get_gradient_edge
@@ -58,10 +60,6 @@ __all__ = ["BackwardSplitError", "PendingW", "Strategy", "WeightGradStore",
            "backward_fused", "backward_input", "backward_weight"]
 
 Strategy = Literal["auto", "split", "recompute"]
-
-
-class BackwardSplitError(ResilienceError, RuntimeError):
-    """A B/W split was misused (W twice, unknown or duplicate key, W left pending) or is impossible."""
 
 
 def _tensors_in(obj: Any) -> Iterator[Tensor]:
@@ -88,7 +86,7 @@ class PendingW:
                  outputs: Iterable[Tensor] = (), grads: Iterable[Tensor] = (), keep: Any = None) -> None:
         self._mode, self._params, self._done = mode, params, mode == "empty"
         self._groups = list(groups)  # (params, seed edges, seed grads, clamps [(node, grads)])
-        self._fast: list[_LinearW | _LayerNormW | _ScaleW | _ShiftW | _MegatronLinearW] = []  # "split" mode's groups that skip autograd
+        self._fast: list[FastW] = []  # "split" mode's groups that skip autograd
         self._outputs, self._grads = list(outputs), list(grads)  # "full"/"recompute" modes
         self._keep = keep  # output edges owning Python-function boundary nodes (older torch)
         self._nbytes: int | None = None
@@ -221,7 +219,7 @@ class _SplitPlan:
     """The structural part of a split, as indices into the graph's BFS order (so it carries over
     to every graph with the same key): the boundary nodes to capture in B, and per W group its
     parameters (indices into the call's parameter list), its boundary nodes, the outputs that
-    reach it without crossing an input, and its fast-W spec (:func:`_fast_spec`) or ``None``."""
+    reach it without crossing an input, and its fast-W spec (:func:`.fast_w.fast_spec`) or ``None``."""
 
     __slots__ = ("targets", "groups", "python_nodes")
 
@@ -342,7 +340,7 @@ def _analyse(order: list[Node], index: dict, out_edges: list, inputs: list[Tenso
     for g in {id(g): g for g in owner.values()}.values():
         hits = [h for h in sorted(g["hits"]) if h in path]
         root_outs = [m for m, j in enumerate(outs) if j in g["hits"] and j in roots]
-        groups.append((g["params"], hits, root_outs, _fast_spec(g["params"], hits, root_outs, order, graph)))
+        groups.append((g["params"], hits, root_outs, fast_spec(g["params"], hits, root_outs, order, graph)))
     targets = sorted(h for h in owner if h in path)
     python_nodes = any(isinstance(order[h], BackwardCFunction) for h in owner)
     return _SplitPlan(targets, groups, python_nodes)
@@ -369,9 +367,9 @@ def _split(outs: list[Tensor], grads: list[Tensor], inputs: list[Tensor], params
     if plan is None:
         plan = _analyse(order, index, out_edges, inputs, params)
         _remember(key, plan)
-    quick: list[_LinearW | _LayerNormW | _ScaleW | _ShiftW | _MegatronLinearW | None] = []
+    quick: list[FastW | None] = []
     if fast:
-        quick = [_fast_w(spec, params, pk, order[hits[0]]) if spec is not None else None
+        quick = [fast_w(spec, params, pk, order[hits[0]]) if spec is not None else None
                  for pk, hits, _, spec in plan.groups]
     detached = bool(quick) and all(w is not None for w in quick)  # nothing needs the graph after B
     targets = [order[j] for j in plan.targets]
@@ -384,8 +382,8 @@ def _split(outs: list[Tensor], grads: list[Tensor], inputs: list[Tensor], params
         for h in handles:
             h.remove()
         for w in quick:
-            if isinstance(w, _MegatronLinearW):
-                w.weight.__dict__.pop("main_grad", None)  # set to None by megatron-core's fusion branch
+            if w is not None:
+                w.after_b()
     if len(captured) != len(targets):
         raise BackwardSplitError(f"{len(targets) - len(captured)} boundary node(s) did not run in B")
     packed, ready = [], []
@@ -402,284 +400,6 @@ def _split(outs: list[Tensor], grads: list[Tensor], inputs: list[Tensor], params
             seeds.append(grads[m])
         packed.append(([params[k] for k in pk], edges, seeds, clamps))
     return dinputs, packed, ready, (out_edges if plan.python_nodes and packed else None)
-
-
-def _take_grad(grads: tuple, like: Tensor | None) -> Tensor | None:
-    """The one gradient a fast W's node received in B (``None``: none reached it, so its W adds
-    nothing, as the fused backward would not); its dtype must be ``like``'s when given."""
-    if len(grads) != 1:
-        raise BackwardSplitError(f"a fast W's node received {len(grads)} gradients, expected 1")
-    grad = grads[0]
-    if grad is not None and like is not None and grad.dtype != like.dtype:
-        raise BackwardSplitError(f"a fast W's gradient is {grad.dtype}, its layer {like.dtype}")
-    return grad
-
-
-class _LinearW:
-    """One linear layer's W: ``weight.grad += grad^T @ inp``, ``bias.grad += grad.sum(0)``."""
-
-    __slots__ = ("weight", "bias", "grad", "inp")
-
-    def __init__(self, weight: Tensor, bias: Tensor | None, inp: Tensor) -> None:
-        self.weight, self.bias, self.inp = weight, bias, inp
-        self.grad: Tensor | None = None
-
-    def take(self, grads: tuple) -> bool:
-        """Keep the output gradient captured in B; False when none reached the layer."""
-        self.grad = _take_grad(grads, self.weight)
-        return self.grad is not None
-
-    def tensors(self) -> list[Tensor]:
-        return [self.grad, self.inp]
-
-    def run(self) -> None:
-        with torch.no_grad():
-            # AddmmBackward0/MmBackward0 for mat2 = weight.t() (column-major): (grad^T @ mat1)^T,
-            # then TBackward0 transposes back: the same product, the same kernel
-            _accumulate(self.weight, self.grad.t().mm(self.inp))
-            if self.bias is not None:  # the engine's sum_to of addmm's broadcast self
-                _accumulate(self.bias, self.grad.sum(0, keepdim=True).view(self.bias.shape))
-
-
-class _LayerNormW:
-    """One LayerNorm's W: the kernel its backward node calls (``native_layer_norm_backward``), on
-    the input and statistics the forward saved, asked for gamma and beta only (the node would also
-    recompute the input gradient B already sent); the same bits as the node's outputs."""
-
-    __slots__ = ("weight", "bias", "grad", "inp", "mean", "rstd", "shape")
-
-    def __init__(self, weight: Tensor | None, bias: Tensor | None, inp: Tensor, mean: Tensor, rstd: Tensor,
-                 shape: list[int]) -> None:
-        self.weight, self.bias, self.inp, self.mean, self.rstd, self.shape = weight, bias, inp, mean, rstd, shape
-        self.grad: Tensor | None = None
-
-    def take(self, grads: tuple) -> bool:
-        self.grad = _take_grad(grads, self.inp)
-        return self.grad is not None
-
-    def tensors(self) -> list[Tensor]:
-        return [self.grad, self.inp, self.mean, self.rstd]
-
-    def run(self) -> None:
-        with torch.no_grad():
-            _, dw, db = torch.ops.aten.native_layer_norm_backward(
-                self.grad, self.inp, self.shape, self.mean, self.rstd, self.weight, self.bias,
-                [False, self.weight is not None, self.bias is not None])
-            if self.weight is not None:
-                _accumulate(self.weight, dw)
-            if self.bias is not None:
-                _accumulate(self.bias, db)
-
-
-class _ScaleW:
-    """A parameter that multiplies an activation elementwise (an RMSNorm's weight where RMSNorm is
-    composed of ops, a learned scale): ``grad * other``, summed to the parameter's shape and cast
-    to its dtype, the formula of ``MulBackward0`` and then what the engine does to a gradient of
-    another shape or dtype (``sum_to``, then the cast)."""
-
-    __slots__ = ("param", "grad", "other")
-
-    def __init__(self, param: Tensor, other: Tensor) -> None:
-        self.param, self.other = param, other
-        self.grad: Tensor | None = None
-
-    def take(self, grads: tuple) -> bool:
-        self.grad = _take_grad(grads, None)
-        return self.grad is not None
-
-    def tensors(self) -> list[Tensor]:
-        return [self.grad, self.other]
-
-    def run(self) -> None:
-        with torch.no_grad():
-            g = self.grad * self.other
-            if g.shape != self.param.shape:
-                g = g.sum_to_size(self.param.shape)
-            if g.dtype != self.param.dtype:
-                g = g.to(self.param.dtype)
-            _accumulate(self.param, g)
-
-
-class _ShiftW:
-    """A parameter added to an activation (``x + alpha * p``): ``grad`` (times alpha when it is not 1),
-    summed to the parameter's shape and cast to its dtype, as ``AddBackward0`` and then the engine do."""
-
-    __slots__ = ("param", "grad", "alpha")
-
-    def __init__(self, param: Tensor, alpha: Any) -> None:
-        self.param, self.alpha = param, alpha
-        self.grad: Tensor | None = None
-
-    def take(self, grads: tuple) -> bool:
-        self.grad = _take_grad(grads, None)
-        return self.grad is not None
-
-    def tensors(self) -> list[Tensor]:
-        return [self.grad]
-
-    def run(self) -> None:
-        with torch.no_grad():
-            g = self.grad if self.alpha == 1 else self.grad * self.alpha
-            if g.shape != self.param.shape:
-                g = g.sum_to_size(self.param.shape)
-            if g.dtype != self.param.dtype:
-                g = g.to(self.param.dtype)
-            _accumulate(self.param, g)
-
-
-class _MegatronLinearW:
-    """A megatron-core linear layer's W (``LinearWithGradAccumulationAndAsyncCommunication``, what
-    its ``ColumnParallelLinear``/``RowParallelLinear`` run). B sets the node's own deferral
-    (``grad_output_buffer``, the mechanism megatron-core uses to defer a weight gradient), so its
-    backward sends the input gradient (all-reduced over tensor parallelism as before) and skips the
-    weight gradient; W then does what that backward would have done: the same reshape to 2-D,
-    ``grad^T @ input`` and the bias sum, with no second input-gradient matmul or all-reduce."""
-
-    __slots__ = ("weight", "bias", "grad", "inp")
-
-    def __init__(self, weight: Tensor, bias: Tensor | None, inp: Tensor) -> None:
-        self.weight, self.bias, self.inp = weight, bias, inp
-        self.grad: Tensor | None = None
-
-    def take(self, grads: tuple) -> bool:
-        self.grad = _take_grad(grads, None)
-        return self.grad is not None
-
-    def tensors(self) -> list[Tensor]:
-        return [self.grad, self.inp]
-
-    def run(self) -> None:
-        with torch.no_grad():
-            grad, inp = self.grad.contiguous(), self.inp.contiguous()  # prepare_input_tensors_for_wgrad_compute
-            if grad.dim() == 3:
-                grad = grad.view(grad.shape[0] * grad.shape[1], grad.shape[2])
-                inp = inp.view(inp.shape[0] * inp.shape[1], inp.shape[2])
-            for param, g in ((self.weight, grad.t().matmul(inp)),
-                             (self.bias, grad.sum(dim=0) if self.bias is not None else None)):
-                if param is not None:  # the engine casts a gradient to its parameter's dtype
-                    _accumulate(param, g if g.dtype == param.dtype else g.to(param.dtype))
-
-
-def _accumulate(param: Tensor, grad: Tensor) -> None:
-    """What ``AccumulateGrad`` does outside grad mode: adopt the first gradient, add in place after."""
-    if param.grad is None:
-        param.grad = grad if grad.stride() == param.stride() else grad.contiguous()
-    else:
-        param.grad += grad
-
-
-_LINEAR_NODES = {"AddmmBackward0": ("_raw_saved_mat1", 2), "MmBackward0": ("_raw_saved_self", 1)}
-_LAYER_NORM = "NativeLayerNormBackward0"
-_MEGATRON_LINEAR = "LinearWithGradAccumulationAndAsyncCommunicationBackward"
-
-
-def _fast_spec(pk: list[int], hits: list[int], root_outs: list[int], order: list[Node], graph: list[tuple]) -> tuple | None:
-    """The structural half of a group's W without autograd, from the graph's structure (so it
-    holds for every graph with that key): ``("linear", saved-input name, weight, bias)`` for one
-    linear layer's weight (and bias) behind one ``AddmmBackward0``/``MmBackward0`` (``mat2`` a
-    ``TBackward0`` of the weight), ``("layernorm", weight, bias)`` for a LayerNorm's affine
-    parameters, ``("scale", saved operand, parameter)`` for a parameter one ``MulBackward0``
-    multiplies with an activation, ``("shift", side, parameter)`` for one ``AddBackward0`` adds,
-    ``("megatron", weight, bias)`` for a megatron-core linear layer's
-    autograd function; parameters as indices into the call's list (a bias may be ``None``). ``None``: the
-    group needs autograd. What can change between micro-batches (saved-tensor hooks, dtypes, dims,
-    scalars, parameter hooks) is checked per micro-batch by :func:`_fast_w`."""
-    if len(hits) != 1 or root_outs or not 1 <= len(pk) <= 2:
-        return None
-
-    def param(edge) -> int | None:  # the call's parameter behind a next edge, or None
-        tag = graph[edge[0]] if edge is not None else None
-        return tag[1] if tag is not None and tag[0] == "p" else None
-
-    j = hits[0]
-    name, nxt = order[j].name(), graph[j][1]
-    linear = _LINEAR_NODES.get(name)
-    if linear is not None:
-        raw_inp, mat2_at = linear
-        t = nxt[mat2_at] if len(nxt) > mat2_at else None
-        if t is None or order[t[0]].name() != "TBackward0":
-            return None
-        weight = param(graph[t[0]][1][0])
-        bias = param(nxt[0]) if mat2_at == 2 else None
-        if weight is None or (mat2_at == 2 and bias is None) or set(pk) != {weight} | ({bias} - {None}):
-            return None
-        return ("linear", raw_inp, weight, bias)
-    if name == _LAYER_NORM and len(nxt) == 3 and param(nxt[0]) is None:
-        weight, bias = param(nxt[1]), param(nxt[2])
-        if sorted(k for k in (weight, bias) if k is not None) == sorted(pk):
-            return ("layernorm", weight, bias)
-    if name == _MEGATRON_LINEAR and len(nxt) >= 2 and param(nxt[0]) is None:
-        weight, bias = param(nxt[1]), (param(nxt[2]) if len(nxt) > 2 else None)
-        if weight is not None and sorted(k for k in (weight, bias) if k is not None) == sorted(pk):
-            return ("megatron", weight, bias)
-    if name in ("MulBackward0", "AddBackward0") and len(nxt) == 2 and len(pk) == 1:
-        sides = [i for i in (0, 1) if param(nxt[i]) == pk[0]]
-        if len(sides) == 1 and name == "MulBackward0":  # p * x or x * p (not p * p): W reads the other operand
-            return ("scale", "_raw_saved_other" if sides[0] == 0 else "_raw_saved_self", pk[0])
-        if len(sides) == 1:  # x + p (a bias added on its own, as megatron-core's skip_bias_add does)
-            return ("shift", sides[0], pk[0])
-    return None
-
-
-def _fast_w(spec: tuple, params: list[Tensor], group: list[int], node: Node) -> _LinearW | _LayerNormW | _ScaleW | _ShiftW | _MegatronLinearW | None:
-    """The group's W without autograd for this micro-batch, before B runs (so B knows whether the
-    graph must outlive it), or ``None`` when it needs autograd. Its gradient comes after B."""
-    for k in group:
-        p = params[k]
-        if p._backward_hooks or p._post_accumulate_grad_hooks:
-            return None  # a hook on the parameter fires only through AccumulateGrad
-    if spec[0] == "megatron":
-        if (getattr(node, "gradient_accumulation_fusion", True) or getattr(node, "sequence_parallel", True)
-                or getattr(node, "grad_output_buffer", 0) is not None or getattr(node, "_fwd_used_autocast", True)):
-            return None  # fused main_grad kernels, a gathered input, megatron's own deferral, autocast
-        raws = node._raw_saved_tensors
-        if len(raws) != 2 or any(r.unpack_hook is not None for r in raws):
-            return None
-        inp = raws[0].data
-        _, wk, bk = spec
-        weight = params[wk]
-        if not isinstance(inp, Tensor) or inp.dim() not in (2, 3) or hasattr(weight, "main_grad"):
-            return None
-        # B: the input gradient only. megatron-core skips the weight gradient when it defers it into
-        # grad_output_buffer, which it honours on its gradient-accumulation-fusion branch; that
-        # branch then returns no weight gradient (the weight has no grad_added_to_main_grad) and
-        # only sets weight.main_grad to the None it saved, which _split removes after B. Whatever
-        # B does with the weight gradient, W uses the gradient captured by the pre-hook.
-        node.grad_output_buffer, node.wgrad_deferral_limit, node.gradient_accumulation_fusion = [], 0, True
-        return _MegatronLinearW(weight, params[bk] if bk is not None else None, inp.detach())
-    if spec[0] == "shift":
-        param = params[spec[2]]
-        if param.is_complex():
-            return None
-        return _ShiftW(param, node._saved_alpha if spec[1] == 1 else 1)
-    if spec[0] == "scale":
-        saved = getattr(node, spec[1], None)
-        if saved is None or saved.unpack_hook is not None:
-            return None
-        other = saved.data
-        if not isinstance(other, Tensor) or other.is_complex() or params[spec[2]].is_complex():
-            return None  # complex: the formula conjugates
-        return _ScaleW(params[spec[2]], other.detach())
-    if spec[0] == "layernorm":
-        raws = [node._raw_saved_input, node._raw_saved_result1, node._raw_saved_result2]
-        if any(r.unpack_hook is not None for r in raws):
-            return None  # behind saved-tensor hooks (offload, checkpointing): autograd unpacks them
-        inp, mean, rstd = (r.data.detach() for r in raws)  # no grad_fn: W keeps no node alive
-        _, wk, bk = spec
-        return _LayerNormW(params[wk] if wk is not None else None, params[bk] if bk is not None else None,
-                           inp, mean, rstd, list(node._saved_normalized_shape))
-    _, raw_inp, wk, bk = spec
-    weight = params[wk]
-    bias = params[bk] if bk is not None else None
-    if bias is not None and (bias.dim() != 1 or node._saved_alpha != 1 or node._saved_beta != 1):
-        return None  # an addmm (mm has neither bias nor scalars)
-    saved = getattr(node, raw_inp)
-    if saved.unpack_hook is not None:
-        return None
-    inp = saved.data
-    if not isinstance(inp, Tensor) or inp.dim() != 2 or inp.dtype != weight.dtype:
-        return None
-    return _LinearW(weight, bias, inp.detach())
 
 
 def backward_input(outputs: Any, grad_outputs: Any, inputs: Any, params: Iterable[Tensor], *,
