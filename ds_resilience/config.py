@@ -37,6 +37,7 @@ Keys (under ``"resilience"``), defaults in brackets::
     fault_injection[].point         "before_forward" | "mid_backward" | "in_reduce" | "in_optimizer" |
                                     "in_recovery" | "in_snapshot" | "in_rejoin"
     fault_injection[].kind          "exit" | "sigkill" | "hang" | "stall" | "lose_machine"
+    fast_w                          bool                                  [true]
     checkpoint.enabled              bool                                  [true]
     checkpoint.interval             int >= 1                              [1]
     checkpoint.replicas             int >= 1                              [2]
@@ -386,6 +387,10 @@ class ResilienceConfig(_Section):
     fault_injection: tuple[FaultInjection, ...] = _opt(tuple, "failures to inject", default=(),
                                                        what="a list", items=_FAULT)
     checkpoint: CheckpointConfig = _opt(CheckpointConfig, "checkpointing", factory=CheckpointConfig)
+    fast_w: bool = _opt(bool, "the decoupled backward computes the weight gradient of linear layers (also megatron-core's), "
+                        "LayerNorms and parameters that scale or shift an activation without autograd (bit-equal); false: "
+                        "every W through autograd, so a hook registered on a parameter's gradient-accumulator node, "
+                        "which a fast W cannot see, still fires", default=True)
     regrid: bool = _opt(bool, "when a stage loses every replica, the survivors re-form a smaller dp x pp grid in "
                         "their running processes (layers moved between them, a lost stage's from the in-memory "
                         "snapshots) instead of every worker restarting from the snapshots", default=False)

@@ -131,3 +131,25 @@ def test_a_rollback_restores_the_fp32_masters_not_only_the_low_precision_weights
     assert all(torch.equal(m, b) for m, b in zip(opt.masters, masters)), "the fp32 masters were not rolled back"
     assert all(torch.equal(p, b.to(p.dtype)) for p, b in zip(params, masters))
     assert opt.masters[0].dtype == torch.float32 and params[0].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_resilience_fast_w_reaches_the_split(monkeypatch, fast):
+    """``resilience.fast_w: false`` (the engine sets ``executor.fast_w``) sends every W through
+    autograd, so hooks on a parameter's gradient-accumulator node fire; the gradients are the same."""
+    from ds_resilience.config import ResilienceConfig
+    from ds_resilience.runtime import executor as executor_module
+
+    seen = []
+    real = executor_module.backward_input
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("fast_linear"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(executor_module, "backward_input", spy)
+    ex = _executor(Stage())
+    ex.fast_w = ResilienceConfig.from_dict({"fast_w": fast}).fast_w
+    grads = _run(ex, split=True)
+    assert seen == [fast] * 3
+    assert all(torch.equal(a, b) for a, b in zip(grads, _run(_executor(Stage()), split=False)))

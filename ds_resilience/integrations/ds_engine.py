@@ -168,6 +168,7 @@ class ResilientPipelineEngine(PipelineEngine):
             validator=self.validator, zero_grad=self.stage_host.zero_grad,
         )
         self.executor.progress = self.progress
+        self.executor.fast_w = resilience.fast_w
         # new (pipeline, micro-batch) -> the first grid's, after a re-grid (None: the first grid)
         self.origin_microbatches = regrid_from.origin_microbatches if regrid_from is not None else None
         self._seed_layers()

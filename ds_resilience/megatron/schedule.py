@@ -379,6 +379,7 @@ class ResilientForwardBackward:
             counted_tied=[g for g, stages in enumerate(tied_groups) if stages[0] == me.stage],
             # a weight every tensor-parallel rank holds whole (norms, row-parallel biases) counts once
             counted_param=lambda p: tp_rank == 0 or bool(getattr(p, "tensor_model_parallel", False)))
+        executor.fast_w = job.config.fast_w
         self.optimizer.grad_norm = lambda: executor.last_grad_norm
         if job.precision == "fp16" and precision is not None:
             raise ConfigError("--fp16", "fp16 needs dynamic loss scaling with a global overflow decision, which the "

@@ -251,6 +251,7 @@ class Executor:
         self.progress: Progress | None = None  # the main thread's progress, for hang detection
         self.stats = IterationStats()
         self.count_w_bytes = False  # peak pending-W bytes in the stats (a profile sets it: it costs a graph walk per B)
+        self.fast_w = True  # W without autograd where bw_split can (resilience.fast_w)
         self.wstore = WeightGradStore(count_bytes=False)
         self._inputs: dict = {}
         self._outputs: dict = {}
@@ -440,7 +441,7 @@ class Executor:
     def backward_input(self, a: Action) -> None:
         key = (a.pipeline, a.microbatch)
         outputs, grads, inputs = self._backward_args(a)
-        input_grads, pending = backward_input(outputs, grads, inputs, list(self.parameters))
+        input_grads, pending = backward_input(outputs, grads, inputs, list(self.parameters), fast_linear=self.fast_w)
         self._fault("mid_backward")
         self.wstore.put(key, pending)
         if not self.is_first:
