@@ -228,8 +228,8 @@ class _SplitPlan:
         self.targets, self.groups, self.python_nodes = targets, groups, python_nodes
 
 
-def _graph_key(out_edges: list, inputs: list[Tensor], params: list[Tensor]) -> tuple[list[Node], dict, tuple]:
-    """The nodes reachable from the outputs in BFS order, their positions, and a flat key that
+def _graph_key(out_edges: list, inputs: list[Tensor], params: list[Tensor]) -> tuple[list[Node], tuple]:
+    """The nodes reachable from the outputs in BFS order and a flat key that
     determines the graph: the outputs' (position, output number), then per node its type and
     either its next edges as (position, output number) pairs (-1 for none) or, for a leaf's
     accumulator, which of the call's parameters (0, k) or inputs (1, k) it is (2, -1: neither).
@@ -271,31 +271,35 @@ def _graph_key(out_edges: list, inputs: list[Tensor], params: list[Tensor]) -> t
                 j = index[n] = len(order)
                 grow(n)
             key += (j, nr)
-    return order, index, tuple(key)
+    return order, tuple(key)
 
 
-def _structure(order: list[Node], index: dict, inputs: list[Tensor], params: list[Tensor]) -> list[tuple]:
-    """Per node of ``order``: ``("p", k)``/``("x", k)``/``("leaf",)`` for a leaf's accumulator,
-    else ``(type, next edges)`` with each edge ``(position, output number)`` or ``None``: the
-    key of :func:`_graph_key` unpacked, built once per key for the analysis."""
-    pid = {id(p): k for k, p in enumerate(params)}
-    xid = {id(x): k for k, x in enumerate(inputs)}
+def _structure(key: tuple, n: int) -> list[tuple]:
+    """Per node of the BFS order: ``("p", k)``/``("x", k)``/``("leaf",)`` for a leaf's accumulator,
+    else ``(type, next edges)`` with each edge ``(position, output number)`` or ``None``: the flat
+    key of :func:`_graph_key` (``n`` nodes) unpacked, once per key, for the analysis."""
     graph: list[tuple] = []
-    for node in order:
-        if type(node) is _ACCUMULATE:
-            v = id(node.variable)
-            graph.append(("p", pid[v]) if v in pid else ("x", xid[v]) if v in xid else ("leaf",))
-        else:
-            graph.append((type(node), tuple(None if n is None else (index[n], nr) for n, nr in node.next_functions)))
+    i = 1 + 2 * key[0]  # past the outputs
+    for _ in range(n):
+        kind = key[i]
+        if kind is _ACCUMULATE:
+            tag, k = key[i + 1], key[i + 2]
+            graph.append(("p", k) if tag == 0 else ("x", k) if tag == 1 else ("leaf",))
+            i += 3
+            continue
+        m = key[i + 1]
+        pairs = key[i + 2:i + 2 + 2 * m]
+        graph.append((kind, tuple(None if pairs[e] == -1 else (pairs[e], pairs[e + 1]) for e in range(0, 2 * m, 2))))
+        i += 2 + 2 * m
     return graph
 
 
-def _analyse(order: list[Node], index: dict, out_edges: list, inputs: list[Tensor], params: list[Tensor]) -> _SplitPlan:
+def _analyse(order: list[Node], key: tuple, n_params: int) -> _SplitPlan:
     """The split's structure (see :func:`_split`), in positions of ``order``."""
     global _plan_misses
     _plan_misses += 1
-    graph = _structure(order, index, inputs, params)
-    n, n_params = len(order), len(params)
+    n = len(order)
+    graph = _structure(key, n)
     consumers: list[list[int]] = [[] for _ in range(n)]
     start = [-1] * n_params  # parameter -> its AccumulateGrad's position
     path: set[int] = set()  # the input-gradient path: nodes downstream of an input
@@ -314,7 +318,7 @@ def _analyse(order: list[Node], index: dict, out_edges: list, inputs: list[Tenso
             if c not in path:
                 path.add(c)
                 queue.append(c)
-    outs = [index[e.node] for e in out_edges]
+    outs = [key[1 + 2 * m] for m in range(key[0])]
     roots = set(outs) - path  # outputs that do not depend on any input
     owner: dict[int, dict] = {}
     for k in range(n_params):  # walk forward from each parameter to the input path or such an output
@@ -362,10 +366,10 @@ def _split(outs: list[Tensor], grads: list[Tensor], inputs: list[Tensor], params
     gets a fast W (checked before B), B does not retain the graph: each node frees its saved
     tensors as it runs, as in a plain backward, and W holds only what its products read."""
     out_edges = [get_gradient_edge(o) for o in outs]
-    order, index, key = _graph_key(out_edges, inputs, params)
+    order, key = _graph_key(out_edges, inputs, params)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _analyse(order, index, out_edges, inputs, params)
+        plan = _analyse(order, key, len(params))
         _remember(key, plan)
     quick: list[FastW | None] = []
     if fast:
