@@ -43,6 +43,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--progress", action="store_true", help="rank 0 draws a progress bar instead of a line per step")
     parser.add_argument("--min-step-seconds", type=float, default=0.0,
                         help="pad each step to at least this long (paces demos and re-join tests)")
+    parser.add_argument("--lag", metavar="RANK:STEP:SECONDS", default=None,
+                        help="global rank RANK sleeps SECONDS once after step STEP, outside the step's pacing: with "
+                        "--min-step-seconds it runs that far behind its peers from then on, a straggler's phase "
+                        "(tests a membership change reaching ranks at different points of an iteration)")
     parser.add_argument("--eval-every", type=int, default=0, help="engine.eval_batch every N steps (0: never)")
     parser.add_argument("--save-every", type=int, default=0, help="engine.save_checkpoint every N steps (0: never)")
     parser.add_argument("--save-dir", default="checkpoints", help="where save_checkpoint writes")
@@ -62,6 +66,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="PipelineModule's activation_checkpoint_interval (0: off)")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     return parser.parse_args(argv)
+
+
+def _lag(text):
+    """``RANK:STEP:SECONDS`` as (int, int, float), or ``None``."""
+    if not text:
+        return None
+    try:
+        r, s, secs = text.split(":")
+        return int(r), int(s), float(secs)
+    except ValueError:
+        raise SystemExit(f"--lag: expected RANK:STEP:SECONDS (e.g. 3:5:0.3), got {text!r}") from None
 
 
 def main(argv=None) -> int:
@@ -104,6 +119,7 @@ def main(argv=None) -> int:
     if args.load_dir:
         engine.load_checkpoint(args.load_dir, tag=args.load_tag)
     rank = dist.get_rank()
+    lag = _lag(args.lag)
     samples = micro_batch_size * microbatches * dp
     if rank == 0:
         failed = sorted(str(w) for w in engine.current.failed)
@@ -149,6 +165,8 @@ def main(argv=None) -> int:
             engine.save_checkpoint(args.save_dir)
         if args.min_step_seconds > 0:
             time.sleep(max(0.0, args.min_step_seconds - (time.perf_counter() - t0)))
+        if lag is not None and lag[0] == rank and lag[1] == step:
+            time.sleep(lag[2])
         dt = time.perf_counter() - t0
         step_ends.append((engine.global_steps, time.time()))  # wall clock: lines up with the agent's events
         if loss is not None:

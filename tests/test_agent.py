@@ -141,6 +141,7 @@ def _bare_coordinator(store):
     c = Coordinator.__new__(Coordinator)
     c.store, c.rank, c.store_timeout_s, c.applied, c.applying = store, 0, 5.0, 1, 0
     c._latched, c._disruptive, c._lock, c.on_epoch = None, 0, threading.Lock(), lambda record: None
+    c._switch_seen, c._switch_checked = 0, 0.0
     return c
 
 
@@ -172,6 +173,31 @@ def test_a_rejoin_epoch_does_not_interrupt_a_store_wait_but_a_failure_does(store
     c._latch(mb.EpochRecord(epoch=5, failed=(1,), alive=(0,), joining=(), stop=False, reason="c",
                             detected_at=0.0, kind="crash"))
     assert c.interrupting().epoch == 5
+
+
+def test_a_rejoin_a_peer_started_applying_interrupts_a_store_wait(store):
+    """Ranks reach their iteration boundaries at different times: once one rank applies the
+    re-join (announce_switch), a peer still inside the iteration must give up its store waits for
+    it (the switched rank will never post what they wait for), and only for that epoch."""
+    from ds_resilience.runtime.coordinator import Reconfigure
+
+    c, peer = _bare_coordinator(store), _bare_coordinator(store)
+    rejoin = mb.EpochRecord(epoch=2, failed=(), alive=(0, 1), joining=(1,), stop=False, reason="r", detected_at=0.0,
+                            kind="rejoin")
+    c._latch(rejoin)
+    assert c.interrupting() is None
+    threading.Timer(0.3, lambda: peer.announce_switch(rejoin)).start()
+    started = time.monotonic()
+    with pytest.raises(Reconfigure) as err:
+        c.wait_key("k/never-posted")
+    assert err.value.record is rejoin and time.monotonic() - started < 3.0
+    c.begin(rejoin)  # applying it: its own waits are not interrupted by its own switch
+    assert c.interrupting() is None
+    c.mark_applied(rejoin)
+    later = mb.EpochRecord(epoch=3, failed=(), alive=(0, 1), joining=(1,), stop=False, reason="r", detected_at=0.0,
+                           kind="rejoin")
+    c._latch(later)
+    assert c.interrupting() is None  # the switch of epoch 2 says nothing about epoch 3
 
 
 def test_heartbeat_bumps_counter_and_marks_a_deliberate_stop(store):

@@ -330,6 +330,27 @@ def test_rejoin_returns_to_fault_free_and_stays_exact(tmp_path):
 
 
 @pytest.mark.timeout(600)
+def test_a_rejoin_reaching_ranks_in_different_iterations_is_applied_by_all_of_them(tmp_path):
+    """Ranks meet a re-join at different points: survivor rank 3 runs 0.35 s behind its peers (a
+    straggler's phase, paced at 0.5 s a step), so when the re-join lands in that gap rank 3 sees it at
+    its iteration boundary while the others are inside the iteration, blocked on rank 3. The rank that
+    applies it first releases the others (it closes its old groups and marks the switch for store
+    waits), they apply it too, and the run ends exact. Before, they waited on each other until the
+    store timeout killed the job."""
+    steps = 40
+    code, _, reference = run_job(tmp_path, name="ref", steps=steps)
+    assert code == 0, logs(tmp_path, "ref")
+    fault = {"rank": 1, "step": 2, "point": "mid_backward", "kind": "sigkill"}
+    code, events, dumps = run_job(tmp_path, faults=[fault], rejoin_after=0.5, steps=steps, pace=0.5,
+                                  extra=["--lag", "3:5:0.35"])
+    assert code == 0, logs(tmp_path, "job")
+    assert any(e.kind == "rejoin" for e in events), [e.kind for e in events]
+    joined = [r for r in dumps[1]["recovery"] if r["kind"] == "joined"]
+    assert joined and 5 < joined[0]["resume_step"] < steps, dumps[1]["recovery"]
+    assert_equal_to_reference(dumps, reference, steps=steps)
+
+
+@pytest.mark.timeout(600)
 def test_a_loop_that_evaluates_and_saves_survives_a_failure_and_its_checkpoint_restarts_a_full_job(tmp_path):
     """The drop-in promise after a failure: eval_batch every step, save_checkpoint every other step,
     a loss-logging all-reduce on the survivors' group, DeepSpeed's csv monitor; rank 0 (which

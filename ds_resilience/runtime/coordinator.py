@@ -66,6 +66,8 @@ class Coordinator:
         self._latched = None
         self._disruptive = 0  # the newest latched epoch that is not a re-join
         self._lock = threading.Lock()
+        self._switch_seen = 0  # the newest re-join a peer is known to apply (announce_switch)
+        self._switch_checked = 0.0
         interval = launch.heartbeat_interval_s or heartbeat_interval_s
         self.heartbeat_interval_s = interval
         membership.register_worker(store, membership.WorkerInfo(
@@ -103,13 +105,36 @@ class Coordinator:
         """The pending epoch when it must interrupt the work in flight, else ``None``.
 
         A failure or a stop interrupts (the engine poisons the groups, store waits give up). A
-        re-join alone does not: nothing in flight involves the joining worker, the engine leaves
-        the groups alone and applies it at the next iteration boundary, so a store wait that gave
-        up for it would leave its peers blocked in a collective it walked out of."""
+        re-join interrupts only once a peer has started applying it (:meth:`announce_switch`):
+        nothing in flight involves the joining worker, so each rank applies it at its next
+        iteration boundary, but ranks reach their boundaries at different times, and one that is
+        still inside the iteration may be waiting on a peer that has switched already."""
         record = self.pending()
-        if record is not None and self._disruptive > max(self.applied, self.applying):
+        if record is None:
+            return None
+        if self._disruptive > max(self.applied, self.applying) or self._switched(record):
             return record
         return None
+
+    def announce_switch(self, record) -> None:
+        """This rank starts applying the re-join ``record``: store waits of its peers' iterations
+        give up for it from now on."""
+        self.store.set(_switch_key(record.epoch), "1")
+
+    def _switched(self, record) -> bool:
+        """Whether a peer has started applying the re-join ``record`` (one store read per 20 ms)."""
+        if getattr(record, "kind", None) != "rejoin":
+            return False
+        if self._switch_seen == record.epoch:
+            return True
+        now = time.monotonic()
+        if now - self._switch_checked < 0.02:
+            return False
+        self._switch_checked = now
+        if self.store.check([_switch_key(record.epoch)]):
+            self._switch_seen = record.epoch
+            return True
+        return False
 
     def begin(self, record) -> None:
         """``record`` is being applied: waits inside it are interrupted only by a newer epoch."""
@@ -135,11 +160,12 @@ class Coordinator:
             time.sleep(0.002)
         return None
 
-    def wait_key(self, key: str, *, store=None) -> bytes:
+    def wait_key(self, key: str, *, store=None, timeout_s: float | None = None) -> bytes:
         """Wait for ``key`` in the store, polling; give up at once if a newer epoch that interrupts
-        work in flight is latched (:meth:`interrupting`)."""
+        work in flight is latched (:meth:`interrupting`). ``timeout_s``: default the store timeout."""
         store = store or self.store
-        deadline = time.monotonic() + self.store_timeout_s
+        timeout_s = self.store_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
         while True:
             if store.check([key]):
                 return store.get(key)
@@ -147,7 +173,7 @@ class Coordinator:
             if record is not None:
                 raise Reconfigure(record)
             if time.monotonic() > deadline:
-                raise ResilienceError(f"timed out after {self.store_timeout_s:.0f}s waiting for store key {key}")
+                raise ResilienceError(f"timed out after {timeout_s:.0f}s waiting for store key {key}")
             time.sleep(0.001)
 
     def gather_steps(self, epoch: int, value: int, ranks: Iterable[int]) -> dict[int, int]:
@@ -161,3 +187,7 @@ class Coordinator:
         if not self.store.check([key]):
             self.store.set(key, str(value))
         return {r: int(self.wait_key(f"dsr/agree/{epoch}/{r}")) for r in ranks}
+
+
+def _switch_key(epoch: int) -> str:
+    return f"dsr/switch/{epoch}"

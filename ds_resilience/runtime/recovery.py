@@ -222,13 +222,17 @@ class LiveRecovery:
         self.log: list[dict[str, Any]] = []
 
     # --- the generation for a set of failed workers -------------------------------------------------
-    def generation(self, epoch: int, failed: frozenset[Worker], *, build: bool = True) -> Generation:
-        """The schedule and (with ``build``) this worker's groups for ``failed``."""
+    def generation(self, epoch: int, failed: frozenset[Worker], *, build: bool = True,
+                   joining: bool = False) -> Generation:
+        """The schedule and (with ``build``) this worker's groups for ``failed``. ``joining``: this
+        worker re-joins, its peers come when they reach an iteration boundary (up to one iteration
+        late), so it waits for them up to the process-group timeout rather than the store's."""
         choice = self.provider.schedule_for(failed)
         target = self.topology.without(failed)
         groups = None
         if build:
-            self._arrive(epoch, self.view.ranks(self.topology.rank(w) for w in target.alive_workers()))
+            self._arrive(epoch, self.view.ranks(self.topology.rank(w) for w in target.alive_workers()),
+                         timeout_s=max(self.timeout_s, self.coordinator.store_timeout_s) if joining else None)
             if self.groups_for is not None:
                 groups = self.groups_for(target, epoch)
             else:
@@ -238,14 +242,14 @@ class LiveRecovery:
         return Generation(epoch=epoch, topology=target, schedule=choice.schedule, source=choice.source,
                           lookup_s=choice.seconds, figures=choice.figures, groups=groups)
 
-    def _arrive(self, epoch: int, members: list[int]) -> None:
+    def _arrive(self, epoch: int, members: list[int], *, timeout_s: float | None = None) -> None:
         """Wait until every member of the new generation is here before building its groups: a
         member that dies now releases the wait (a new epoch), where gloo's group construction would
         wait out its whole timeout."""
         store = self.coordinator.store
         store.set(f"dsr/arrive/{epoch}/{self.rank}", "1")
         for r in members:
-            self.coordinator.wait_key(f"dsr/arrive/{epoch}/{r}")
+            self.coordinator.wait_key(f"dsr/arrive/{epoch}/{r}", timeout_s=timeout_s)
 
     # --- recovery ----------------------------------------------------------------------------------
     def recover(self, exc: BaseException) -> None:
@@ -256,6 +260,9 @@ class LiveRecovery:
             record = self.coordinator.wait_pending(self.grace_s)
             if record is None:
                 raise exc  # an error without a membership change is a real error
+            if record.kind == "rejoin":
+                print(f"[ds_resilience] rank {self.rank}: a peer applying re-join epoch {record.epoch} released this "
+                      f"rank from its iteration ({type(exc).__name__})", file=sys.stderr, flush=True)
         while True:
             try:
                 self.apply(record)
@@ -284,6 +291,8 @@ class LiveRecovery:
     def apply(self, record: EpochRecord) -> None:
         started = time.perf_counter()
         self.coordinator.begin(record)
+        if record.kind == "rejoin":
+            self._switch(record)
         self.executor.reset()
         if self.topology.rank(self.me) in self.view.workers(record).failed:
             self._retire(record)
@@ -327,6 +336,17 @@ class LiveRecovery:
             "recovery_s": time.time() - record.detected_at if record.detected_at else None,
         })
 
+    def _switch(self, record: EpochRecord) -> None:
+        """This rank applies a re-join at its iteration boundary; its peers may not have seen the
+        epoch at theirs and be inside an iteration that waits on this rank. Release them: the switch
+        key makes their store waits give up (``Coordinator.interrupting``), and closing this rank's
+        pairs of the old groups (which the new generation replaces) fails their receives and
+        collectives with it. They apply the re-join in turn; whatever step one of them took in
+        that iteration is rolled back by the plan, as after a failure."""
+        self.coordinator.announce_switch(record)
+        if self.executor.groups is not None:
+            self.executor.groups.poison()
+
     def _retire(self, record: EpochRecord) -> None:
         """This rank lives but its replica lost a rank: it leaves the membership and idles (the
         replica's work is re-routed like any failed replica's); it never votes or rolls back."""
@@ -355,7 +375,7 @@ class LiveRecovery:
                              tied=self.provider.tied)
         donor = next(d for d, j in plan.handovers if j == self.rank)
         failed = frozenset(self.topology.coord(r)[0] for r in plan.failed)
-        generation = self.generation(record.epoch, failed)
+        generation = self.generation(record.epoch, failed, joining=True)
         self.executor.install(generation.groups)
         self.adopt(generation)
         state = recv_state(generation.groups.world, donor, timeout_s=self.timeout_s)
