@@ -233,6 +233,62 @@ def test_captures_spread_over_more_iterations_when_the_stall_exceeds_the_budget(
     ck.close()
 
 
+def test_ranks_with_different_stalls_capture_the_same_steps(tmp_path):
+    """One rank's captures stall 10 ms (it needs every 5th step), its peer's 0.5 ms (every step):
+    both follow one schedule from the shared store, the largest need, from a step after both
+    could read it; so every step one captures the other does too, and a restore or a re-grid finds
+    a step held for both. (Each stretching its own interval captured 5, 10, ... on one and every
+    step on the other: after a lagging copy, no common step among the two newest.)"""
+    import torch.distributed as dist
+    from ds_resilience.checkpoint.interval import LEAD
+
+    store = dist.HashStore()
+    cfg = CheckpointConfig.from_dict({"replicas": 1, "ranks_per_machine": 1, "host_dir": str(tmp_path),
+                                      "stall_budget": 0.02})
+    slow, fast = (InMemoryCheckpointer(cfg, rank=r, world=2, job_id="j", local_world_size=1, name="j",
+                                       replicate=False, group_store=store) for r in (0, 1))
+    try:
+        seen = {0: [], 1: []}
+        for step in range(1, 31):
+            for ck, stall in ((slow, 0.010), (fast, 0.0005)):
+                seen[ck.rank].append(ck.due(step))
+                ck.captures = [{"step": step, "stall_s": stall, "copy_s": 0.0}] * 5
+                ck.note_iteration(0.100, step)
+        assert seen[0] == seen[1]
+        first = 1 + LEAD  # the slow rank asked after step 1
+        assert all(seen[0][s - 1] for s in range(1, first)), "every step before the change takes effect"
+        assert [s for s in range(first, 31) if seen[0][s - 1]] == [s for s in range(first, 31) if s % 5 == 0]
+        assert slow.interval == fast.interval == 5
+        # the slow rank recovers: the largest need is 1 again, from a later step, on both
+        for step in range(31, 41):
+            for ck in (slow, fast):
+                ck.captures = [{"step": step, "stall_s": 0.0005, "copy_s": 0.0}] * 5
+                ck.note_iteration(0.100, step)
+        assert slow.interval == fast.interval == 1
+        assert [slow.due(s) for s in range(31, 60)] == [fast.due(s) for s in range(31, 60)]
+    finally:
+        slow.close()
+        fast.close()
+
+
+def test_the_interval_schedule_takes_the_largest_need_and_never_rewrites_a_step_in_use():
+    from ds_resilience.checkpoint.interval import LEAD, SnapshotInterval
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    a, b = SnapshotInterval(2, store=store, key="k", rank=0), SnapshotInterval(2, store=store, key="k", rank=1)
+    before = [b.at(s) for s in range(0, 7)]  # b has used steps up to 6
+    a.request(6, step=3)
+    assert [b.at(s) for s in range(0, 7)] == before == [2] * 7, "a change never governs a step already read"
+    assert a.at(3 + LEAD) == b.at(3 + LEAD) == 6
+    b.request(4, step=8)  # smaller than a's need: the schedule keeps 6
+    assert b.at(8 + LEAD) == 6
+    a.request(2, step=9)  # a no longer needs 6: b's 4 is the largest need
+    assert a.at(9 + LEAD) == b.at(9 + LEAD) == 4 and a.at(9 + LEAD - 1) == 6
+    with pytest.raises(ValueError, match="multiple of 2"):
+        a.request(3, step=10)
+
+
 @pytest.mark.timeout(300)
 def test_corrupt_peer_replica_is_rejected_on_receipt_and_the_next_copy_used(tmp_path):
     """Machine 1 is lost and rank 0's replica of rank 1 has a flipped byte: the receiver's checksum

@@ -28,7 +28,11 @@ def run(tmp: Path, name: str, *, world: int, pp: int, faults=(), regrid=True, ch
     base["resilience"] = {
         "schedule": "1f1b", "variant": "recycle", "regrid": regrid, "fault_injection": list(faults),
         "detector": {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 2.0, "pg_timeout_s": 60.0},
-        "checkpoint": {"persistent_dir": str(tmp / "ckpt"), "max_restarts": restarts, **(checkpoint or {})},
+        # every step is captured (stall budget 1.0): a loaded machine stretches the 2% default's
+        # interval on some ranks and not others, their snapshots then share no step near the
+        # failure, and an in_snapshot fault armed at a step that is not captured never fires
+        "checkpoint": {"persistent_dir": str(tmp / "ckpt"), "max_restarts": restarts, "stall_budget": 1.0,
+                       **(checkpoint or {})},
     }
     cfg = tmp / f"{name}.json"
     cfg.write_text(json.dumps(base))
@@ -206,3 +210,27 @@ def test_what_the_regrid_cannot_move_yet_is_refused_by_name():
     ]
     for eng, rebuild, fragment in cases:
         assert fragment in (regrid_blocker(eng, rebuild) or ""), fragment
+
+
+def test_the_regrid_step_is_the_newest_held_for_every_survivor_and_every_lost_stage():
+    """Snapshots every 3rd step (a stretched interval): the survivors hold their own 6 and 3, the
+    lost rank's 6 never committed (killed mid-copy), so the re-grid starts from 3, two steps
+    further back than the old search of [resume, resume - 1, resume - 2] looked; with the lost
+    rank's 6 held it starts from 6; with no step held for all it says so."""
+    from types import SimpleNamespace
+
+    from ds_resilience.checkpoint.inmemory import owner_name
+    from ds_resilience.integrations.ds_regrid import RegridError, _agree_step
+
+    def rank0(lost_held):
+        """Survivor rank 0 (its own 6 and 3 in memory) and a world whose other survivor, rank 1,
+        holds its own 6 and 3 and the lost rank 2's ``lost_held``."""
+        memory = SimpleNamespace(store=SimpleNamespace(holdings=lambda verify: {owner_name(0): [6, 3]}))
+        engine = SimpleNamespace(rank=0, tier=SimpleNamespace(memory=memory))
+        world = SimpleNamespace(all_gather_json=lambda mine: [mine, {"own": [6, 3], "lost": {"2": lost_held}}])
+        return engine, world
+
+    assert _agree_step(*rank0([3, 0]), [2], 7) == 3
+    assert _agree_step(*rank0([6, 3]), [2], 7) == 6
+    with pytest.raises(RegridError, match="no step up to 7"):
+        _agree_step(*rank0([0]), [2], 7)

@@ -42,6 +42,7 @@ from ..config import CheckpointConfig
 from ..errors import ConfigError
 from ..launch import DEFAULT_HOST_DIR, snapshot_root
 from ..planning.placement import place
+from .interval import SnapshotInterval
 from .replication import IdleGate, Replicator
 from .restore_plan import LOCAL, PEER, PERSISTENT, RestorePlan, plan_restore
 from .staging import StagingPipeline
@@ -134,7 +135,9 @@ class InMemoryCheckpointer:
                                          chunk_bytes=max(64, int(cfg.chunk_mb * (1 << 20)) // 64 * 64),
                                          timeout_s=timeout_s, gate=self.gate, group_store=group_store,
                                          interface=cfg.interface)
-        self.interval = cfg.interval  # effective interval: grows when captures exceed the budget
+        # one schedule for every rank of the attempt: grows when captures exceed the budget
+        self.schedule = SnapshotInterval(cfg.interval, store=group_store, key=f"dsr/snapshot-interval/{name}", rank=rank)
+        self._noted_step = 0
         # the newest captures: step, stall_s (the training thread's wait), copy_s (the background copy)
         self.captures: deque[dict[str, float]] = deque(maxlen=64)
         self.committed: int | None = None
@@ -149,8 +152,14 @@ class InMemoryCheckpointer:
 
     # --- capture -------------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
-        """Whether step ``step`` is captured (step 0, the initial state, always is)."""
-        return step % self.interval == 0
+        """Whether step ``step`` is captured (step 0, the initial state, always is); the same on
+        every rank of the job (``checkpoint/interval.py``)."""
+        return self.schedule.due(step)
+
+    @property
+    def interval(self) -> int:
+        """The interval in force for the step after the last one noted (:meth:`note_iteration`)."""
+        return self.schedule.at(self._noted_step + 1)
 
     def capture(self, step: int, state: Any) -> float:
         """Start copying ``state`` (of step ``step``, live tensors) into host memory; returns the
@@ -184,17 +193,22 @@ class InMemoryCheckpointer:
             self.captures[-1]["stall_s"] += waited
         return waited
 
-    def note_iteration(self, seconds: float) -> None:
-        """Adapt the interval so that the capture stall stays within ``stall_budget`` of an iteration."""
+    def note_iteration(self, seconds: float, step: int | None = None) -> None:
+        """Ask for the interval that keeps this rank's capture stall within ``stall_budget`` of an
+        iteration of ``seconds`` (after step ``step``, default the last captured); the job's
+        schedule takes the largest need of all ranks."""
+        if step is None:
+            step = self.last_captured or 0
+        self._noted_step = step
         if not self.captures or seconds <= 0:
             return
         recent = [c["stall_s"] for c in list(self.captures)[-5:]]
         stall = sorted(recent)[len(recent) // 2]
         needed = max(1, math.ceil(stall / (self.cfg.stall_budget * seconds * self.cfg.interval))) * self.cfg.interval
-        if needed != self.interval:
-            logger.info("rank %d: snapshot stall %.1f ms vs iteration %.1f ms (budget %.0f%%): interval %d -> %d",
-                        self.rank, stall * 1e3, seconds * 1e3, self.cfg.stall_budget * 100, self.interval, needed)
-            self.interval = needed
+        if needed != self.schedule.need:
+            logger.info("rank %d: snapshot stall %.1f ms vs iteration %.1f ms (budget %.0f%%): needs interval %d",
+                        self.rank, stall * 1e3, seconds * 1e3, self.cfg.stall_budget * 100, needed)
+            self.schedule.request(needed, step)
 
     def _commit_loop(self) -> None:
         while True:

@@ -122,7 +122,7 @@ class CheckpointTier:
 
     def end_iteration(self, seconds: float) -> None:
         if self.memory is not None:
-            self.memory.note_iteration(seconds)
+            self.memory.note_iteration(seconds, self.host.counters()[0])
 
     # --- recovery ----------------------------------------------------------------------------------
     def rollback(self, steps: int) -> None:

@@ -307,19 +307,24 @@ def _give_up(engine: Any, record: Any, plan: RecoveryPlan, exc: Exception) -> No
 def _agree_step(engine: Any, world: Any, lost: list[int], resume: int) -> int:
     """The step the re-grid starts from: the resume step when every lost stage's snapshot of it is
     held by some survivor, else the newest older step at which those snapshots and every
-    survivor's own are held (a worker killed mid-copy leaves its newest snapshot uncommitted);
-    the iterations after it are replayed. Collective over ``world``."""
+    survivor's own are held (a worker killed mid-copy leaves its newest snapshot uncommitted; with
+    a snapshot interval above 1 the step before is not captured at all); the iterations after it
+    are replayed. Collective over ``world``."""
     if not lost:
         return resume
     memory = engine.tier.memory
-    candidates = [resume - k for k in range(3) if resume - k >= 0]
-    mine = {str(s): {"own": s == resume or (memory is not None and memory.holds(engine.rank, s)),
-                     "lost": [d for d in lost if memory is not None and memory.holds(d, s)]} for s in candidates}
-    views = world.all_gather_json(mine)
-    for s in candidates:
-        if all(v[str(s)]["own"] for v in views) and all(any(d in v[str(s)]["lost"] for v in views) for d in lost):
+    holdings = memory.store.holdings(verify=False) if memory is not None else {}
+
+    def held(rank: int) -> list[int]:
+        return [s for s in holdings.get(owner_name(rank), []) if s <= resume]
+
+    views = world.all_gather_json({"own": held(engine.rank), "lost": {str(d): held(d) for d in lost}})
+    candidates = {resume} | {s for v in views for s in v["own"]} | {s for v in views for h in v["lost"].values() for s in h}
+    for s in sorted(candidates, reverse=True):
+        if (all(s == resume or s in v["own"] for v in views)
+                and all(any(s in v["lost"][str(d)] for v in views) for d in lost)):
             return s
-    raise RegridError(f"no step in {candidates} has both the lost stages' snapshots (ranks {lost}) and every "
+    raise RegridError(f"no step up to {resume} has both the lost stages' snapshots (ranks {lost}) and every "
                       f"survivor's own in host memory")
 
 
