@@ -50,7 +50,7 @@ class SnapshotInterval:
             raise ValueError(f"the snapshot interval must be >= 1, got {base}")
         self.base, self.store, self.key, self.rank = base, store, key, rank
         self.changes: list[tuple[int, int]] = []  # (first step, interval), first steps increasing
-        self.need: int | None = None
+        self.need = base  # posted only once it departs from the base: most jobs never write the key
         self._read_for = -1  # the newest step the store was read for
 
     def at(self, step: int) -> int:
