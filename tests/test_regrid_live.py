@@ -161,15 +161,15 @@ def test_killed_while_their_snapshot_drained_the_survivors_regrid_from_the_step_
 
 @pytest.mark.timeout(900)
 def test_a_regrid_without_the_lost_stages_state_falls_back_to_the_restart_from_memory(tmp_path):
-    """Snapshots every 100 steps: at the failure no step near the resume step has the lost stage's
-    state, so the survivors cannot re-form the grid; they say so, the agent restarts every worker
-    from the in-memory snapshots (step 0, the tier below), and the job still ends at the
-    fault-free state."""
+    """Each rank its own machine, one copy of each snapshot (its own), and both stage-1 ranks lose
+    their machines: no survivor holds any snapshot of the lost stage, so the survivors cannot
+    re-form the grid; they say so, the agent restarts every worker from the snapshots (the lost
+    stage's from the persistent tier), and the job still ends at the fault-free state."""
     code, _, reference = run(tmp_path, "ref", world=6, pp=3, regrid=False)
     assert code == 0, logs(tmp_path, "ref")
-    faults = [{"rank": r, "step": 4, "point": "before_forward", "kind": "sigkill"} for r in (2, 3)]
-    code, agent, dumps = run(tmp_path, "fallback", world=6, pp=3, faults=faults, checkpoint={"interval": 100},
-                             restarts=1)
+    faults = [{"rank": r, "step": 4, "point": "before_forward", "kind": "lose_machine"} for r in (2, 3)]
+    code, agent, dumps = run(tmp_path, "fallback", world=6, pp=3, faults=faults, restarts=1,
+                             checkpoint={"ranks_per_machine": 1, "replicas": 1, "persistent_interval": 1})
     assert code == 0, logs(tmp_path, "fallback")
     assert [e.kind for e in agent.events if e.kind in ("stop", "restart")] == ["stop", "restart"]
     stop = next(e for e in agent.events if e.kind == "stop")
@@ -180,6 +180,23 @@ def test_a_regrid_without_the_lost_stages_state_falls_back_to_the_restart_from_m
         assert d["steps"] == STEPS
         for name, t in d["params"].items():
             assert torch.allclose(t, ref[name], rtol=1e-5, atol=1e-6), f"rank {rank} {name}"
+
+
+@pytest.mark.timeout(900)
+def test_snapshots_far_apart_the_survivors_regrid_from_the_newest_step_held_for_all(tmp_path):
+    """Snapshots every 100 steps: the newest step every survivor and the lost stage hold is step 0,
+    four steps back; the survivors re-form the grid from it (no restart) and replay the four steps,
+    ending at the fault-free state (the search used to stop two steps back and restart the job)."""
+    code, _, reference = run(tmp_path, "ref", world=6, pp=3, regrid=False)
+    assert code == 0, logs(tmp_path, "ref")
+    faults = [{"rank": r, "step": 4, "point": "before_forward", "kind": "sigkill"} for r in (2, 3)]
+    code, agent, dumps = run(tmp_path, "far", world=6, pp=3, faults=faults, checkpoint={"interval": 100})
+    assert code == 0, logs(tmp_path, "far")
+    assert not [e for e in agent.events if e.kind in ("restart", "relaunch", "stop")]
+    entries = [next(e for e in d["recovery"] if e.get("kind") == "regrid") for d in dumps.values()]
+    assert {e["from_step"] for e in entries} == {0}, entries
+    resume = entries[0]["resume_step"]
+    assert_fault_free_state(dumps, reference, [0, 1, 4, 5], resume_step=resume, pp_before=3)
 
 
 def test_what_the_regrid_cannot_move_yet_is_refused_by_name():

@@ -186,8 +186,12 @@ def regrid(engine: Any, record: Any, plan: RecoveryPlan) -> None:
     engine.recovery._arrive(record.epoch, engine.recovery.view.ranks(survivors))
     target = old.without(frozenset(old.coord(r)[0] for r in failed))
     timeout = engine.resilience.detector.pg_timeout_s
-    world = build_groups(target, engine.me, session=f"{engine.session}/regrid", generation=record.epoch,
-                         timeout_s=timeout, store=engine.coordinator.store, device=engine._comm_device()).world
+    # held to the end: dropping the stage and tied groups at once closed this rank's pairs while a
+    # slower peer was still connecting to them ("Connection closed by peer" in its group build);
+    # the world collectives below wait for every member, so by the end every build has finished
+    groups = build_groups(target, engine.me, session=f"{engine.session}/regrid", generation=record.epoch,
+                          timeout_s=timeout, store=engine.coordinator.store, device=engine._comm_device())
+    world = groups.world
     lost_ranks = sorted(lost_stage_sources(old, failed).values())  # the plan fetches these
     try:
         step = _agree_step(engine, world, lost_ranks, step)
