@@ -32,6 +32,15 @@ import gpt_model  # noqa: E402
 import ds_resilience  # noqa: E402
 
 
+def _lag(text: str) -> tuple[int, int, float]:
+    """``--lag RANK:STEP:SECONDS`` as (int, int, float)."""
+    try:
+        r, s, secs = text.split(":")
+        return int(r), int(s), float(secs)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected RANK:STEP:SECONDS (e.g. 3:5:0.3), got {text!r}") from None
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--deepspeed_config", required=True, help="DeepSpeed JSON config with a resilience section")
@@ -43,7 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--progress", action="store_true", help="rank 0 draws a progress bar instead of a line per step")
     parser.add_argument("--min-step-seconds", type=float, default=0.0,
                         help="pad each step to at least this long (paces demos and re-join tests)")
-    parser.add_argument("--lag", metavar="RANK:STEP:SECONDS", default=None,
+    parser.add_argument("--lag", metavar="RANK:STEP:SECONDS", default=None, type=_lag,
                         help="global rank RANK sleeps SECONDS once after step STEP, outside the step's pacing: with "
                         "--min-step-seconds it runs that far behind its peers from then on, a straggler's phase "
                         "(tests a membership change reaching ranks at different points of an iteration)")
@@ -66,17 +75,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="PipelineModule's activation_checkpoint_interval (0: off)")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     return parser.parse_args(argv)
-
-
-def _lag(text):
-    """``RANK:STEP:SECONDS`` as (int, int, float), or ``None``."""
-    if not text:
-        return None
-    try:
-        r, s, secs = text.split(":")
-        return int(r), int(s), float(secs)
-    except ValueError:
-        raise SystemExit(f"--lag: expected RANK:STEP:SECONDS (e.g. 3:5:0.3), got {text!r}") from None
 
 
 def main(argv=None) -> int:
@@ -119,7 +117,7 @@ def main(argv=None) -> int:
     if args.load_dir:
         engine.load_checkpoint(args.load_dir, tag=args.load_tag)
     rank = dist.get_rank()
-    lag = _lag(args.lag)
+    lag = args.lag
     samples = micro_batch_size * microbatches * dp
     if rank == 0:
         failed = sorted(str(w) for w in engine.current.failed)

@@ -236,13 +236,12 @@ def test_the_regrid_step_is_the_newest_held_for_every_survivor_and_every_lost_st
     rank's 6 held it starts from 6; with no step held for all it says so."""
     from types import SimpleNamespace
 
-    from ds_resilience.checkpoint.inmemory import owner_name
     from ds_resilience.integrations.ds_regrid import RegridError, _agree_step
 
     def rank0(lost_held):
         """Survivor rank 0 (its own 6 and 3 in memory) and a world whose other survivor, rank 1,
         holds its own 6 and 3 and the lost rank 2's ``lost_held``."""
-        memory = SimpleNamespace(store=SimpleNamespace(holdings=lambda verify: {owner_name(0): [6, 3]}))
+        memory = SimpleNamespace(held_steps=lambda owner: [6, 3] if owner == 0 else [])
         engine = SimpleNamespace(rank=0, tier=SimpleNamespace(memory=memory))
         world = SimpleNamespace(all_gather_json=lambda mine: [mine, {"own": [6, 3], "lost": {"2": lost_held}}])
         return engine, world

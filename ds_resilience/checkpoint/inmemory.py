@@ -349,7 +349,11 @@ class InMemoryCheckpointer:
 
     def holds(self, owner: int, step: int) -> bool:
         """Whether this machine's host memory holds ``owner``'s committed version ``step``."""
-        return step in self.store.holdings(verify=False).get(owner_name(owner), [])
+        return step in self.held_steps(owner)
+
+    def held_steps(self, owner: int) -> list[int]:
+        """The committed versions of ``owner`` this machine's host memory holds, newest first."""
+        return self.store.holdings(verify=False).get(owner_name(owner), [])
 
     def load_peer(self, owner: int, step: int) -> Any:
         """``owner``'s version ``step`` from this machine's host memory (a replica, verified)."""

@@ -317,10 +317,9 @@ def _agree_step(engine: Any, world: Any, lost: list[int], resume: int) -> int:
     if not lost:
         return resume
     memory = engine.tier.memory
-    holdings = memory.store.holdings(verify=False) if memory is not None else {}
 
     def held(rank: int) -> list[int]:
-        return [s for s in holdings.get(owner_name(rank), []) if s <= resume]
+        return [s for s in memory.held_steps(rank) if s <= resume] if memory is not None else []
 
     views = world.all_gather_json({"own": held(engine.rank), "lost": {str(d): held(d) for d in lost}})
     candidates = {resume} | {s for v in views for s in v["own"]} | {s for v in views for h in v["lost"].values() for s in h}
