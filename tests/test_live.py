@@ -351,6 +351,27 @@ def test_a_rejoin_reaching_ranks_in_different_iterations_is_applied_by_all_of_th
 
 
 @pytest.mark.timeout(600)
+def test_a_rejoin_in_the_users_configuration_stays_exact(tmp_path):
+    """The re-join switch under what a DeepSpeed user brings rather than the lab setup: bf16 with
+    fp32 masters, DeepSpeed's default clipping 1.0 and Adam (``USER_CONFIG``), their own data loader
+    (``training_data``) and activation checkpointing on every block, with a survivor lagging its
+    peers' phase as above. The re-joined run ends with the masters of a fault-free run of the same
+    configuration."""
+    steps = 40
+    extra = [*TRAINING_DATA, "--activation-checkpoint-interval", "1"]
+    code, _, reference = run_job(tmp_path, name="ref", steps=steps, deepspeed=USER_CONFIG, extra=extra)
+    assert code == 0, logs(tmp_path, "ref")
+    fault = {"rank": 1, "step": 2, "point": "mid_backward", "kind": "sigkill"}
+    code, events, dumps = run_job(tmp_path, faults=[fault], rejoin_after=0.5, steps=steps, pace=0.5,
+                                  deepspeed=USER_CONFIG, extra=[*extra, "--lag", "3:5:0.35"])
+    assert code == 0, logs(tmp_path, "job")
+    assert any(e.kind == "rejoin" for e in events), [e.kind for e in events]
+    joined = [r for r in dumps[1]["recovery"] if r["kind"] == "joined"]
+    assert joined and 5 < joined[0]["resume_step"] < steps, dumps[1]["recovery"]
+    assert_masters_equal(dumps, reference, steps=steps)
+
+
+@pytest.mark.timeout(600)
 def test_a_loop_that_evaluates_and_saves_survives_a_failure_and_its_checkpoint_restarts_a_full_job(tmp_path):
     """The drop-in promise after a failure: eval_batch every step, save_checkpoint every other step,
     a loss-logging all-reduce on the survivors' group, DeepSpeed's csv monitor; rank 0 (which
