@@ -289,6 +289,53 @@ def test_the_interval_schedule_takes_the_largest_need_and_never_rewrites_a_step_
         a.request(3, step=10)
 
 
+def test_a_failed_ranks_need_leaves_the_interval_schedule():
+    """A rank whose slow captures stretched the job's interval dies: once a survivor drops it, the
+    interval returns to the largest need among the living, from LEAD steps on, on every rank."""
+    from ds_resilience.checkpoint.interval import LEAD, SnapshotInterval
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    ranks = [SnapshotInterval(1, store=store, key="k", rank=r) for r in range(3)]
+    ranks[2].request(8, step=2)  # the slow one
+    ranks[1].request(3, step=2)
+    assert {s.at(2 + LEAD) for s in ranks} == {8}
+    for s in ranks[:2]:
+        s.at(10)  # both survivors have read step 10
+    ranks[0].forget([2])
+    ranks[1].forget([2])  # the second survivor finds nothing left to drop: no second change
+    assert [s.at(10 + LEAD - 1) for s in ranks[:2]] == [8, 8], "a step already read keeps its interval"
+    assert [s.at(10 + LEAD) for s in ranks[:2]] == [3, 3]
+    ranks[1].forget([1])  # a rank never drops itself
+    ranks[0].forget([1])
+    assert ranks[0].at(20) == 1, "the last need gone: back to the configured interval"
+    import json
+
+    changes = json.loads(store.get("k"))["changes"]
+    assert [c[1] for c in changes] == [8, 3, 1], changes
+
+
+def test_the_tier_drops_a_failed_ranks_interval_need_when_it_learns_of_the_failure(tmp_path):
+    """What the engine's watcher calls on a new epoch (``release_on_epoch`` -> ``tier.drop``)
+    reaches the schedule: rank 1's posted need is gone, the interval falls back."""
+    import torch.distributed as dist
+
+    from ds_resilience.checkpoint.interval import LEAD
+    from ds_resilience.checkpoint.tier import CheckpointTier
+
+    store = dist.HashStore()
+    cfg = CheckpointConfig.from_dict(_cfg(tmp_path))
+    mems = [InMemoryCheckpointer(cfg, rank=r, world=2, job_id=_job(), local_world_size=1, name="j", replicate=False,
+                                 group_store=store) for r in range(2)]
+    mems[1].schedule.request(4, step=1)
+    read = 1 + LEAD + 1
+    assert mems[0].due(read) is False  # rank 0 has read step 6: every 4th step
+    tier = CheckpointTier(None, stage=0, rank=0, keep_pre_step=False, memory=mems[0])
+    tier.drop([1])
+    assert mems[0].due(read + 1) is False, "a step already read keeps its interval"
+    assert all(mems[0].due(s) for s in range(read + LEAD, 20)), "the dead rank's need still governs"
+
+
 @pytest.mark.timeout(300)
 def test_corrupt_peer_replica_is_rejected_on_receipt_and_the_next_copy_used(tmp_path):
     """Machine 1 is lost and rank 0's replica of rank 1 has a flipped byte: the receiver's checksum

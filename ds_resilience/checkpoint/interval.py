@@ -11,6 +11,9 @@ of changes ``(first step, interval)``.
 * A rank whose need changes posts it and, when the largest need differs from the interval in
   force, appends a change that takes effect ``LEAD`` steps after its own step (one atomic
   compare-and-set: two ranks changing it at once both land, in order).
+* A failed rank's need leaves the schedule when the survivors learn of the failure
+  (:meth:`SnapshotInterval.forget`), with a change ``LEAD`` steps ahead where that lowers the
+  largest need.
 * Every rank reads the schedule once per step, before it decides whether that step is captured.
   Ranks are at most about one iteration apart, so ``LEAD`` steps leave every rank time to read a
   change before the first step it governs, and the steps a replay after a rollback evaluates again
@@ -81,17 +84,39 @@ class SnapshotInterval:
         state = self._update(lambda s: self._with_need(s, need, step))
         self.changes = [tuple(c) for c in state["changes"]]
 
-    def _with_need(self, state: dict, need: int, step: int) -> dict:
+    def forget(self, ranks) -> None:
+        """Ranks that failed: their needs leave the schedule, so a dead rank's slow captures no
+        longer stretch the survivors' interval. A change that follows takes effect ``LEAD`` steps
+        after the newest step this rank read. Every survivor may call it; after the first, the
+        others find nothing to drop."""
+        gone = {str(r) for r in ranks} - {str(self.rank)}
+        if self.store is None or not gone or not self.store.check([self.key]):
+            return
+        step = max(self._read_for, 0)
+
+        def drop(state: dict) -> dict:
+            needs = state.get("needs", {})
+            if not gone & needs.keys():
+                return state
+            return self._with_need({**state, "needs": {r: n for r, n in needs.items() if r not in gone}}, None, step)
+
+        state = self._update(drop)
+        self.changes = [tuple(c) for c in state.get("changes", [])]
+
+    def _with_need(self, state: dict, need: int | None, step: int) -> dict:
+        """``state`` with this rank's need set to ``need`` (``None``: needs unchanged) and a change
+        appended if the largest need differs from the interval in force."""
         needs = dict(state.get("needs", {}))
-        needs[str(self.rank)] = need
+        if need is not None:
+            needs[str(self.rank)] = need
         changes = [list(c) for c in state.get("changes", [])]
-        wanted = max(needs.values())
+        wanted = max(needs.values(), default=self.base)
         first = max(step + LEAD, changes[-1][0] + 1 if changes else 0)
         current = changes[-1][1] if changes else self.base
         if wanted != current:
             changes.append([first, wanted])
-            logger.info("rank %d: snapshot interval %d -> %d from step %d (largest need of %d ranks)",
-                        self.rank, current, wanted, first, len(needs))
+            logger.info("rank %d: snapshot interval %d -> %d from step %d (largest need of %d ranks%s)",
+                        self.rank, current, wanted, first, len(needs), "" if need is not None else ", failed ranks' dropped")
         return {"needs": needs, "changes": changes}
 
     def _update(self, change) -> dict:

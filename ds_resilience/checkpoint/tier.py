@@ -22,6 +22,7 @@ committed (and replicated) before it exits for such a restart. All of them move 
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from typing import Any, Callable, ContextManager
 
@@ -34,6 +35,8 @@ from .inmemory import InMemoryCheckpointer
 from .state import StageHost, StageState, apply, capture
 
 __all__ = ["CheckpointTier"]
+
+logger = logging.getLogger("ds_resilience.checkpoint")
 
 
 class CheckpointTier:
@@ -150,9 +153,17 @@ class CheckpointTier:
         return True
 
     def drop(self, ranks) -> None:
-        """Peers that failed: stop replicating to them (frees a thread blocked on them)."""
-        if self.memory is not None and self.memory.replicator is not None:
+        """Peers that failed: stop replicating to them (frees a thread blocked on them), and take
+        their snapshot-interval needs out of the job's schedule (``checkpoint/interval.py``)."""
+        if self.memory is None:
+            return
+        if self.memory.replicator is not None:
             self.memory.replicator.drop(ranks)
+        try:
+            self.memory.schedule.forget(ranks)
+        except Exception as exc:  # noqa: BLE001 - the store unreachable: the schedule keeps their needs
+            logger.warning("rank %d: could not drop failed ranks %s from the snapshot interval schedule: %s",
+                           self.rank, list(ranks), exc)
 
     def ready_for_restart(self, step: int) -> dict[str, Any]:
         """Before exiting for a restart: the snapshot of ``step`` is committed (and replicated, if
