@@ -4,7 +4,11 @@
 # 1. B + W against the fused backward on the GPU (benchmarks/bw_split.py);
 # 2. the csrc copy kernel built in place for the visible GPU (setup.py build_ext);
 # 3. every test marked gpu / multigpu (the multigpu ones skip with a reason below their GPU count);
-# 4. the copy kernels' D2H staging throughput and interference (benchmarks/copy_kernel.py --quick).
+# 4. the copy kernels' D2H staging throughput and interference (benchmarks/copy_kernel.py --quick);
+# 5. with DEVICE_ENGINE=1, the engine against vanilla DeepSpeed on the machine's CPU cores, a core per
+#    worker, the GPU hidden (benchmarks/engine.py --world 4 and --world 2): the fidelity figures
+#    that a 2-core machine cannot give. It needs deepspeed, its pydantic and hjson, and ortools on
+#    PYTHONPATH (carried as wheels to a lent machine: see BENCHMARKS.md, "A core per worker").
 # Each step has its own time limit, so one hang cannot eat the others; logs and JSON go to OUT_DIR.
 set -u -o pipefail
 out=${1:-${OUT:-/tmp/gpu_checks}}
@@ -23,4 +27,12 @@ step build_ext 180 env DSR_BUILD_CUDA=1 TORCH_CUDA_ARCH_LIST="$arch" MAX_JOBS=8 
 step pytest_gpu 180 $py -m pytest -c tests/pytest.ini -q -p no:cacheprovider -rs -m "gpu or multigpu" \
   tests/test_kernels.py tests/test_accelerator.py tests/test_multigpu.py
 step copy_kernel 150 $py benchmarks/copy_kernel.py --quick --json "$out/copy_kernel.json"
+if [ "${DEVICE_ENGINE:-0}" = 1 ]; then
+  if ! $py -c "import deepspeed, ortools" > /dev/null 2>&1; then
+    echo "=== engine: deepspeed or ortools not importable (PYTHONPATH=${PYTHONPATH:-}): skipped"; rc=1
+  else
+    step engine_world4 330 env CUDA_VISIBLE_DEVICES= $py benchmarks/engine.py --world 4 --json "$out/engine_world4.json"
+    step engine_world2 120 env CUDA_VISIBLE_DEVICES= $py benchmarks/engine.py --world 2 --json "$out/engine_world2.json"
+  fi
+fi
 exit $rc
