@@ -10,7 +10,8 @@ Keys (under ``"resilience"``), defaults in brackets::
 
     enabled                         bool                                  [true]
     schedule                        "1f1b" | "decoupled"                  ["1f1b"]
-    variant                         "adaptive" | "decoupled" | "recycle" | "auto"  ["recycle"]
+    variant                         "adaptive" | "decoupled" | "recycle" | "auto" | null
+                                    [null: auto with measured or given costs, recycle with unit costs]
     max_failures                    int >= 0                              [1]
     microbatches                    int >= 1 | null                       [null]
     seed                            int >= 0                              [1234]
@@ -356,9 +357,10 @@ class ResilienceConfig(_Section):
 
     enabled: bool = _opt(bool, "turn the plugin on", default=True)
     schedule: str = _opt(str, "fault-free schedule", default="1f1b", choices=SCHEDULES)
-    variant: str = _opt(str, "techniques when degraded: re-routing only; + decoupled backward; "
-                        "+ staggered optimizer; auto: per failure set, the one the cost model predicts fastest",
-                        default="recycle", choices=VARIANT_CHOICES)
+    variant: str | None = _opt(str, "techniques when degraded: re-routing only; + decoupled backward; "
+                               "+ staggered optimizer; auto: per failure set, the one the cost model predicts "
+                               "fastest; null: auto with measured or given costs, recycle with unit costs",
+                               default=None, nullable=True, choices=VARIANT_CHOICES)
     max_failures: int = _opt(int, "plans are precomputed for every failure set up to this size",
                              default=1, minimum=0)
     microbatches: int | None = _opt(int, "micro-batches per pipeline; null = DeepSpeed's "
@@ -405,6 +407,16 @@ class ResilienceConfig(_Section):
             return self.profile_steps
         environ = os.environ if environ is None else environ
         return 0 if environ.get("DSR_SELF_PROFILE", "1") == "0" else DEFAULT_PROFILE_STEPS
+
+    def variant_for(self, cost: CostModel) -> str:
+        """The variant to plan with under ``cost``: the configured one; unset (null), ``auto`` when
+        the costs are measured or given (the engine's own profile by default), since then which
+        variant is fastest is a measured fact (on a CPU the split backward can cost more than the
+        bubbles it fills, on a GPU it pays), and ``recycle`` under unit costs, which price B + W as
+        one fused backward and so always rate ``recycle`` at least as fast."""
+        if self.variant is not None:
+            return self.variant
+        return "recycle" if cost == CostModel.unit() else "auto"
 
     def cost(self, base_dir: str | Path | None = None) -> CostModel:
         """The cost model: the unit model for null, the file's (relative to ``base_dir``) for a path.

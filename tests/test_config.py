@@ -49,7 +49,7 @@ def leaf_paths(data, prefix=""):
 # --- defaults and round trip ------------------------------------------------------------------
 def test_defaults():
     cfg = ResilienceConfig()
-    assert (cfg.enabled, cfg.schedule, cfg.variant, cfg.max_failures) == (True, "1f1b", "recycle", 1)
+    assert (cfg.enabled, cfg.schedule, cfg.variant, cfg.max_failures) == (True, "1f1b", None, 1)
     assert (cfg.microbatches, cfg.simulate_failed, cfg.cost_model, cfg.fault_injection) == (None, (), None, ())
     assert cfg.planner == PlannerConfig(
         solver="cpsat", time_limit_s=10.0, cache_dir=".plan_cache", workers=0, memory_cap=None, all_coverable=False
@@ -410,6 +410,25 @@ def test_load_from_dict():
     assert load_resilience_config({"resilience": {"variant": "adaptive"}}).variant == "adaptive"
     with pytest.raises(ConfigError):
         load_resilience_config(["resilience"])
+
+
+def test_an_unset_variant_is_auto_with_measured_costs_and_recycle_with_unit_costs():
+    """The default lets the job's own profile pick the variant per failure set (on a CPU the split
+    backward can cost more than the bubbles it fills; on a GPU it pays); unit costs price B + W as
+    one fused backward, where recycle is never slower, so they keep recycle. A configured variant
+    is always kept."""
+    from ds_resilience.costs import CostModel
+
+    measured = CostModel(name="profile", t_f=(1.0, 1.0), t_b=(1.5, 1.5), t_w=(0.9, 0.9), t_fused=(2.0, 2.0))
+    assert ResilienceConfig().variant is None
+    assert ResilienceConfig().variant_for(CostModel.unit()) == "recycle"
+    assert ResilienceConfig().variant_for(measured) == "auto"
+    assert ResilienceConfig(cost_model="unit").variant_for(ResilienceConfig(cost_model="unit").cost()) == "recycle"
+    given = ResilienceConfig(cost_model=str(REPO / "configs" / "costs_gpt_example.json"))
+    assert given.variant_for(given.cost()) == "auto"
+    for variant in ("adaptive", "decoupled", "recycle", "auto"):
+        assert ResilienceConfig(variant=variant).variant_for(measured) == variant
+        assert ResilienceConfig(variant=variant).variant_for(CostModel.unit()) == variant
 
 
 def test_every_key_is_read_somewhere_in_the_package():

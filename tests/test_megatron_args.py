@@ -76,7 +76,8 @@ def test_defaults_follow_megatron(tmp_path):
     job = config_from_args(args)
     assert (job.tp, job.pp, job.dp, job.global_batch_size, job.microbatches) == (1, 1, 2, 8, 1)
     assert (job.precision, job.clip_grad, job.seed) == ("fp32", 1.0, 1234)
-    assert not job.enabled and job.config.variant == "recycle"
+    assert not job.enabled and job.config.variant is None  # unset: recycle with unit costs, auto with a cost model
+    assert job.config.variant_for(job.config.cost()) == "recycle"
 
 
 def test_the_config_file_is_the_deepspeed_section_or_the_section_alone(tmp_path):

@@ -130,14 +130,15 @@ def test_the_simulator_reads_a_profile_through_its_ratios(tmp_path, capsys):
 def test_the_engine_profiles_itself_and_replans_with_what_it_measured(tmp_path, monkeypatch):
     """With cost_model null the engine profiles by default (profile_steps null: 2, so the first 5
     iterations), every rank derives the same model and re-plans with it; a later death is planned
-    with the profile. (The suite turns the default off with DSR_SELF_PROFILE=0; not here.)"""
+    with the profile, and with ``variant`` unset (the default) the profile picks the variant.
+    (The suite turns the default off with DSR_SELF_PROFILE=0; not here.)"""
     code, _, reference = run_job(tmp_path, name="ref")
     assert code == 0, logs(tmp_path, "ref")
     monkeypatch.delenv("DSR_SELF_PROFILE", raising=False)
     fault = {"rank": 3, "step": 6, "point": "mid_backward", "kind": "sigkill"}
     out = tmp_path / "measured.json"
     code, _, dumps = run_job(tmp_path, name="self", faults=[fault],
-                             resilience={"profile_out": str(out), "variant": "auto",
+                             resilience={"profile_out": str(out), "variant": None,  # the default: unset
                                          "planner": {"solver": "heuristic", "cache_dir": str(tmp_path / "plans")}})
     assert code == 0, logs(tmp_path, "self")
     assert_equal_to_reference(dumps, reference, dead=[3])

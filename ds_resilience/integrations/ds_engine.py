@@ -373,13 +373,14 @@ class ResilientPipelineEngine(PipelineEngine):
         cfg = self.resilience
         planner = cfg.planner
         cost = cost if cost is not None else cfg.cost(base_dir)
+        variant = cfg.variant_for(cost)  # before the step check is priced in: unit costs stay unit costs
         if float(self.gradient_clipping() or 0.0) > 0 or self.fp16_enabled():
             # plans are rated with the step check they will run: the barrier, or speculation with
             # its publish / validate traffic (and the fractions of waits and rollbacks the cost
             # model names; measured ones come back in the engine's report)
             cost = replace(cost, step_check="barrier" if cfg.clipping == "barrier" else "speculative")
         return ScheduleProvider.build(
-            self.topology, self.micro_batches, cost, schedule=cfg.schedule, variant=cfg.variant,
+            self.topology, self.micro_batches, cost, schedule=cfg.schedule, variant=variant,
             solver=solver or planner.solver, time_limit_s=planner.time_limit_s, memory_cap=planner.memory_cap,
             max_failures=cfg.max_failures, all_coverable=planner.all_coverable, cache_dir=planner.cache_dir,
             workers=planner.workers, tied=self.tied_groups,

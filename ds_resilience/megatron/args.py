@@ -50,7 +50,8 @@ FLAGS: tuple[_Flag, ...] = (
           "tensor-parallel group)"),
     _Flag("--resilience-variant", ("variant",), {"choices": VARIANT_CHOICES},
           "when degraded: re-routing only (adaptive), + decoupled backward, + staggered optimizer "
-          "(recycle), or auto (the fastest the cost model predicts)"),
+          "(recycle), or auto (the fastest the cost model predicts); unset: auto with a cost model, "
+          "recycle with unit costs"),
     _Flag("--resilience-schedule", ("schedule",), {"choices": SCHEDULES}, "the fault-free schedule"),
     _Flag("--resilience-snapshot-interval", ("checkpoint", "interval"), {"type": positive_int},
           "iterations between in-memory snapshots"),

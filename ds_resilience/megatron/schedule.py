@@ -350,7 +350,8 @@ class ResilientForwardBackward:
         if launch is not None and self.simulate_failed:
             raise ConfigError("resilience.simulate_failed", "simulated failures and the live agent do not mix")
         provider = ScheduleProvider.build(
-            topology, job.microbatches, self.cost, schedule=cfg.schedule, variant=cfg.variant, solver="heuristic",
+            topology, job.microbatches, self.cost, schedule=cfg.schedule, variant=cfg.variant_for(self.cost),
+            solver="heuristic",
             time_limit_s=cfg.planner.time_limit_s, memory_cap=cfg.planner.memory_cap,
             max_failures=cfg.max_failures if launch is not None else 0, all_coverable=False, cache_dir=None,
             workers=1, tied=tied_groups)
