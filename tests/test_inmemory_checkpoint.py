@@ -292,8 +292,11 @@ def test_the_interval_schedule_takes_the_largest_need_and_never_rewrites_a_step_
 def test_a_failed_ranks_need_leaves_the_interval_schedule():
     """A rank whose slow captures stretched the job's interval dies: once a survivor drops it, the
     interval returns to the largest need among the living, from LEAD steps on, on every rank."""
-    from ds_resilience.checkpoint.interval import LEAD, SnapshotInterval
+    import json
+
     import torch.distributed as dist
+
+    from ds_resilience.checkpoint.interval import LEAD, SnapshotInterval
 
     store = dist.HashStore()
     ranks = [SnapshotInterval(1, store=store, key="k", rank=r) for r in range(3)]
@@ -309,8 +312,6 @@ def test_a_failed_ranks_need_leaves_the_interval_schedule():
     ranks[1].forget([1])  # a rank never drops itself
     ranks[0].forget([1])
     assert ranks[0].at(20) == 1, "the last need gone: back to the configured interval"
-    import json
-
     changes = json.loads(store.get("k"))["changes"]
     assert [c[1] for c in changes] == [8, 3, 1], changes
 
