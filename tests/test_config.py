@@ -431,6 +431,31 @@ def test_an_unset_variant_is_auto_with_measured_costs_and_recycle_with_unit_cost
         assert ResilienceConfig(variant=variant).variant_for(CostModel.unit()) == variant
 
 
+def test_the_engine_picks_the_variant_before_pricing_the_step_check():
+    """With clipping on (DeepSpeed's default 1.0) the engine prices its plans with the step check,
+    which makes the unit model no longer equal ``CostModel.unit()``: the variant must be chosen from
+    the configured costs first, or a job without a cost model would plan ``auto`` (about three times
+    the first re-plan's time) on costs that cannot tell the variants apart."""
+    from types import SimpleNamespace
+
+    from ds_resilience.costs import CostModel
+    from ds_resilience.integrations.ds_engine import ResilientPipelineEngine
+    from ds_resilience.topology import Topology
+
+    def provider(limit: float, cost=None, **config):
+        fake = SimpleNamespace(resilience=ResilienceConfig(max_failures=1, cost_model="unit", **config),
+                               gradient_clipping=lambda: limit, fp16_enabled=lambda: False,
+                               topology=Topology(dp=2, pp=2), micro_batches=4, tied_groups=[])
+        return ResilientPipelineEngine._schedule_provider(fake, None, cost=cost, solver="heuristic")
+
+    clipped = provider(1.0)
+    assert clipped.variant == "recycle" and clipped.cost.step_check == "speculative"
+    assert provider(0.0).variant == "recycle" and provider(0.0).cost.step_check == "none"
+    assert provider(1.0, clipping="barrier").cost.step_check == "barrier"
+    measured = CostModel(name="profile", t_f=(1.0, 1.0), t_b=(1.5, 1.5), t_w=(0.9, 0.9), t_fused=(2.0, 2.0))
+    assert provider(1.0, cost=measured).variant == "auto"
+
+
 def test_every_key_is_read_somewhere_in_the_package():
     """A key that is parsed and never read is a promise the code does not keep: every field of the
     config must be read (as an attribute) by some module other than config.py."""
