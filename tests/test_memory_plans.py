@@ -4,6 +4,7 @@ fault-free figure under the same rules."""
 
 import itertools
 import random
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +21,8 @@ from ds_resilience.planning.reroute import reroute_assignment
 from ds_resilience.topology import Topology, Worker
 
 W = Worker
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 # --- the cap -------------------------------------------------------------------------------------
@@ -221,6 +224,29 @@ def test_both_tie_rules_balance_the_survivors_and_the_planner_takes_the_better()
         assert loads == [9, 9]
     # the reference case's stage-0 failure in pipeline 1: 33 with the first rule alone, 31 with both
     assert plan(3, 4, 6, [W(pipeline=1, stage=0)], solver="heuristic").iteration_time <= 31
+
+
+def test_auto_sends_to_cp_sat_only_the_variants_whose_bound_can_beat_the_best(monkeypatch):
+    """With CP-SAT, ``auto`` used to search all three variants (three times the plan table's
+    time). A variant whose lower bound is not below the best plan found is not searched: here
+    (the reference case, stage 0 failed, the example's GPU-style costs) the fused backward's bound
+    is above the split variants' plans, so CP-SAT runs twice, not three times, and what it skipped
+    could not have been chosen."""
+    import ds_resilience.planning.cpsat as cpsat
+
+    cost = CostModel.load(REPO / "configs" / "costs_gpt_example.json")
+    searched = []
+    improve = cpsat.improve
+    monkeypatch.setattr(cpsat, "improve", lambda *a, **k: searched.append(k["variant"]) or improve(*a, **k))
+    failed = [W(pipeline=0, stage=0)]
+    p = plan(3, 4, 6, failed, cost=cost, variant="auto", solver="cpsat", time_limit_s=2.0)
+    choice = p.extra["variant_choice"]
+    assert sorted(searched) == sorted(p.extra["variant_solved"]) and "adaptive" not in searched
+    assert 0 < len(searched) < 3
+    assert p.iteration_time == min(choice.values()) and choice[p.variant] == p.iteration_time
+    for v in set(choice) - set(searched):  # skipped: its bound says CP-SAT could not have won with it
+        assert plan(3, 4, 6, failed, cost=cost, variant=v, solver="heuristic").lower_bound >= p.iteration_time
+    assert p.solver.name != "heuristic"  # the chosen plan is CP-SAT's (warm-started by the heuristic)
 
 
 def test_auto_takes_the_fastest_variant_that_fits():
