@@ -363,6 +363,34 @@ def test_a_rejoin_reaching_ranks_in_different_iterations_is_applied_by_all_of_th
 
 
 @pytest.mark.timeout(600)
+def test_a_rejoined_worker_plans_with_the_survivors_profile_and_a_later_failure_stays_exact(tmp_path):
+    """DeepSpeed's user gives no cost model and no variant: the job profiles itself (one fused and
+    one decoupled iteration) and every rank re-plans with what it measured (``auto``). Rank 1 dies
+    after that and is relaunched; its configuration alone says unit costs and ``recycle``, so it
+    must take rank 0's published cost model, variant and table, or the next failure (rank 3, after
+    the join) would give it a different schedule from the survivors'. The run ends exact."""
+    steps = 60  # paced at 0.5 s a step: the relaunched process takes seconds (17 s on a loaded machine) to join
+    profiled = {"variant": None, "profile_steps": 1, "planner": {"solver": "heuristic"}}
+    code, _, reference = run_job(tmp_path, name="ref", steps=steps, resilience=profiled)
+    assert code == 0, logs(tmp_path, "ref")
+    faults = [{"rank": 1, "step": 6, "point": "mid_backward", "kind": "sigkill"},
+              {"rank": 3, "step": 52, "point": "before_forward", "kind": "sigkill"}]
+    code, events, dumps = run_job(tmp_path, faults=faults, rejoin_after=0.5, steps=steps, pace=0.5,
+                                  resilience=profiled)
+    text = logs(tmp_path, "job")
+    assert code == 0, text
+    joined = [r for r in dumps[1]["recovery"] if r["kind"] == "joined"]
+    assert joined and 6 < joined[0]["resume_step"] < 52, dumps[1]["recovery"]  # rank 3 dies after the join
+    assert "plans rebuilt with the profiled costs" in (tmp_path / "job-logs" / "rank0.0.log").read_text()
+    joiner = (tmp_path / "job-logs" / "rank1.1.log").read_text()
+    line = next((x for x in joiner.splitlines() if "re-joining with rank 0's plans" in x), joiner[-3000:])
+    assert "(build 1, profile" in line and line.endswith("variant auto)"), line  # not unit costs, not recycle
+    crashes = [e for e in events if e.kind == "crash"]
+    assert [e.rank for e in crashes] == [1, 3], [(e.kind, e.rank) for e in events]
+    assert_equal_to_reference({r: d for r, d in dumps.items() if r != 3}, reference, steps=steps, dead=(3,))
+
+
+@pytest.mark.timeout(600)
 def test_a_loop_that_evaluates_and_saves_survives_a_failure_and_its_checkpoint_restarts_a_full_job(tmp_path):
     """The drop-in promise after a failure: eval_batch every step, save_checkpoint every other step,
     a loss-logging all-reduce on the survivors' group, DeepSpeed's csv monitor; rank 0 (which

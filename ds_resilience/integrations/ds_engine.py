@@ -19,6 +19,7 @@ The work is done by composed parts, each with one owner:
 from __future__ import annotations
 
 import functools
+import sys
 import time
 import uuid
 from dataclasses import replace
@@ -38,6 +39,7 @@ from ..config import ResilienceConfig
 from ..errors import ConfigError, ResilienceError
 from ..ir import Action, ActionKind, Schedule
 from ..ir.pairs import early_posts
+from ..runtime.plan_agreement import PublisherLost, adopt_published, agree, latest, publish
 from ..runtime.progress import Progress
 from ..launch import LaunchEnv
 from ..planning.provider import ScheduleChoice, ScheduleProvider
@@ -135,7 +137,6 @@ class ResilientPipelineEngine(PipelineEngine):
         # table (only used by a failure during the profile) is the heuristic's, built in seconds
         fresh = not failed and not rejoin and not (launch is not None and launch.restart) and regrid_from is None
         profiling = fresh and (resilience.self_profile_steps() > 0 or profile_requested())
-        self.provider = self._schedule_provider(config_dir, solver="heuristic" if profiling else None)
         det = resilience.detector
         # a re-formed grid keeps the heartbeat's view of the main thread's progress
         self.progress = regrid_from.progress if regrid_from is not None else Progress(det.stall_timeout_s) if live else None
@@ -143,6 +144,13 @@ class ResilientPipelineEngine(PipelineEngine):
             self.coordinator, self.session = regrid_from.coordinator, regrid_from.session
         else:
             self.coordinator = self._coordinator() if live else None
+        # under the agent every worker answers a failure from rank 0's table (runtime/plan_agreement.py)
+        self._sharing_plans = live
+        self.provider = self._joined_plans() if rejoin else None
+        if self.provider is None:
+            self.provider = self._schedule_provider(config_dir, solver="heuristic" if profiling else None)
+            if self._sharing_plans:
+                self._share_plans(self.provider, build=0)
         self.faults = FaultInjector(resilience.fault_injection, self.rank, launch=launch)
         self.validator = self._validator()
         self.tier = CheckpointTier(self.stage_host, stage=self.stage_id, rank=self.rank,
@@ -362,18 +370,66 @@ class ResilientPipelineEngine(PipelineEngine):
     def _replan(self, cost) -> None:
         """The profile is in (``resilience.profile_steps``): plan every failure set with it."""
         started = time.perf_counter()
-        self.provider = self._schedule_provider(self._config_dir, cost=cost)
+        provider = self._schedule_provider(self._config_dir, cost=cost)
+        if self._sharing_plans:
+            try:
+                self._share_plans(provider, build=1)
+            except PublisherLost as exc:  # nobody took the new table: every survivor keeps the agreed one
+                print(f"[ds_resilience] rank {self.rank}: re-plan abandoned: {exc}", file=sys.stderr, flush=True)
+                return
+        self.provider = provider
         if self.recovery is not None:
             self.recovery.provider = self.provider
         if is_reporter(self):
             print(f"[ds_resilience] plans rebuilt with the profiled costs ({cost.name}) in "
                   f"{time.perf_counter() - started:.2f}s", flush=True)
 
-    def _schedule_provider(self, base_dir: Path | None, cost=None, solver: str | None = None) -> ScheduleProvider:
+    def _plan_scope(self) -> str:
+        return f"attempt{self.launch.restart}" + (f"-grid{self.regrids}" if self.regrids else "")
+
+    def _share_plans(self, provider: ScheduleProvider, build: int) -> None:
+        """The grid's first rank (rank 0, unless a re-grid left it out) publishes its plan table
+        (and cost model, variant); every other rank compares and adopts that one where its own
+        differs (CP-SAT's time limit, separate plan caches)."""
+        store = self.coordinator.store
+        publisher = min(self.topology.rank(w) for w in self.topology.alive_workers())
+        if self.rank == publisher:
+            publish(store, provider, scope=self._plan_scope(), build=build)
+            return
+
+        def interrupted() -> str | None:  # only the publisher's own failure ends the wait
+            record = self.coordinator.pending()
+            if record is not None and publisher in record.failed:
+                return f"epoch {record.epoch}: {record.reason}"
+            return None
+
+        note = agree(store, provider, scope=self._plan_scope(), build=build, interrupted=interrupted,
+                     timeout_s=max(self.resilience.detector.store_timeout_s, 1800.0), publisher=publisher)
+        if note is not None:
+            print(f"[ds_resilience] rank {self.rank}: {note}", file=sys.stderr, flush=True)
+
+    def _joined_plans(self) -> ScheduleProvider | None:
+        """A re-joining worker plans with what the survivors plan with: rank 0's newest published
+        cost model, variant and table (None: nothing published, plan as configured)."""
+        record = latest(self.coordinator.store, self._plan_scope())
+        if record is None:
+            return None
+        provider = adopt_published(self.coordinator.store, record, scope=self._plan_scope(),
+                                   make_provider=lambda cost, variant: self._schedule_provider(
+                                       self._config_dir, cost=cost, variant=variant, table=False))
+        print(f"[ds_resilience] rank {self.rank}: re-joining with rank 0's plans (build {record['build']}, "
+              f"{provider.cost.name} costs, variant {provider.variant})", file=sys.stderr, flush=True)
+        return provider
+
+    def _schedule_provider(self, base_dir: Path | None, cost=None, solver: str | None = None,
+                           variant: str | None = None, table: bool = True) -> ScheduleProvider:
+        """The plan table and planner for ``cost`` (default: the configured model); ``variant``
+        overrides the one the cost model implies; ``table=False``: none built (one is adopted)."""
         cfg = self.resilience
         planner = cfg.planner
         cost = cost if cost is not None else cfg.cost(base_dir)
-        variant = cfg.variant_for(cost)  # before the step check is priced in: unit costs stay unit costs
+        # before the step check is priced in: unit costs stay unit costs
+        variant = variant if variant is not None else cfg.variant_for(cost)
         if float(self.gradient_clipping() or 0.0) > 0 or self.fp16_enabled():
             # plans are rated with the step check they will run: the barrier, or speculation with
             # its publish / validate traffic (and the fractions of waits and rollbacks the cost
@@ -382,7 +438,8 @@ class ResilientPipelineEngine(PipelineEngine):
         return ScheduleProvider.build(
             self.topology, self.micro_batches, cost, schedule=cfg.schedule, variant=variant,
             solver=solver or planner.solver, time_limit_s=planner.time_limit_s, memory_cap=planner.memory_cap,
-            max_failures=cfg.max_failures, all_coverable=planner.all_coverable, cache_dir=planner.cache_dir,
+            max_failures=cfg.max_failures if table else 0, all_coverable=planner.all_coverable and table,
+            cache_dir=planner.cache_dir,
             workers=planner.workers, tied=self.tied_groups,
         )
 

@@ -78,12 +78,29 @@ class ScheduleProvider:
                        time_limit_s=time_limit_s, memory_cap=memory_cap, on_demand_solver=on_demand_solver,
                        tied=tied)
         if max_failures > 0 or all_coverable:
-            spec = TableSpec(dp=topology.dp, pp=topology.pp, microbatches=microbatches, cost=cost, variant=variant,
-                             solver=solver, time_limit_s=time_limit_s, memory_cap=memory_cap,
-                             max_failures=max_failures, all_coverable=all_coverable, tied=provider.tied)
+            spec = provider.table_spec(max_failures, all_coverable)
             provider.table, provider.table_summary = build_table(spec, cache_dir=cache_dir, workers=workers,
                                                                  progress=progress)
         return provider
+
+    def table_spec(self, max_failures: int, all_coverable: bool) -> TableSpec:
+        """The spec of this provider's plan table for that tolerance."""
+        return TableSpec(dp=self.topology.dp, pp=self.topology.pp, microbatches=self.microbatches, cost=self.cost,
+                         variant=self.variant, solver=self.solver, time_limit_s=self.time_limit_s,
+                         memory_cap=self.memory_cap, max_failures=max_failures, all_coverable=all_coverable,
+                         tied=self.tied)
+
+    def adopt(self, table: PlanTable) -> None:
+        """Answer from ``table`` (another rank's build of this provider's spec) from now on.
+
+        Raises:
+            PlanningError: ``table`` was built for another spec.
+        """
+        if self.table is not None and table.spec != self.table.spec:
+            raise PlanningError("the plan table to adopt was built for another topology, cost model or options")
+        if table.spec.cost != self.cost or table.spec.variant != self.variant or table.spec.tied != self.tied:
+            raise PlanningError("the plan table to adopt was built with another cost model, variant or tied groups")
+        self.table = table
 
     def covers(self, failed: Iterable[Worker]) -> bool:
         """Whether the plan table holds a schedule for ``failed``."""

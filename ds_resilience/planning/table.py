@@ -86,6 +86,25 @@ class TableSpec:
             "tied": [list(group) for group in self.tied],
         }
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TableSpec":
+        """Read :meth:`to_dict`'s output back.
+
+        Raises:
+            PlanningError: another format version, or a malformed spec.
+        """
+        if not isinstance(data, dict) or data.get("format") != FORMAT_VERSION:
+            raise PlanningError(f"plan table spec of format {data.get('format') if isinstance(data, dict) else None!r}; "
+                                f"this version reads format {FORMAT_VERSION}")
+        try:
+            return cls(dp=int(data["dp"]), pp=int(data["pp"]), microbatches=int(data["microbatches"]),
+                       cost=CostModel.from_dict(data["cost"], source="plan table spec"), variant=data["variant"],
+                       solver=data["solver"], time_limit_s=float(data["time_limit_s"]), memory_cap=data["memory_cap"],
+                       max_failures=int(data["max_failures"]), all_coverable=bool(data["all_coverable"]),
+                       tied=tuple(tuple(group) for group in data["tied"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlanningError(f"malformed plan table spec: {exc}") from exc
+
     def digest(self) -> str:
         text = json.dumps(self.to_dict(), sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -258,33 +277,50 @@ class PlanTable:
         return PlanView(data, norm.to_canonical, norm.from_canonical, self.spec.dp)
 
     # --- persistence ---------------------------------------------------------------------------
-    def save(self, path: Path) -> None:
-        """Write the table atomically (gzip JSON)."""
+    def schedules_digest(self) -> str:
+        """A hash of what a worker runs from this table: each class's key and schedule text, and
+        the uncoverable classes (not the solver's timings). Two tables with equal digests give every
+        failure set the same schedule; CP-SAT under a time limit can give two builds of one spec
+        different ones (see ``runtime/plan_agreement.py``)."""
+        h = hashlib.sha256()
+        for key in sorted(self._plans):
+            h.update(repr(key[2]).encode())
+            h.update(self._plans[key]["schedule_text"].encode())
+        for key in sorted(self._uncoverable):
+            h.update(b"uncoverable" + repr(key[2]).encode())
+        return h.hexdigest()[:32]
+
+    def to_bytes(self) -> bytes:
+        """The table as :meth:`save` writes it (gzip JSON)."""
         payload = {
             "spec": self.spec.to_dict(),
             "plans": [[list(map(list, k[2])), {x: y for x, y in v.items() if x != "_lines"}] for k, v in self._plans.items()],
             "uncoverable": [[list(map(list, k[2])), v] for k, v in self._uncoverable.items()],
         }
+        return gzip.compress(json.dumps(payload).encode("utf-8"), compresslevel=1)
+
+    def save(self, path: Path) -> None:
+        """Write the table atomically (gzip JSON)."""
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
-        with gzip.open(tmp, "wt", encoding="utf-8", compresslevel=1) as fh:
-            json.dump(payload, fh)
+        tmp.write_bytes(self.to_bytes())
         os.replace(tmp, path)
 
     @classmethod
-    def load(cls, path: Path, spec: TableSpec) -> "PlanTable":
-        """Read a table written by :meth:`save` for ``spec``.
+    def from_bytes(cls, data: bytes, spec: TableSpec | None = None, *, source: str = "plan table") -> "PlanTable":
+        """Read :meth:`to_bytes`' output for ``spec`` (``None``: the spec it was built for).
 
         Raises:
-            PlanningError: the file is unreadable or was built for another spec.
+            PlanningError: the bytes are unreadable or were built for another spec.
         """
         try:
-            with gzip.open(path, "rt", encoding="utf-8") as fh:
-                payload = json.load(fh)
-        except (OSError, ValueError) as exc:
-            raise PlanningError(f"plan table {str(path)!r} is unreadable: {exc}") from exc
+            payload = json.loads(gzip.decompress(data).decode("utf-8"))
+        except (OSError, ValueError, EOFError) as exc:
+            raise PlanningError(f"{source} is unreadable: {exc}") from exc
+        if spec is None:
+            spec = TableSpec.from_dict(payload.get("spec"))
         if payload.get("spec") != json.loads(json.dumps(spec.to_dict())):
-            raise PlanningError(f"plan table {str(path)!r} was built for another topology, cost model or options")
+            raise PlanningError(f"{source} was built for another topology, cost model or options")
 
         def key(raw: list) -> FailureKey:
             return (spec.dp, spec.pp, tuple(tuple(t) for t in raw))
@@ -294,6 +330,19 @@ class PlanTable:
             {key(k): v for k, v in payload["plans"]},
             {key(k): v for k, v in payload["uncoverable"]},
         )
+
+    @classmethod
+    def load(cls, path: Path, spec: TableSpec) -> "PlanTable":
+        """Read a table written by :meth:`save` for ``spec``.
+
+        Raises:
+            PlanningError: the file is unreadable or was built for another spec.
+        """
+        try:
+            data = Path(path).read_bytes()
+        except OSError as exc:
+            raise PlanningError(f"plan table {str(path)!r} is unreadable: {exc}") from exc
+        return cls.from_bytes(data, spec, source=f"plan table {str(path)!r}")
 
 
 def build_table(

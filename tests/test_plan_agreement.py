@@ -1,0 +1,132 @@
+"""Every worker answers a failure from rank 0's plan table (runtime/plan_agreement.py): the table's
+bytes and digest, the agreement through a store, and a re-joining worker's adoption."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from ds_resilience.costs import CostModel
+from ds_resilience.errors import PlanningError, ResilienceError
+from ds_resilience.planning.planner import plan
+from ds_resilience.planning.provider import ScheduleProvider
+from ds_resilience.planning.table import PlanTable, TableSpec
+from ds_resilience.runtime.plan_agreement import PublisherLost, adopt_published, agree, latest, publish
+from ds_resilience.topology import Topology, Worker
+
+TOPOLOGY = Topology(dp=2, pp=3)
+PROFILED = CostModel(name="profiled", t_f=(1.0, 1.1, 1.2), t_b=(1.3, 1.2, 1.5), t_w=(0.9, 0.8, 1.0),
+                     t_fused=(2.0, 1.9, 2.3))
+
+
+def _provider(cost: CostModel = CostModel.unit(), variant: str = "recycle", max_failures: int = 1,
+              cache_dir=None) -> ScheduleProvider:
+    return ScheduleProvider.build(TOPOLOGY, 4, cost, schedule="1f1b", variant=variant, solver="heuristic",
+                                  time_limit_s=1.0, memory_cap=None, max_failures=max_failures, all_coverable=False,
+                                  cache_dir=cache_dir, workers=1)
+
+
+def _diverged(provider: ScheduleProvider) -> Worker:
+    """Make one class of ``provider``'s table hold another valid schedule (what a second CP-SAT
+    build under a time limit can give): the decoupled plan instead of the recycle one."""
+    failed = Worker(pipeline=0, stage=1)
+    other = plan(2, 3, 4, [failed], variant="decoupled", solver="heuristic")
+    view = provider.table.lookup([failed])
+    assert view.data["schedule_text"] != other.schedule.to_text()
+    view.data["schedule_text"] = other.schedule.to_text()
+    view.data.pop("_lines", None)
+    return failed
+
+
+def test_a_table_round_trips_through_bytes_with_or_without_its_spec():
+    table = _provider().table
+    again = PlanTable.from_bytes(table.to_bytes(), table.spec)
+    assert again.schedules_digest() == table.schedules_digest() and len(again) == len(table)
+    alone = PlanTable.from_bytes(table.to_bytes())  # the spec it was built for, read from the bytes
+    assert alone.spec == table.spec and TableSpec.from_dict(table.spec.to_dict()) == table.spec
+    failed = [Worker(pipeline=1, stage=2)]
+    assert alone.lookup(failed).schedule().to_text() == table.lookup(failed).schedule().to_text()
+    with pytest.raises(PlanningError, match="another topology, cost model or options"):
+        PlanTable.from_bytes(table.to_bytes(), _provider(cost=PROFILED).table.spec)
+    with pytest.raises(PlanningError, match="unreadable"):
+        PlanTable.from_bytes(b"not gzip")
+    with pytest.raises(PlanningError, match="format"):
+        TableSpec.from_dict({**table.spec.to_dict(), "format": 1})
+
+
+def test_the_digest_covers_the_schedules_not_the_solver_timings():
+    a, b = _provider().table, _provider().table
+    assert a.schedules_digest() == b.schedules_digest()
+    for data in b._plans.values():  # two builds of one spec differ in how long they took
+        data["solver"] = {**data["solver"], "seconds": data["solver"]["seconds"] + 1.0}
+    assert a.schedules_digest() == b.schedules_digest()
+    provider = _provider()
+    _diverged(provider)
+    assert provider.table.schedules_digest() != a.schedules_digest()
+
+
+def test_a_rank_whose_table_differs_adopts_rank_0s_and_then_answers_like_it(tmp_path):
+    store = dist.HashStore()
+    zero, other = _provider(cache_dir=tmp_path / "node0"), _provider()  # rank 0 publishes its cached file
+    failed = _diverged(other)
+    assert other.schedule_for([failed]).schedule.to_text() != zero.schedule_for([failed]).schedule.to_text()
+    publish(store, zero, scope="attempt0", build=0)
+    note = agree(store, other, scope="attempt0", build=0, timeout_s=5.0)
+    assert note is not None and "adopted rank 0's" in note
+    assert other.table.schedules_digest() == zero.table.schedules_digest()
+    for workers in ([failed], [Worker(pipeline=1, stage=0)]):
+        assert other.schedule_for(workers).schedule.to_text() == zero.schedule_for(workers).schedule.to_text()
+    same = _provider()
+    table = same.table
+    assert agree(store, same, scope="attempt0", build=0, timeout_s=5.0) is None and same.table is table
+
+
+def test_waiting_for_rank_0_stops_at_its_failure_or_the_deadline():
+    """Rank 0 publishes before it can fail: once its failure is known, a missing record means no
+    rank adopted that build (they all keep what they had); a record already there is adopted."""
+    store = dist.HashStore()
+    with pytest.raises(PublisherLost, match="rank 0 failed .*epoch 3.* before it published"):
+        agree(store, _provider(), scope="attempt0", build=0, timeout_s=60.0, interrupted=lambda: "epoch 3: crash")
+    publish(store, _provider(), scope="attempt0", build=0)
+    other = _provider()
+    _diverged(other)
+    assert "adopted" in agree(store, other, scope="attempt0", build=0, timeout_s=60.0,
+                              interrupted=lambda: "epoch 3: crash")
+    store = dist.HashStore()
+    with pytest.raises(ResilienceError, match="within 0 s"):
+        agree(store, _provider(), scope="attempt0", build=0, timeout_s=0.1)
+    publish(store, _provider(max_failures=0), scope="attempt0", build=0)  # rank 0 planned no table
+    with pytest.raises(ResilienceError, match="max_failures"):
+        agree(store, _provider(), scope="attempt0", build=0, timeout_s=5.0)
+
+
+def test_a_rejoining_worker_takes_the_survivors_newest_cost_model_variant_and_table():
+    """The survivors re-planned with their profile (build 1, auto); a relaunched worker's config
+    says unit costs. It must plan what they plan, or the first failure after it joins gives them
+    different schedules."""
+    store = dist.HashStore()
+    assert latest(store, "attempt0") is None
+    publish(store, _provider(), scope="attempt0", build=0)
+    replanned = _provider(cost=PROFILED, variant="auto")
+    publish(store, replanned, scope="attempt0", build=1)
+    record = latest(store, "attempt0")
+    assert record["build"] == 1 and record["variant"] == "auto"
+    made = []
+
+    def make(cost, variant):
+        made.append((cost, variant))
+        return ScheduleProvider(TOPOLOGY, 4, cost, schedule="1f1b", variant=variant, solver="heuristic",
+                                time_limit_s=1.0, memory_cap=None)
+
+    joined = adopt_published(store, record, make, scope="attempt0")
+    assert made == [(PROFILED, "auto")] and joined.cost == PROFILED and joined.variant == "auto"
+    assert joined.table.schedules_digest() == replanned.table.schedules_digest()
+    for failed in ([Worker(pipeline=0, stage=2)], [Worker(pipeline=0, stage=0), Worker(pipeline=1, stage=1)]):
+        assert joined.schedule_for(failed).schedule.to_text() == replanned.schedule_for(failed).schedule.to_text()
+
+    def wrong(cost, variant):  # a provider that would plan with something else cannot adopt the table
+        return ScheduleProvider(TOPOLOGY, 4, CostModel.unit(), schedule="1f1b", variant=variant, solver="heuristic",
+                                time_limit_s=1.0, memory_cap=None)
+
+    with pytest.raises(PlanningError, match="another cost model"):
+        adopt_published(store, record, wrong, scope="attempt0")
