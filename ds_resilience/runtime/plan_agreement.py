@@ -3,8 +3,8 @@
 At a failure each survivor takes the new schedule from its own plan table, without talking, so
 the tables must agree action for action. Two builds of one spec need not: CP-SAT under a time
 limit (the default solver) stops where the clock says, so a node that is slower or busier keeps a
-different schedule (seen here: one build of a 4 x 4 table improved the fault-free class to 296.41,
-another kept 297.65). Ranks of one machine share the table through ``planner.cache_dir``; ranks
+different schedule (two builds of a 4 x 4 table, one with a core kept busy, gave 2 of its 5
+classes different schedules: BENCHMARKS.md, "Scale"). Ranks of one machine share the table through ``planner.cache_dir``; ranks
 of different machines do not. And a worker the agent relaunched (a re-join) starts from the
 configuration's cost model, while the survivors may have re-planned with the job's own profile.
 
