@@ -145,11 +145,10 @@ class ResilientPipelineEngine(PipelineEngine):
         else:
             self.coordinator = self._coordinator() if live else None
         # under the agent every worker answers a failure from rank 0's table (runtime/plan_agreement.py)
-        self._sharing_plans = live
         self.provider = self._joined_plans() if rejoin else None
         if self.provider is None:
             self.provider = self._schedule_provider(config_dir, solver="heuristic" if profiling else None)
-            if self._sharing_plans:
+            if self.coordinator is not None:
                 self._share_plans(self.provider, build=0)
         self.faults = FaultInjector(resilience.fault_injection, self.rank, launch=launch)
         self.validator = self._validator()
@@ -371,7 +370,7 @@ class ResilientPipelineEngine(PipelineEngine):
         """The profile is in (``resilience.profile_steps``): plan every failure set with it."""
         started = time.perf_counter()
         provider = self._schedule_provider(self._config_dir, cost=cost)
-        if self._sharing_plans:
+        if self.coordinator is not None:
             try:
                 self._share_plans(provider, build=1)
             except PublisherLost as exc:  # nobody took the new table: every survivor keeps the agreed one

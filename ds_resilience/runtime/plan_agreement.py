@@ -42,6 +42,17 @@ def _key(scope: str, build: int, what: str) -> str:
     return f"{PREFIX}/{scope}/{build}/{what}"
 
 
+def _published(store: Any, scope: str, record: dict[str, Any], spec, publisher: int) -> PlanTable:
+    """The table ``record`` announces, read for ``spec`` (``None``: the one it was built for) and
+    checked against the record's digest."""
+    table = PlanTable.from_bytes(store.get(_key(scope, record["build"], "table")), spec,
+                                 source=f"rank {publisher}'s plan table")
+    if table.schedules_digest() != record["digest"]:
+        raise ResilienceError(f"rank {publisher}'s published plan table (build {record['build']}) does not match "
+                              f"its digest")
+    return table
+
+
 def publish(store: Any, provider: ScheduleProvider, *, scope: str, build: int) -> dict[str, Any]:
     """Rank 0: make ``provider``'s table, cost model and variant the job's for ``build``."""
     table = provider.table
@@ -95,11 +106,7 @@ def agree(store: Any, provider: ScheduleProvider, *, scope: str, build: int, tim
         raise ResilienceError(f"rank {publisher} {'has' if record['digest'] else 'has no'} plan table and this rank "
                               f"{'has' if table is not None else 'has none'}: resilience.max_failures and "
                               f"planner.all_coverable must be the same on every rank")
-    theirs = PlanTable.from_bytes(store.get(_key(scope, build, "table")), table.spec,
-                                  source=f"rank {publisher}'s plan table")
-    if theirs.schedules_digest() != record["digest"]:
-        raise ResilienceError(f"rank {publisher}'s published plan table (build {build}) does not match its digest")
-    provider.adopt(theirs)
+    provider.adopt(_published(store, scope, record, table.spec, publisher))
     return (f"its plan table differed from rank {publisher}'s (digest {mine[:12]} against {record['digest'][:12]}: "
             f"CP-SAT under a time limit, or planner.cache_dir not shared between machines); adopted rank {publisher}'s")
 
@@ -125,9 +132,7 @@ def adopt_published(store: Any, record: dict[str, Any], make_provider, *, scope:
     if record["digest"] is None:
         return make_provider(CostModel.from_dict(record["cost"], source="rank 0's published cost model"),
                              record["variant"])
-    table = PlanTable.from_bytes(store.get(_key(scope, record["build"], "table")), source="rank 0's plan table")
-    if table.schedules_digest() != record["digest"]:
-        raise ResilienceError(f"rank 0's published plan table (build {record['build']}) does not match its digest")
+    table = _published(store, scope, record, None, 0)
     provider = make_provider(table.spec.cost, table.spec.variant)
     provider.adopt(table)
     return provider
