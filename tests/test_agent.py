@@ -436,6 +436,35 @@ def test_a_relaunched_worker_still_starting_when_training_ends_is_stopped(tmp_pa
     assert first(logs["rank0.0"], "done")["steps"] == 20
 
 
+@pytest.mark.timeout(60)
+def test_after_the_survivors_regrid_no_rank_is_relaunched_and_a_starting_relaunch_is_stopped(tmp_path):
+    """A relaunched worker would join the first grid, which a re-grid replaced (measured with
+    DeepSpeed: each relaunch died with "re-joining rank 3 has no surviving peer in stage 1" and was
+    relaunched again). Rank 1 dies at step 1 and is relaunched (slowly starting); rank 0 announces
+    a re-grid at step 5: the relaunch is stopped and not retried, and the job exits 0."""
+    agent, code, logs = run_agent(tmp_path, 2, [fault(1, 1, "before_forward", "sigkill")],
+                                  args=("--steps", "30", "--step_s", "0.1"), rejoin_after_s=0.1, regrid=True,
+                                  extra_env={"DSR_TEST_START_DELAY_IF_REJOIN": "30", "DSR_TEST_REGRID_AT_STEP": "5"})
+    assert code == 0, worker_output(tmp_path)
+    assert [e.kind for e in agent.events if e.rank == 1] == ["crash", "relaunch", "cancel"]
+    cancel = next(e for e in agent.events if e.kind == "cancel")
+    assert "re-form the grid" in cancel.detail and cancel.time >= first(logs["rank0.0"], "regrid")["t"]
+    assert [r.kind for r in agent.epochs] == ["start", "crash"]
+    assert first(logs["rank0.0"], "done")["steps"] == 30
+
+
+@pytest.mark.timeout(60)
+def test_a_stage_lost_under_regrid_schedules_no_relaunch(tmp_path):
+    """One replica per stage (2 stages of 1): rank 1's death loses stage 1; under ``regrid`` the
+    survivors re-form the grid, so the agent relaunches nobody, although ``rejoin_after_s`` is set."""
+    agent, code, logs = run_agent(tmp_path, 2, [fault(1, 2, "before_forward", "sigkill")],
+                                  args=("--steps", "20", "--stages", "2"), rejoin_after_s=0.1, regrid=True)
+    assert code == 0, worker_output(tmp_path)
+    assert [e.kind for e in agent.events if e.rank == 1] == ["crash"]
+    assert any("the survivors re-form the grid" in m for m in agent.messages)
+    assert "rank1.1" not in logs and first(logs["rank0.0"], "done")["steps"] == 20
+
+
 # --- the CLI and the agent's own death -----------------------------------------------------------
 def _free_port() -> int:
     with socket.socket() as s:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ds_resilience.runtime import membership as mb
 from ds_resilience.runtime.agent import Agent
 
 REPO = Path(__file__).resolve().parents[1]
@@ -108,6 +109,8 @@ def test_failures_piled_past_rerouting_make_the_survivors_regrid(tmp_path):
         kinds = [e.get("plan", {}).get("action") or e.get("kind") for e in d["recovery"]]
         assert kinds.count("continue") == 2 and kinds[-1] == "regrid", kinds
     assert grid["dp"] * grid["pp"] == 3
+    # the survivors chose to re-grid (no stage was lost): they told the agent, which relaunches nobody after it
+    assert agent.store.get(mb.REGRIDDED_KEY).decode().startswith("epoch ")
 
 
 @pytest.mark.timeout(900)

@@ -182,6 +182,9 @@ def regrid(engine: Any, record: Any, plan: RecoveryPlan) -> None:
     failed = [r for r in record.failed if old.has_rank(r)]
     survivors = sorted(r for r in (old.rank(w) for w in old.workers()) if r not in set(failed))
     step = plan.resume_step
+    # before anything else: the agent relaunches nobody into the grid that is going away
+    engine.coordinator.store.set(membership.REGRIDDED_KEY, f"epoch {record.epoch}: {len(survivors)} survivors "
+                                                           f"of {old.dp} x {old.pp}")
     # 1. one group of the survivors, for the sizes, the fetch and the moves
     engine.recovery._arrive(record.epoch, engine.recovery.view.ranks(survivors))
     target = old.without(frozenset(old.coord(r)[0] for r in failed))

@@ -12,7 +12,8 @@ Never inside a worker (a dead worker would take the store down with it). The age
 * publishes each change as an :class:`~.membership.EpochRecord`; when a stage has lost every
   replica it publishes a ``stop`` epoch, waits for the survivors to save and exit, and exits 3;
 * optionally relaunches a failed rank after ``rejoin_after_s`` (``DSR_REJOIN=1``) and publishes a
-  ``rejoin`` epoch once the new process has registered.
+  ``rejoin`` epoch once the new process has registered; not after the survivors re-formed the grid
+  (a relaunched worker joins the first grid, which is gone; the ranks left out stay out).
 
 Exit codes: 0 all live workers finished, 1 a worker failed before registering (a start-up error),
 3 stopped beyond tolerance, 128+n interrupted by signal n. Children are killed on every way out.
@@ -197,6 +198,7 @@ class Agent:
         self._rejoin_due: dict[int, float] = {}  # rank -> monotonic time of its relaunch
         self._join_attempts: dict[int, int] = {}  # rank -> relaunches that died before re-joining
         self._finished = False  # a member exited 0: training is over, nobody re-joins any more
+        self._regridded = False  # the survivors re-formed the grid: nobody re-joins any more
         self._t0 = time.time()
 
     # --- public ---------------------------------------------------------------------------------
@@ -258,7 +260,7 @@ class Agent:
         self._rejoin_due.clear()
         self._join_attempts.clear()
         self._restart_pending = False
-        self._finished = False
+        self._finished = self._regridded = False
         self.exit_code, self.message = None, ""
         self._start_attempt()
 
@@ -329,6 +331,8 @@ class Agent:
                                 detail=f.reason + " (while stopping)")
             if stop_deadline is None and self.regrid and self.store.check([mb.REGRID_FAILED_KEY]):
                 stop_deadline = self._regrid_failed()
+            if stop_deadline is None and self.regrid and not self._regridded and self.store.check([mb.REGRIDDED_KEY]):
+                self._no_more_rejoins(self.store.get(mb.REGRIDDED_KEY).decode(errors="replace"))
             if stop_deadline is None:
                 self._rejoins()
             live = [w for w in self._workers.values() if w.state in _LIVE]
@@ -411,8 +415,21 @@ class Agent:
         if self._finished:
             return
         self._finished = True
+        self._cancel_rejoins(f"rank {rank} finished training")
+
+    def _no_more_rejoins(self, why: str) -> None:
+        """The survivors re-form the grid (``why``): a relaunched worker would join the first grid,
+        which is gone (re-joining a re-formed grid is not supported yet), so relaunches still due are
+        dropped, relaunched workers that have not registered yet are stopped, and no rank is
+        relaunched any more: the ranks left out of the new grid stay out."""
+        if self._regridded:
+            return
+        self._regridded = True
+        self._cancel_rejoins(f"the survivors re-form the grid ({why}); a relaunched worker cannot join it")
+
+    def _cancel_rejoins(self, why: str) -> None:
         for r in sorted(self._rejoin_due):
-            self._event("cancel", r, detail=f"relaunch dropped: rank {rank} finished training")
+            self._event("cancel", r, detail=f"relaunch dropped: {why}")
         self._rejoin_due.clear()
         for w in self._workers.values():
             if w.state == "joining":
@@ -423,12 +440,11 @@ class Agent:
                     pass
                 self._close(w)
                 w.state = "failed"
-                self._event("cancel", w.rank, detail=f"relaunched worker stopped before it re-joined: rank {rank} "
-                                                     f"finished training")
+                self._event("cancel", w.rank, detail=f"relaunched worker stopped before it re-joined: {why}")
 
     def _join_failed(self, w: _Child) -> None:
         """A relaunched worker died before it re-joined: try again, a few times."""
-        if self._finished:
+        if self._finished or self._regridded:
             return
         self._join_attempts[w.rank] = self._join_attempts.get(w.rank, 0) + 1
         if self._join_attempts[w.rank] < self.max_join_attempts:
@@ -443,6 +459,7 @@ class Agent:
         code, lost = self._beyond_tolerance()
         if lost and self.regrid and code == EXIT_STOPPED and len(self._failed) < self.num_workers:
             self._echo(f"[ds_resilience agent] {lost}: the survivors re-form the grid")
+            self._no_more_rejoins(lost)
             lost = ""
         if lost:
             self._restart_pending = code == EXIT_STOPPED and self.restarts < self.max_restarts
@@ -459,7 +476,7 @@ class Agent:
             return time.monotonic() + grace
         kind = "crash" if any(f.kind == "crash" for f in failures) else "hang"
         self._record_failures(failures, self._publish(kind, reason))
-        if self.rejoin_after_s is not None and not self._finished:
+        if self.rejoin_after_s is not None and not self._finished and not self._regridded:
             for f in failures:
                 self._rejoin_due[f.rank] = self._workers[f.rank].failed_at + self.rejoin_after_s
         return None

@@ -123,6 +123,11 @@ REGRID_FAILED_KEY = "dsr/regrid_failed"
 """Set by a survivor that cannot re-form the grid (why, as text): the agent then stops the job with
 a restart from the in-memory snapshots, the tier below the re-grid."""
 
+REGRIDDED_KEY = "dsr/regridded"
+"""Set by the survivors as they start to re-form the grid (the epoch and the ranks of the old grid,
+as text): the agent then relaunches no worker any more (a relaunched worker would join the first
+grid, which is gone)."""
+
 
 def register_worker(store: dist.Store, info: WorkerInfo) -> None:
     """Publish ``info`` under ``dsr/worker/{rank}`` (the agent uses it to judge tolerance)."""

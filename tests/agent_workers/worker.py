@@ -9,7 +9,9 @@ On a stop epoch it writes ``saved.{r}`` into ``$DSR_TEST_OUT`` (a stand-in check
 With ``--until_epoch K`` it keeps stepping past ``--steps`` until it has seen epoch K.
 ``DSR_TEST_DIE_EARLY=r`` makes rank r exit with code 5 before registering;
 ``DSR_TEST_DIE_IF_REJOIN=1`` makes every relaunched worker exit with code 5 at once;
-``DSR_TEST_START_DELAY_IF_REJOIN=S`` makes it sleep S seconds before it starts (a slow start-up).
+``DSR_TEST_START_DELAY_IF_REJOIN=S`` makes it sleep S seconds before it starts (a slow start-up);
+``DSR_TEST_REGRID_AT_STEP=N`` makes rank 0 announce at step N that the survivors re-form the grid
+(what ``integrations/ds_regrid.py`` does).
 """
 
 from __future__ import annotations
@@ -87,8 +89,12 @@ def main() -> int:
     injector = FaultInjector((), rank, launch=settings, on_fire=lambda f: emit("fault", kind=f.kind, step=f.step, point=f.point))
     step = 0
     deadline = time.monotonic() + 60
+    regrid_at = int(os.environ.get("DSR_TEST_REGRID_AT_STEP", "-1"))
     while step < args.steps or (args.until_epoch and not any(e >= args.until_epoch for e in seen)
                                 and time.monotonic() < deadline):
+        if step == regrid_at and rank == 0 and settings.incarnation == 0:
+            store.set(mb.REGRIDDED_KEY, f"step {step}: the survivors re-form the grid")
+            emit("regrid", step=step)
         for point in ITERATION_POINTS:
             injector.maybe_fire(point, step)
             time.sleep(args.step_s / len(ITERATION_POINTS))
