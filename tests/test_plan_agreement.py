@@ -1,5 +1,6 @@
 """Every worker answers a failure from rank 0's plan table (runtime/plan_agreement.py): the table's
-bytes and digest, the agreement through a store, and a re-joining worker's adoption."""
+bytes and digest, the other ranks' adoption through a store (without planning), and a re-joining
+worker's."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from ds_resilience.errors import PlanningError, ResilienceError
 from ds_resilience.planning.planner import plan
 from ds_resilience.planning.provider import ScheduleProvider
 from ds_resilience.planning.table import PlanTable, TableSpec
-from ds_resilience.runtime.plan_agreement import PublisherLost, adopt_published, agree, latest, publish
+from ds_resilience.runtime.plan_agreement import PublisherLost, adopt_published, await_published, latest, publish
 from ds_resilience.topology import Topology, Worker
 
 TOPOLOGY = Topology(dp=2, pp=3)
@@ -65,20 +66,37 @@ def test_the_digest_covers_the_schedules_not_the_solver_timings():
     assert provider.table.schedules_digest() != a.schedules_digest()
 
 
-def test_a_rank_whose_table_differs_adopts_rank_0s_and_then_answers_like_it(tmp_path):
+def _maker(made: list):
+    def make(cost, variant, solver):  # what the engine's _adopting_provider does: no table of its own
+        made.append((cost, variant, solver))
+        return ScheduleProvider(TOPOLOGY, 4, cost, schedule="1f1b", variant=variant, solver=solver,
+                                time_limit_s=1.0, memory_cap=None)
+    return make
+
+
+def test_a_waiting_rank_takes_rank_0s_table_without_planning_and_then_answers_like_it(tmp_path):
+    """Rank 0's table holds another valid schedule for one class than a second build would (as
+    CP-SAT under a time limit can give): the other ranks answer that class as rank 0 does, because
+    they plan nothing and take rank 0's cost model, variant, solver and table."""
     store = dist.HashStore()
-    zero, other = _provider(cache_dir=tmp_path / "node0"), _provider()  # rank 0 publishes its cached file
-    failed = _diverged(other)
-    assert other.schedule_for([failed]).schedule.to_text() != zero.schedule_for([failed]).schedule.to_text()
-    publish(store, zero, scope="attempt0", build=0)
-    note = agree(store, other, scope="attempt0", build=0, timeout_s=5.0)
-    assert note is not None and "adopted rank 0's" in note
+    zero = _provider(cost=PROFILED, variant="auto")
+    failed = _diverged(zero)
+    assert _provider(cost=PROFILED, variant="auto").schedule_for([failed]).schedule.to_text() != \
+        zero.schedule_for([failed]).schedule.to_text()  # a build of its own would answer otherwise
+    publish(store, zero, scope="attempt0", build=1)
+    made = []
+    other = await_published(store, _maker(made), scope="attempt0", build=1, timeout_s=5.0)
+    assert made == [(PROFILED, "auto", "heuristic")]
     assert other.table.schedules_digest() == zero.table.schedules_digest()
     for workers in ([failed], [Worker(pipeline=1, stage=0)]):
         assert other.schedule_for(workers).schedule.to_text() == zero.schedule_for(workers).schedule.to_text()
-    same = _provider()
-    table = same.table
-    assert agree(store, same, scope="attempt0", build=0, timeout_s=5.0) is None and same.table is table
+    publish(store, _provider(max_failures=0), scope="attempt0", build=2)  # rank 0 planned no table
+    plain = await_published(store, _maker(made), scope="attempt0", build=2, timeout_s=5.0)
+    assert plain.table is None and made[-1] == (CostModel.unit(), "recycle", "heuristic")
+    cached = _provider(cache_dir=tmp_path / "node0")  # rank 0 publishes its cached file's bytes
+    publish(store, cached, scope="attempt0", build=3)
+    taken = await_published(store, _maker(made), scope="attempt0", build=3, timeout_s=5.0)
+    assert taken.table.schedules_digest() == cached.table.schedules_digest()
 
 
 def test_waiting_for_rank_0_stops_at_its_failure_or_the_deadline():
@@ -86,18 +104,20 @@ def test_waiting_for_rank_0_stops_at_its_failure_or_the_deadline():
     rank adopted that build (they all keep what they had); a record already there is adopted."""
     store = dist.HashStore()
     with pytest.raises(PublisherLost, match="rank 0 failed .*epoch 3.* before it published"):
-        agree(store, _provider(), scope="attempt0", build=0, timeout_s=60.0, interrupted=lambda: "epoch 3: crash")
-    publish(store, _provider(), scope="attempt0", build=0)
-    other = _provider()
-    _diverged(other)
-    assert "adopted" in agree(store, other, scope="attempt0", build=0, timeout_s=60.0,
-                              interrupted=lambda: "epoch 3: crash")
+        await_published(store, _maker([]), scope="attempt0", build=0, timeout_s=60.0,
+                        interrupted=lambda: "epoch 3: crash")
+    zero = _provider()
+    publish(store, zero, scope="attempt0", build=0)
+    taken = await_published(store, _maker([]), scope="attempt0", build=0, timeout_s=60.0,
+                            interrupted=lambda: "epoch 3: crash")
+    assert taken.table.schedules_digest() == zero.table.schedules_digest()
     store = dist.HashStore()
     with pytest.raises(ResilienceError, match="within 0 s"):
-        agree(store, _provider(), scope="attempt0", build=0, timeout_s=0.1)
-    publish(store, _provider(max_failures=0), scope="attempt0", build=0)  # rank 0 planned no table
-    with pytest.raises(ResilienceError, match="max_failures"):
-        agree(store, _provider(), scope="attempt0", build=0, timeout_s=5.0)
+        await_published(store, _maker([]), scope="attempt0", build=0, timeout_s=0.1)
+    publish(store, zero, scope="attempt0", build=0)
+    store.set("dsr/plans/attempt0/0/table", _provider(cost=PROFILED).table.to_bytes())  # not what the record says
+    with pytest.raises(ResilienceError, match="does not match its digest"):
+        await_published(store, _maker([]), scope="attempt0", build=0, timeout_s=5.0)
 
 
 def test_a_rejoining_worker_takes_the_survivors_newest_cost_model_variant_and_table():
@@ -112,19 +132,13 @@ def test_a_rejoining_worker_takes_the_survivors_newest_cost_model_variant_and_ta
     record = latest(store, "attempt0")
     assert record["build"] == 1 and record["variant"] == "auto"
     made = []
-
-    def make(cost, variant):
-        made.append((cost, variant))
-        return ScheduleProvider(TOPOLOGY, 4, cost, schedule="1f1b", variant=variant, solver="heuristic",
-                                time_limit_s=1.0, memory_cap=None)
-
-    joined = adopt_published(store, record, make, scope="attempt0")
-    assert made == [(PROFILED, "auto")] and joined.cost == PROFILED and joined.variant == "auto"
+    joined = adopt_published(store, record, _maker(made), scope="attempt0")
+    assert made == [(PROFILED, "auto", "heuristic")] and joined.cost == PROFILED and joined.variant == "auto"
     assert joined.table.schedules_digest() == replanned.table.schedules_digest()
     for failed in ([Worker(pipeline=0, stage=2)], [Worker(pipeline=0, stage=0), Worker(pipeline=1, stage=1)]):
         assert joined.schedule_for(failed).schedule.to_text() == replanned.schedule_for(failed).schedule.to_text()
 
-    def wrong(cost, variant):  # a provider that would plan with something else cannot adopt the table
+    def wrong(cost, variant, solver):  # a provider that would plan with something else cannot adopt the table
         return ScheduleProvider(TOPOLOGY, 4, CostModel.unit(), schedule="1f1b", variant=variant, solver="heuristic",
                                 time_limit_s=1.0, memory_cap=None)
 

@@ -39,7 +39,7 @@ from ..config import ResilienceConfig
 from ..errors import ConfigError, ResilienceError
 from ..ir import Action, ActionKind, Schedule
 from ..ir.pairs import early_posts
-from ..runtime.plan_agreement import PublisherLost, adopt_published, agree, latest, publish
+from ..runtime.plan_agreement import PublisherLost, adopt_published, await_published, latest, publish
 from ..runtime.progress import Progress
 from ..launch import LaunchEnv
 from ..planning.provider import ScheduleChoice, ScheduleProvider
@@ -147,9 +147,7 @@ class ResilientPipelineEngine(PipelineEngine):
         # under the agent every worker answers a failure from rank 0's table (runtime/plan_agreement.py)
         self.provider = self._joined_plans() if rejoin else None
         if self.provider is None:
-            self.provider = self._schedule_provider(config_dir, solver="heuristic" if profiling else None)
-            if self.coordinator is not None:
-                self._share_plans(self.provider, build=0)
+            self.provider = self._plans(build=0, solver="heuristic" if profiling else None)
         self.faults = FaultInjector(resilience.fault_injection, self.rank, launch=launch)
         self.validator = self._validator()
         self.tier = CheckpointTier(self.stage_host, stage=self.stage_id, rank=self.rank,
@@ -369,13 +367,11 @@ class ResilientPipelineEngine(PipelineEngine):
     def _replan(self, cost) -> None:
         """The profile is in (``resilience.profile_steps``): plan every failure set with it."""
         started = time.perf_counter()
-        provider = self._schedule_provider(self._config_dir, cost=cost)
-        if self.coordinator is not None:
-            try:
-                self._share_plans(provider, build=1)
-            except PublisherLost as exc:  # nobody took the new table: every survivor keeps the agreed one
-                print(f"[ds_resilience] rank {self.rank}: re-plan abandoned: {exc}", file=sys.stderr, flush=True)
-                return
+        try:
+            provider = self._plans(build=1, cost=cost)
+        except PublisherLost as exc:  # nobody took the new table: every survivor keeps the agreed one
+            print(f"[ds_resilience] rank {self.rank}: re-plan abandoned: {exc}", file=sys.stderr, flush=True)
+            return
         self.provider = provider
         if self.recovery is not None:
             self.recovery.provider = self.provider
@@ -386,15 +382,23 @@ class ResilientPipelineEngine(PipelineEngine):
     def _plan_scope(self) -> str:
         return f"attempt{self.launch.restart}" + (f"-grid{self.regrids}" if self.regrids else "")
 
-    def _share_plans(self, provider: ScheduleProvider, build: int) -> None:
-        """The grid's first rank (rank 0, unless a re-grid left it out) publishes its plan table
-        (and cost model, variant); every other rank compares and adopts that one where its own
-        differs (CP-SAT's time limit, separate plan caches)."""
-        store = self.coordinator.store
+    def _plans(self, build: int, cost=None, solver: str | None = None) -> ScheduleProvider:
+        """The plan table and planner of ``build`` (0 at start, 1 after the profile). Under the
+        agent only the grid's first rank (rank 0, unless a re-grid left it out) plans, and
+        publishes its table, cost model, variant and solver; every other rank waits for them and
+        adopts them without planning (``runtime/plan_agreement.py``).
+
+        Raises:
+            PublisherLost: the publisher failed before it published (no rank took this build).
+        """
+        if self.coordinator is None:
+            return self._schedule_provider(self._config_dir, cost=cost, solver=solver)
+        store, scope = self.coordinator.store, self._plan_scope()
         publisher = min(self.topology.rank(w) for w in self.topology.alive_workers())
         if self.rank == publisher:
-            publish(store, provider, scope=self._plan_scope(), build=build)
-            return
+            provider = self._schedule_provider(self._config_dir, cost=cost, solver=solver)
+            publish(store, provider, scope=scope, build=build)
+            return provider
 
         def interrupted() -> str | None:  # only the publisher's own failure ends the wait
             record = self.coordinator.pending()
@@ -402,10 +406,12 @@ class ResilientPipelineEngine(PipelineEngine):
                 return f"epoch {record.epoch}: {record.reason}"
             return None
 
-        note = agree(store, provider, scope=self._plan_scope(), build=build, interrupted=interrupted,
-                     timeout_s=max(self.resilience.detector.store_timeout_s, 1800.0), publisher=publisher)
-        if note is not None:
-            print(f"[ds_resilience] rank {self.rank}: {note}", file=sys.stderr, flush=True)
+        return await_published(store, self._adopting_provider, scope=scope, build=build, interrupted=interrupted,
+                               timeout_s=max(self.resilience.detector.store_timeout_s, 1800.0), publisher=publisher)
+
+    def _adopting_provider(self, cost, variant: str, solver: str) -> ScheduleProvider:
+        """A provider with the publisher's cost model, variant and solver and no table (it adopts one)."""
+        return self._schedule_provider(self._config_dir, cost=cost, variant=variant, solver=solver, table=False)
 
     def _joined_plans(self) -> ScheduleProvider | None:
         """A re-joining worker plans with what the survivors plan with: rank 0's newest published
@@ -413,9 +419,7 @@ class ResilientPipelineEngine(PipelineEngine):
         record = latest(self.coordinator.store, self._plan_scope())
         if record is None:
             return None
-        provider = adopt_published(self.coordinator.store, record, scope=self._plan_scope(),
-                                   make_provider=lambda cost, variant: self._schedule_provider(
-                                       self._config_dir, cost=cost, variant=variant, table=False))
+        provider = adopt_published(self.coordinator.store, record, self._adopting_provider, scope=self._plan_scope())
         print(f"[ds_resilience] rank {self.rank}: re-joining with rank 0's plans (build {record['build']}, "
               f"{provider.cost.name} costs, variant {provider.variant})", file=sys.stderr, flush=True)
         return provider

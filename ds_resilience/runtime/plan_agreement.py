@@ -4,14 +4,17 @@ At a failure each survivor takes the new schedule from its own plan table, witho
 the tables must agree action for action. Two builds of one spec need not: CP-SAT under a time
 limit (the default solver) stops where the clock says, so a node that is slower or busier keeps a
 different schedule (two builds of a 4 x 4 table, one with a core kept busy, gave 2 of its 5
-classes different schedules: BENCHMARKS.md, "Scale"). Ranks of one machine share the table through ``planner.cache_dir``; ranks
-of different machines do not. And a worker the agent relaunched (a re-join) starts from the
-configuration's cost model, while the survivors may have re-planned with the job's own profile.
+classes different schedules: BENCHMARKS.md, "Scale"). And a worker the agent relaunched (a
+re-join) starts from the configuration's cost model, while the survivors may have re-planned with
+the job's own profile.
 
-So after every table build (at start, and after the profile) rank 0 publishes in the job's store
-its table (gzip JSON), its cost model and variant, and a digest of the schedules; every other rank
-compares its own digest and, where it differs, adopts rank 0's table. A re-joining worker reads
-the newest record and takes its cost model, variant and table without planning.
+So only rank 0 plans (at start, and after the profile): it publishes in the job's store its table
+(gzip JSON), its cost model, variant and solver, and a digest of the schedules. Every other rank
+waits for that record and adopts the table without planning (:func:`await_published`): no second
+answer to disagree with, and rank 0's solver has the node's cores to itself (ranks of one node
+share them; with four builds of a 4 x 4 table at once on this machine's two cores, CP-SAT improved
+on the heuristic in none of its 5 classes within the time limit, alone in 2: BENCHMARKS.md). A
+re-joining worker reads the newest record the same way.
 
 After a live re-grid the new grid's first rank publishes under its own scope. Keys:
 ``dsr/plans/<scope>/<build>/record`` and ``.../table``, ``dsr/plans/<scope>/latest``.
@@ -29,7 +32,7 @@ from ..errors import ResilienceError
 from ..planning.provider import ScheduleProvider
 from ..planning.table import PlanTable
 
-__all__ = ["PublisherLost", "publish", "agree", "latest", "adopt_published"]
+__all__ = ["PublisherLost", "publish", "await_published", "latest", "adopt_published"]
 
 PREFIX = "dsr/plans"
 
@@ -42,10 +45,9 @@ def _key(scope: str, build: int, what: str) -> str:
     return f"{PREFIX}/{scope}/{build}/{what}"
 
 
-def _published(store: Any, scope: str, record: dict[str, Any], spec, publisher: int) -> PlanTable:
-    """The table ``record`` announces, read for ``spec`` (``None``: the one it was built for) and
-    checked against the record's digest."""
-    table = PlanTable.from_bytes(store.get(_key(scope, record["build"], "table")), spec,
+def _published(store: Any, scope: str, record: dict[str, Any], publisher: int) -> PlanTable:
+    """The table ``record`` announces, checked against the record's digest."""
+    table = PlanTable.from_bytes(store.get(_key(scope, record["build"], "table")),
                                  source=f"rank {publisher}'s plan table")
     if table.schedules_digest() != record["digest"]:
         raise ResilienceError(f"rank {publisher}'s published plan table (build {record['build']}) does not match "
@@ -54,9 +56,9 @@ def _published(store: Any, scope: str, record: dict[str, Any], spec, publisher: 
 
 
 def publish(store: Any, provider: ScheduleProvider, *, scope: str, build: int) -> dict[str, Any]:
-    """Rank 0: make ``provider``'s table, cost model and variant the job's for ``build``."""
+    """Rank 0: make ``provider``'s table, cost model, variant and solver the job's for ``build``."""
     table = provider.table
-    record = {"build": build, "cost": provider.cost.to_dict(), "variant": provider.variant,
+    record = {"build": build, "cost": provider.cost.to_dict(), "variant": provider.variant, "solver": provider.solver,
               "digest": table.schedules_digest() if table is not None else None}
     if table is not None:  # the cached file holds these bytes already (PlanTable.save writes to_bytes())
         path = (provider.table_summary or {}).get("path")
@@ -84,31 +86,18 @@ def _record(store: Any, scope: str, build: int, timeout_s: float, interrupted: C
     return json.loads(store.get(key))
 
 
-def agree(store: Any, provider: ScheduleProvider, *, scope: str, build: int, timeout_s: float,
-          interrupted: Callable[[], str | None] = lambda: None, publisher: int = 0) -> str | None:
-    """Any rank but the publisher (rank 0; after a re-grid the new grid's first rank), after
-    building its own table: adopt the publisher's where the schedules differ. ``interrupted()``
-    names the publisher's failure once the agent published it, else ``None``.
-
-    Returns what was done (``None``: the tables already agreed).
+def await_published(store: Any, make_provider, *, scope: str, build: int, timeout_s: float,
+                    interrupted: Callable[[], str | None] = lambda: None, publisher: int = 0) -> ScheduleProvider:
+    """Any rank but the publisher (rank 0; after a re-grid the new grid's first rank): wait for its
+    record of ``build`` and take its plans (:func:`adopt_published`), without planning.
+    ``interrupted()`` names the publisher's failure once the agent published it, else ``None``.
 
     Raises:
-        PublisherLost: the publisher failed before publishing (every rank keeps what it had).
-        ResilienceError: the publisher did not publish in time, or the tables cannot be reconciled
-            (one rank has a table, the other none; other specs).
+        PublisherLost: the publisher failed before publishing (no rank can have adopted this build).
+        ResilienceError: the publisher did not publish in time, or its table does not match its record.
     """
     record = _record(store, scope, build, timeout_s, interrupted, publisher)
-    table = provider.table
-    mine = table.schedules_digest() if table is not None else None
-    if record["digest"] == mine:
-        return None
-    if table is None or record["digest"] is None:
-        raise ResilienceError(f"rank {publisher} {'has' if record['digest'] else 'has no'} plan table and this rank "
-                              f"{'has' if table is not None else 'has none'}: resilience.max_failures and "
-                              f"planner.all_coverable must be the same on every rank")
-    provider.adopt(_published(store, scope, record, table.spec, publisher))
-    return (f"its plan table differed from rank {publisher}'s (digest {mine[:12]} against {record['digest'][:12]}: "
-            f"CP-SAT under a time limit, or planner.cache_dir not shared between machines); adopted rank {publisher}'s")
+    return adopt_published(store, record, make_provider, scope=scope, publisher=publisher)
 
 
 def latest(store: Any, scope: str) -> dict[str, Any] | None:
@@ -120,19 +109,21 @@ def latest(store: Any, scope: str) -> dict[str, Any] | None:
     return json.loads(store.get(_key(scope, build, "record")))
 
 
-def adopt_published(store: Any, record: dict[str, Any], make_provider, *, scope: str) -> ScheduleProvider:
-    """A re-joining worker: the provider the survivors plan with, from ``record`` (:func:`latest`).
+def adopt_published(store: Any, record: dict[str, Any], make_provider, *, scope: str,
+                    publisher: int = 0) -> ScheduleProvider:
+    """The provider the publisher plans with, from its ``record`` (:func:`latest` for a re-joining
+    worker, :func:`await_published` for the others).
 
-    ``make_provider(cost, variant)`` builds a provider with that cost model and variant and no
-    table; the table is rank 0's, read from the store (no planning).
+    ``make_provider(cost, variant, solver)`` builds a provider with that cost model, variant and
+    on-demand solver and no table; the table is the publisher's, read from the store (no planning).
 
     Raises:
         ResilienceError: the published table does not match its record.
     """
     if record["digest"] is None:
-        return make_provider(CostModel.from_dict(record["cost"], source="rank 0's published cost model"),
-                             record["variant"])
-    table = _published(store, scope, record, None, 0)
-    provider = make_provider(table.spec.cost, table.spec.variant)
+        return make_provider(CostModel.from_dict(record["cost"], source=f"rank {publisher}'s published cost model"),
+                             record["variant"], record["solver"])
+    table = _published(store, scope, record, publisher)
+    provider = make_provider(table.spec.cost, table.spec.variant, record["solver"])
     provider.adopt(table)
     return provider
