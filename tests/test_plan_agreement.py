@@ -4,6 +4,8 @@ worker's."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch.distributed as dist
 
@@ -12,7 +14,8 @@ from ds_resilience.errors import PlanningError, ResilienceError
 from ds_resilience.planning.planner import plan
 from ds_resilience.planning.provider import ScheduleProvider
 from ds_resilience.planning.table import PlanTable, TableSpec
-from ds_resilience.runtime.plan_agreement import PublisherLost, adopt_published, await_published, latest, publish
+from ds_resilience.runtime.plan_agreement import (PublisherLost, adopt_published, announce, await_published, latest,
+                                                  newest, publish)
 from ds_resilience.topology import Topology, Worker
 
 TOPOLOGY = Topology(dp=2, pp=3)
@@ -144,3 +147,26 @@ def test_a_rejoining_worker_takes_the_survivors_newest_cost_model_variant_and_ta
 
     with pytest.raises(PlanningError, match="another cost model"):
         adopt_published(store, record, wrong, scope="attempt0")
+
+
+def test_a_worker_relaunched_while_rank_0_builds_waits_for_that_build():
+    """A worker fails while rank 0 builds the table after the profile (the others wait for it) and
+    its relaunch comes up first: build 0 is the newest published, but the survivors will answer
+    its re-join with build 1, so it waits for build 1; if rank 0 fails first, everyone keeps 0."""
+    store = dist.HashStore()
+    assert newest(store, "attempt0", timeout_s=1.0) is None
+    publish(store, _provider(), scope="attempt0", build=0)
+    assert newest(store, "attempt0", timeout_s=1.0)["build"] == 0
+    announce(store, scope="attempt0", build=1, publisher=0)
+    replanned = _provider(cost=PROFILED, variant="auto")
+    later = threading.Timer(0.5, publish, args=(store, replanned), kwargs={"scope": "attempt0", "build": 1})
+    later.start()
+    record = newest(store, "attempt0", timeout_s=30.0)
+    later.join()
+    assert record["build"] == 1 and record["variant"] == "auto" and latest(store, "attempt0")["build"] == 1
+    announce(store, scope="attempt0", build=2, publisher=0)  # rank 0 dies building it: the survivors keep 1
+    asked = []
+    record = newest(store, "attempt0", timeout_s=30.0, interrupted=lambda rank: asked.append(rank) or "epoch 4: crash")
+    assert record["build"] == 1 and asked and set(asked) == {0}
+    with pytest.raises(ResilienceError, match="did not publish its plan table \\(build 2\\)"):
+        newest(store, "attempt0", timeout_s=0.2)

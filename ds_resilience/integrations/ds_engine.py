@@ -39,12 +39,13 @@ from ..config import ResilienceConfig
 from ..errors import ConfigError, ResilienceError
 from ..ir import Action, ActionKind, Schedule
 from ..ir.pairs import early_posts
-from ..runtime.plan_agreement import PublisherLost, adopt_published, await_published, latest, publish
+from ..runtime.plan_agreement import PublisherLost, adopt_published, announce, await_published, newest, publish
 from ..runtime.progress import Progress
 from ..launch import LaunchEnv
 from ..planning.provider import ScheduleChoice, ScheduleProvider
 from ..runtime.coordinator import Coordinator
 from ..runtime.executor import BatchSource, Executor, StageSpec, rng_seed
+from ..runtime.membership import latest_epoch, read_epoch
 from ..runtime.faults import FaultInjector
 from ..runtime.precision import DynamicLossScaler, MixedPrecisionOptimizer
 from ..runtime.recovery import Generation, LiveRecovery, SurvivorView, is_failure, release_on_epoch
@@ -396,18 +397,24 @@ class ResilientPipelineEngine(PipelineEngine):
         store, scope = self.coordinator.store, self._plan_scope()
         publisher = min(self.topology.rank(w) for w in self.topology.alive_workers())
         if self.rank == publisher:
+            announce(store, scope=scope, build=build, publisher=publisher)
             provider = self._schedule_provider(self._config_dir, cost=cost, solver=solver)
             publish(store, provider, scope=scope, build=build)
             return provider
+        return await_published(store, self._adopting_provider, scope=scope, build=build,
+                               interrupted=lambda: self._publisher_failed(publisher),
+                               timeout_s=self._plans_timeout_s(), publisher=publisher)
 
-        def interrupted() -> str | None:  # only the publisher's own failure ends the wait
-            record = self.coordinator.pending()
-            if record is not None and publisher in record.failed:
-                return f"epoch {record.epoch}: {record.reason}"
-            return None
+    def _publisher_failed(self, publisher: int) -> str | None:
+        """The agent's newest epoch, when it names ``publisher`` failed (the wait for its plans ends)."""
+        store = self.coordinator.store
+        record = read_epoch(store, latest_epoch(store))
+        if record is not None and publisher in record.failed:
+            return f"epoch {record.epoch}: {record.reason}"
+        return None
 
-        return await_published(store, self._adopting_provider, scope=scope, build=build, interrupted=interrupted,
-                               timeout_s=max(self.resilience.detector.store_timeout_s, 1800.0), publisher=publisher)
+    def _plans_timeout_s(self) -> float:
+        return max(self.resilience.detector.store_timeout_s, 1800.0)
 
     def _adopting_provider(self, cost, variant: str, solver: str) -> ScheduleProvider:
         """A provider with the publisher's cost model, variant and solver and no table (it adopts one)."""
@@ -416,7 +423,8 @@ class ResilientPipelineEngine(PipelineEngine):
     def _joined_plans(self) -> ScheduleProvider | None:
         """A re-joining worker plans with what the survivors plan with: rank 0's newest published
         cost model, variant and table (None: nothing published, plan as configured)."""
-        record = latest(self.coordinator.store, self._plan_scope())
+        record = newest(self.coordinator.store, self._plan_scope(), timeout_s=self._plans_timeout_s(),
+                        interrupted=self._publisher_failed)
         if record is None:
             return None
         provider = adopt_published(self.coordinator.store, record, self._adopting_provider, scope=self._plan_scope())

@@ -14,10 +14,13 @@ waits for that record and adopts the table without planning (:func:`await_publis
 answer to disagree with, and rank 0's solver has the node's cores to itself (ranks of one node
 share them; with four builds of a 4 x 4 table at once on this machine's two cores, CP-SAT improved
 on the heuristic in none of its 5 classes within the time limit, alone in 2: BENCHMARKS.md). A
-re-joining worker reads the newest record the same way.
+re-joining worker reads the newest record the same way; when rank 0 announced a build it has not
+published yet (a worker failed while rank 0 built the table after the profile, and its relaunch
+came up before the table did), it waits for that build: the survivors answer its re-join with it.
 
 After a live re-grid the new grid's first rank publishes under its own scope. Keys:
-``dsr/plans/<scope>/<build>/record`` and ``.../table``, ``dsr/plans/<scope>/latest``.
+``dsr/plans/<scope>/<build>/record`` and ``.../table``, ``dsr/plans/<scope>/latest``,
+``dsr/plans/<scope>/building`` (the build under way and its publisher).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from ..errors import ResilienceError
 from ..planning.provider import ScheduleProvider
 from ..planning.table import PlanTable
 
-__all__ = ["PublisherLost", "publish", "await_published", "latest", "adopt_published"]
+__all__ = ["PublisherLost", "announce", "publish", "await_published", "latest", "newest", "adopt_published"]
 
 PREFIX = "dsr/plans"
 
@@ -53,6 +56,11 @@ def _published(store: Any, scope: str, record: dict[str, Any], publisher: int) -
         raise ResilienceError(f"rank {publisher}'s published plan table (build {record['build']}) does not match "
                               f"its digest")
     return table
+
+
+def announce(store: Any, *, scope: str, build: int, publisher: int) -> None:
+    """The publisher, before it builds ``build``: a worker that re-joins meanwhile waits for it."""
+    store.set(f"{PREFIX}/{scope}/building", f"{build} {publisher}")
 
 
 def publish(store: Any, provider: ScheduleProvider, *, scope: str, build: int) -> dict[str, Any]:
@@ -107,6 +115,27 @@ def latest(store: Any, scope: str) -> dict[str, Any] | None:
         return None
     build = int(store.get(key))
     return json.loads(store.get(_key(scope, build, "record")))
+
+
+def newest(store: Any, scope: str, *, timeout_s: float,
+           interrupted: Callable[[int], str | None] = lambda publisher: None) -> dict[str, Any] | None:
+    """A re-joining worker: the record of the build the survivors will answer its re-join with.
+    That is the build the publisher announced (:func:`announce`), waited for up to ``timeout_s``
+    when it is not published yet, unless the publisher fails first (``interrupted(publisher)``
+    names its failure; then every survivor keeps the build before, and so does this worker).
+    ``None``: nothing published.
+
+    Raises:
+        ResilienceError: the announced build did not come within ``timeout_s``.
+    """
+    key = f"{PREFIX}/{scope}/building"
+    if store.check([key]):
+        build, publisher = (int(x) for x in store.get(key).decode().split())
+        try:
+            return _record(store, scope, build, timeout_s, lambda: interrupted(publisher), publisher)
+        except PublisherLost:
+            pass
+    return latest(store, scope)
 
 
 def adopt_published(store: Any, record: dict[str, Any], make_provider, *, scope: str,
