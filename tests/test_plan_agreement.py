@@ -152,21 +152,46 @@ def test_a_rejoining_worker_takes_the_survivors_newest_cost_model_variant_and_ta
 def test_a_worker_relaunched_while_rank_0_builds_waits_for_that_build():
     """A worker fails while rank 0 builds the table after the profile (the others wait for it) and
     its relaunch comes up first: build 0 is the newest published, but the survivors will answer
-    its re-join with build 1, so it waits for build 1; if rank 0 fails first, everyone keeps 0."""
+    its re-join with build 1, so it waits for build 1. If rank 0 fails after announcing a build,
+    everyone keeps the one before, even after rank 0 itself has re-joined."""
     store = dist.HashStore()
     assert newest(store, "attempt0", timeout_s=1.0) is None
     publish(store, _provider(), scope="attempt0", build=0)
     assert newest(store, "attempt0", timeout_s=1.0)["build"] == 0
-    announce(store, scope="attempt0", build=1, publisher=0)
+    announce(store, scope="attempt0", build=1, publisher=0, epoch=1)
     replanned = _provider(cost=PROFILED, variant="auto")
     later = threading.Timer(0.5, publish, args=(store, replanned), kwargs={"scope": "attempt0", "build": 1})
     later.start()
     record = newest(store, "attempt0", timeout_s=30.0)
     later.join()
     assert record["build"] == 1 and record["variant"] == "auto" and latest(store, "attempt0")["build"] == 1
-    announce(store, scope="attempt0", build=2, publisher=0)  # rank 0 dies building it: the survivors keep 1
+    announce(store, scope="attempt0", build=2, publisher=0, epoch=3)  # rank 0 dies building it
     asked = []
-    record = newest(store, "attempt0", timeout_s=30.0, interrupted=lambda rank: asked.append(rank) or "epoch 4: crash")
-    assert record["build"] == 1 and asked and set(asked) == {0}
+    record = newest(store, "attempt0", timeout_s=30.0,
+                    interrupted=lambda rank, epoch: asked.append((rank, epoch)) or "epoch 4: crash")
+    assert record["build"] == 1 and asked and set(asked) == {(0, 3)}
     with pytest.raises(ResilienceError, match="did not publish its plan table \\(build 2\\)"):
         newest(store, "attempt0", timeout_s=0.2)
+
+
+def test_the_engine_ends_a_wait_on_a_failure_of_the_publisher_even_one_it_rejoined_from():
+    """``_publisher_failed``: the newest epoch for a rank waiting at a build; for a re-joiner, any
+    epoch after the announcement (rank 0 failed in epoch 4 and re-joined in epoch 5)."""
+    from types import SimpleNamespace
+
+    from ds_resilience.integrations.ds_engine import ResilientPipelineEngine
+    from ds_resilience.runtime import membership as mb
+
+    store = dist.HashStore()
+    engine = SimpleNamespace(coordinator=SimpleNamespace(store=store))
+    failed = ResilientPipelineEngine._publisher_failed
+    records = [(1, "start", (), (0, 1, 2, 3)), (2, "crash", (2,), (0, 1, 3)), (3, "rejoin", (), (0, 1, 2, 3)),
+               (4, "crash", (0,), (1, 2, 3)), (5, "rejoin", (), (0, 1, 2, 3))]
+    for epoch, kind, down, alive in records:
+        mb.publish_epoch(store, mb.EpochRecord(epoch=epoch, failed=down, alive=alive, reason=f"{kind} {epoch}",
+                                               detected_at=0.0, kind=kind))
+        if epoch == 4:
+            assert failed(engine, 0) == "epoch 4: crash 4"
+    assert failed(engine, 0) is None  # the newest epoch: rank 0 is back
+    assert failed(engine, 0, 3) == "epoch 4: crash 4"  # announced in epoch 3, failed after it
+    assert failed(engine, 0, 4) is None and failed(engine, 2, 1) == "epoch 2: crash 2" and failed(engine, 1, 0) is None

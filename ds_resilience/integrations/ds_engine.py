@@ -397,7 +397,7 @@ class ResilientPipelineEngine(PipelineEngine):
         store, scope = self.coordinator.store, self._plan_scope()
         publisher = min(self.topology.rank(w) for w in self.topology.alive_workers())
         if self.rank == publisher:
-            announce(store, scope=scope, build=build, publisher=publisher)
+            announce(store, scope=scope, build=build, publisher=publisher, epoch=latest_epoch(store))
             provider = self._schedule_provider(self._config_dir, cost=cost, solver=solver)
             publish(store, provider, scope=scope, build=build)
             return provider
@@ -405,12 +405,16 @@ class ResilientPipelineEngine(PipelineEngine):
                                interrupted=lambda: self._publisher_failed(publisher),
                                timeout_s=self._plans_timeout_s(), publisher=publisher)
 
-    def _publisher_failed(self, publisher: int) -> str | None:
-        """The agent's newest epoch, when it names ``publisher`` failed (the wait for its plans ends)."""
+    def _publisher_failed(self, publisher: int, since: int | None = None) -> str | None:
+        """The agent's epoch that names ``publisher`` failed, if any (the wait for its plans ends):
+        its newest epoch, or with ``since`` any epoch after that one (the publisher may have
+        re-joined since, but the build it had announced was abandoned)."""
         store = self.coordinator.store
-        record = read_epoch(store, latest_epoch(store))
-        if record is not None and publisher in record.failed:
-            return f"epoch {record.epoch}: {record.reason}"
+        newest_epoch = latest_epoch(store)
+        for epoch in range(newest_epoch, newest_epoch - 1 if since is None else since, -1):
+            record = read_epoch(store, epoch)
+            if record is not None and publisher in record.failed:
+                return f"epoch {record.epoch}: {record.reason}"
         return None
 
     def _plans_timeout_s(self) -> float:

@@ -58,9 +58,10 @@ def _published(store: Any, scope: str, record: dict[str, Any], publisher: int) -
     return table
 
 
-def announce(store: Any, *, scope: str, build: int, publisher: int) -> None:
-    """The publisher, before it builds ``build``: a worker that re-joins meanwhile waits for it."""
-    store.set(f"{PREFIX}/{scope}/building", f"{build} {publisher}")
+def announce(store: Any, *, scope: str, build: int, publisher: int, epoch: int) -> None:
+    """The publisher, before it builds ``build`` (the agent's newest epoch is ``epoch``): a worker
+    that re-joins meanwhile waits for it."""
+    store.set(f"{PREFIX}/{scope}/building", f"{build} {publisher} {epoch}")
 
 
 def publish(store: Any, provider: ScheduleProvider, *, scope: str, build: int) -> dict[str, Any]:
@@ -118,21 +119,22 @@ def latest(store: Any, scope: str) -> dict[str, Any] | None:
 
 
 def newest(store: Any, scope: str, *, timeout_s: float,
-           interrupted: Callable[[int], str | None] = lambda publisher: None) -> dict[str, Any] | None:
+           interrupted: Callable[[int, int], str | None] = lambda publisher, epoch: None) -> dict[str, Any] | None:
     """A re-joining worker: the record of the build the survivors will answer its re-join with.
     That is the build the publisher announced (:func:`announce`), waited for up to ``timeout_s``
-    when it is not published yet, unless the publisher fails first (``interrupted(publisher)``
-    names its failure; then every survivor keeps the build before, and so does this worker).
-    ``None``: nothing published.
+    when it is not published yet, unless the publisher failed after announcing it
+    (``interrupted(publisher, epoch)`` names a failure of it in an epoch after ``epoch``, even one
+    it has re-joined from since; then every survivor kept the build before, and so does this
+    worker). ``None``: nothing published.
 
     Raises:
         ResilienceError: the announced build did not come within ``timeout_s``.
     """
     key = f"{PREFIX}/{scope}/building"
     if store.check([key]):
-        build, publisher = (int(x) for x in store.get(key).decode().split())
+        build, publisher, epoch = (int(x) for x in store.get(key).decode().split())
         try:
-            return _record(store, scope, build, timeout_s, lambda: interrupted(publisher), publisher)
+            return _record(store, scope, build, timeout_s, lambda: interrupted(publisher, epoch), publisher)
         except PublisherLost:
             pass
     return latest(store, scope)
