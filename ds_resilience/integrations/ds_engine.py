@@ -401,14 +401,17 @@ class ResilientPipelineEngine(PipelineEngine):
             provider = self._schedule_provider(self._config_dir, cost=cost, solver=solver)
             publish(store, provider, scope=scope, build=build)
             return provider
+        # from the newest epoch on: a publisher that fails and re-joins while this rank waits
+        # still ends the wait (the build it was making is gone)
+        since = latest_epoch(store) - 1
         return await_published(store, self._adopting_provider, scope=scope, build=build,
-                               interrupted=lambda: self._publisher_failed(publisher),
+                               interrupted=lambda: self._publisher_failed(publisher, since),
                                timeout_s=self._plans_timeout_s(), publisher=publisher)
 
     def _publisher_failed(self, publisher: int, since: int | None = None) -> str | None:
         """The agent's epoch that names ``publisher`` failed, if any (the wait for its plans ends):
         its newest epoch, or with ``since`` any epoch after that one (the publisher may have
-        re-joined since, but the build it had announced was abandoned)."""
+        re-joined since, but the build it was making was abandoned)."""
         store = self.coordinator.store
         newest_epoch = latest_epoch(store)
         for epoch in range(newest_epoch, newest_epoch - 1 if since is None else since, -1):
