@@ -174,24 +174,25 @@ def test_a_worker_relaunched_while_rank_0_builds_waits_for_that_build():
         newest(store, "attempt0", timeout_s=0.2)
 
 
-def test_the_engine_ends_a_wait_on_a_failure_of_the_publisher_even_one_it_rejoined_from():
-    """``_publisher_failed``: the newest epoch for a rank waiting at a build; for a re-joiner, any
-    epoch after the announcement (rank 0 failed in epoch 4 and re-joined in epoch 5)."""
-    from types import SimpleNamespace
-
-    from ds_resilience.integrations.ds_engine import ResilientPipelineEngine
+def test_a_failure_of_the_publisher_ends_a_wait_even_one_it_rejoined_from():
+    """``failed_after`` (the engine's test for ending a wait on the publisher): the newest epoch for
+    a rank waiting at a build; for a re-joiner, any epoch after the announcement (rank 0 failed in
+    epoch 4 and re-joined in epoch 5)."""
     from ds_resilience.runtime import membership as mb
 
     store = dist.HashStore()
-    engine = SimpleNamespace(coordinator=SimpleNamespace(store=store))
-    failed = ResilientPipelineEngine._publisher_failed
+
+    def failed(rank, since=None):
+        record = mb.failed_after(store, rank, since)
+        return None if record is None else f"epoch {record.epoch}: {record.reason}"
+
     records = [(1, "start", (), (0, 1, 2, 3)), (2, "crash", (2,), (0, 1, 3)), (3, "rejoin", (), (0, 1, 2, 3)),
                (4, "crash", (0,), (1, 2, 3)), (5, "rejoin", (), (0, 1, 2, 3))]
     for epoch, kind, down, alive in records:
         mb.publish_epoch(store, mb.EpochRecord(epoch=epoch, failed=down, alive=alive, reason=f"{kind} {epoch}",
                                                detected_at=0.0, kind=kind))
         if epoch == 4:
-            assert failed(engine, 0) == "epoch 4: crash 4"
-    assert failed(engine, 0) is None  # the newest epoch: rank 0 is back
-    assert failed(engine, 0, 3) == "epoch 4: crash 4"  # announced in epoch 3, failed after it
-    assert failed(engine, 0, 4) is None and failed(engine, 2, 1) == "epoch 2: crash 2" and failed(engine, 1, 0) is None
+            assert failed(0) == "epoch 4: crash 4"
+    assert failed(0) is None  # the newest epoch: rank 0 is back
+    assert failed(0, 3) == "epoch 4: crash 4"  # announced in epoch 3, failed after it
+    assert failed(0, 4) is None and failed(2, 1) == "epoch 2: crash 2" and failed(1, 0) is None

@@ -45,7 +45,7 @@ from ..launch import LaunchEnv
 from ..planning.provider import ScheduleChoice, ScheduleProvider
 from ..runtime.coordinator import Coordinator
 from ..runtime.executor import BatchSource, Executor, StageSpec, rng_seed
-from ..runtime.membership import latest_epoch, read_epoch
+from ..runtime.membership import failed_after, latest_epoch
 from ..runtime.faults import FaultInjector
 from ..runtime.precision import DynamicLossScaler, MixedPrecisionOptimizer
 from ..runtime.recovery import Generation, LiveRecovery, SurvivorView, is_failure, release_on_epoch
@@ -409,16 +409,10 @@ class ResilientPipelineEngine(PipelineEngine):
                                timeout_s=self._plans_timeout_s(), publisher=publisher)
 
     def _publisher_failed(self, publisher: int, since: int | None = None) -> str | None:
-        """The agent's epoch that names ``publisher`` failed, if any (the wait for its plans ends):
-        its newest epoch, or with ``since`` any epoch after that one (the publisher may have
-        re-joined since, but the build it was making was abandoned)."""
-        store = self.coordinator.store
-        newest_epoch = latest_epoch(store)
-        for epoch in range(newest_epoch, newest_epoch - 1 if since is None else since, -1):
-            record = read_epoch(store, epoch)
-            if record is not None and publisher in record.failed:
-                return f"epoch {record.epoch}: {record.reason}"
-        return None
+        """Why the wait for ``publisher``'s plans ends, if it failed (see ``failed_after``): the build
+        it was making was abandoned, even if it re-joined since."""
+        record = failed_after(self.coordinator.store, publisher, since)
+        return None if record is None else f"epoch {record.epoch}: {record.reason}"
 
     def _plans_timeout_s(self) -> float:
         return max(self.resilience.detector.store_timeout_s, 1800.0)

@@ -107,6 +107,17 @@ def latest_epoch(store: dist.Store) -> int:
     return 0 if raw is None else int(raw)
 
 
+def failed_after(store: dist.Store, rank: int, since: int | None = None) -> EpochRecord | None:
+    """The epoch record that names ``rank`` failed, if any: the newest epoch only, or with ``since``
+    any epoch after that one (newest first; the rank may have re-joined since)."""
+    newest_epoch = latest_epoch(store)
+    for epoch in range(newest_epoch, newest_epoch - 1 if since is None else since, -1):
+        record = read_epoch(store, epoch)
+        if record is not None and rank in record.failed:
+            return record
+    return None
+
+
 def wait_epoch(store: dist.Store, epoch: int, timeout_s: float, poll_s: float = _POLL_S) -> EpochRecord | None:
     """Wait up to ``timeout_s`` for record ``epoch``; None on timeout."""
     deadline = time.monotonic() + timeout_s
