@@ -311,7 +311,15 @@ class FaultInjection(_Section):
     step: int = _opt(int, "iteration at which it fails", minimum=0)
     point: str = _opt(str, "where in the iteration it fails", choices=FAULT_POINTS)
     kind: str = _opt(str, "how: exit, SIGKILL itself, hang forever (SIGSTOP: every thread), stall (the main thread "
-                   "alone stops), or lose its machine (host memory included)", choices=FAULT_KINDS)
+                   "alone stops), lose its machine (host memory included), or delay (a straggler: the main "
+                   "thread sleeps `seconds`, then goes on)", choices=FAULT_KINDS)
+    seconds: float | None = _opt(float, "how long a delay lasts (kind delay only)", default=None, nullable=True,
+                                 exclusive_minimum=0)
+
+    def _check_together(self) -> None:
+        if (self.kind == "delay") != (self.seconds is not None):
+            raise ConfigError("seconds", f"is required by kind 'delay' and allowed with it only; kind {self.kind!r}, "
+                              f"seconds {self.seconds!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -26,11 +26,13 @@ SOLVERS = ("heuristic", "cpsat")
 ITERATION_POINTS = ("before_forward", "mid_backward", "in_reduce", "in_optimizer")
 """The fault points every iteration passes, in order."""
 
-FAULT_POINTS = ITERATION_POINTS + ("in_recovery", "in_snapshot", "in_rejoin")
+FAULT_POINTS = ITERATION_POINTS + ("in_recovery", "in_snapshot", "in_rejoin", "in_replan")
 """Where an injected fault fires: four points of an iteration; while a survivor applies a recovery
 plan (step: the resume step); right after a snapshot was handed to the background copy, while it
 drains into host memory (step: the snapshot's); on a donor, right before it hands its state to a
-re-joining worker (step: the resume step)."""
+re-joining worker (step: the resume step); while the plans are rebuilt after the profile, on the
+publisher once it has announced the build, on every other rank before it waits for it (step: the
+last step of the profile)."""
 
-FAULT_KINDS = ("exit", "sigkill", "hang", "stall", "lose_machine")
-"""How an injected fault fails the worker."""
+FAULT_KINDS = ("exit", "sigkill", "hang", "stall", "lose_machine", "delay")
+"""How an injected fault fails the worker (``delay``: a straggler, it goes on after ``seconds``)."""

@@ -253,6 +253,26 @@ def test_fault_injector_env_override_and_relaunch_disarm():
         faults_from_env({"DSR_FAULTS": "[{"})
 
 
+def test_a_delay_fault_sleeps_its_seconds_then_returns_and_needs_them(monkeypatch):
+    """``delay`` (a straggler): the main thread sleeps the fault's seconds and goes on, once; the
+    kind needs ``seconds`` and no other kind takes them."""
+    from ds_resilience.runtime import faults as faults_module
+
+    slept: list[float] = []
+    monkeypatch.setattr(faults_module.time, "sleep", slept.append)
+    inj = FaultInjector([FaultInjection(rank=0, step=3, point="in_replan", kind="delay", seconds=25.0)], 0, env={},
+                        kill=lambda pid, sig: pytest.fail("a delay sends no signal"))
+    inj.maybe_fire("in_replan", 2)
+    assert slept == []
+    inj.maybe_fire("in_replan", 3)
+    inj.maybe_fire("in_replan", 3)
+    assert slept == [25.0] and inj.pending == ()
+    with pytest.raises(ConfigError, match="seconds.*required by kind 'delay'"):
+        FaultInjection(rank=0, step=3, point="in_replan", kind="delay")
+    with pytest.raises(ConfigError, match="kind 'sigkill'"):
+        faults_from_env({"DSR_FAULTS": json.dumps([{**fault(0, 1, kind="sigkill"), "seconds": 2}])})
+
+
 def _fault_target(tmp_path: Path, kind: str, rank: int) -> tuple[subprocess.Popen, Path, Path]:
     out, err = tmp_path / "out.txt", tmp_path / "err.txt"
     env = {**os.environ, "DSR_FAULTS": json.dumps([fault(2, 3, "mid_backward", kind)])}

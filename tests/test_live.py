@@ -391,6 +391,34 @@ def test_a_rejoined_worker_plans_with_the_survivors_profile_and_a_later_failure_
 
 
 @pytest.mark.timeout(600)
+def test_a_worker_relaunched_while_rank_0_rebuilds_the_plans_waits_for_that_build(tmp_path):
+    """The profile is in and rank 0 has announced the re-plan (build 1), but it is slow to finish
+    it (a 30 s straggler at ``in_replan``); rank 1 dies there and its relaunch comes up before the
+    table does. It must wait for build 1, which the survivors adopt and answer its re-join with,
+    not take build 0 (unit costs, ``recycle``): a later failure (rank 3) would then give it another
+    schedule than theirs. The run ends exact."""
+    steps, end = 40, 3  # the profile (1 fused + 1 decoupled step after the memory step) ends at step 3
+    profiled = {"variant": None, "profile_steps": 1, "planner": {"solver": "heuristic"}}
+    code, _, reference = run_job(tmp_path, name="ref", steps=steps, resilience=profiled)
+    assert code == 0, logs(tmp_path, "ref")
+    faults = [{"rank": 0, "step": end, "point": "in_replan", "kind": "delay", "seconds": 30.0},
+              {"rank": 1, "step": end, "point": "in_replan", "kind": "sigkill"},
+              {"rank": 3, "step": 34, "point": "before_forward", "kind": "sigkill"}]
+    code, events, dumps = run_job(tmp_path, faults=faults, rejoin_after=0.5, steps=steps, pace=0.5,
+                                  resilience=profiled)
+    text = logs(tmp_path, "job")
+    assert code == 0, text
+    assert [e.rank for e in events if e.kind == "crash"] == [1, 3], [(e.kind, e.rank) for e in events]
+    joined = [r for r in dumps[1]["recovery"] if r["kind"] == "joined"]
+    assert joined and end <= joined[0]["resume_step"] < 34, dumps[1]["recovery"]  # it joins after the re-plan
+    joiner = (tmp_path / "job-logs" / "rank1.1.log").read_text()
+    assert "waiting for rank 0's plan table (build 1" in joiner, joiner[-3000:]  # it came up during the build
+    line = next((x for x in joiner.splitlines() if "re-joining with rank 0's plans" in x), joiner[-3000:])
+    assert "(build 1, profile" in line and line.endswith("variant auto)"), line
+    assert_equal_to_reference({r: d for r, d in dumps.items() if r != 3}, reference, steps=steps, dead=(3,))
+
+
+@pytest.mark.timeout(600)
 def test_a_loop_that_evaluates_and_saves_survives_a_failure_and_its_checkpoint_restarts_a_full_job(tmp_path):
     """The drop-in promise after a failure: eval_batch every step, save_checkpoint every other step,
     a loss-logging all-reduce on the survivors' group, DeepSpeed's csv monitor; rank 0 (which

@@ -398,12 +398,16 @@ class ResilientPipelineEngine(PipelineEngine):
         publisher = min(self.topology.rank(w) for w in self.topology.alive_workers())
         if self.rank == publisher:
             announce(store, scope=scope, build=build, publisher=publisher, epoch=latest_epoch(store))
+            if build:
+                self.faults.maybe_fire("in_replan", self.global_steps)
             provider = self._schedule_provider(self._config_dir, cost=cost, solver=solver)
             publish(store, provider, scope=scope, build=build)
             return provider
         # from the newest epoch on: a publisher that fails and re-joins while this rank waits
         # still ends the wait (the build it was making is gone)
         since = latest_epoch(store) - 1
+        if build:
+            self.faults.maybe_fire("in_replan", self.global_steps)
         return await_published(store, self._adopting_provider, scope=scope, build=build,
                                interrupted=lambda: self._publisher_failed(publisher, since),
                                timeout_s=self._plans_timeout_s(), publisher=publisher)

@@ -14,6 +14,8 @@ point of each iteration; a matching entry fires once:
              by progress (``detector.stall_timeout_s``, ``runtime/progress.py``) stops it
 ``lose_machine``  the machine is lost: its host memory (the in-memory snapshots of every rank on
              it, ``lose_memory`` callback) is wiped, then SIGKILL as above
+``delay``    a straggler: the main thread sleeps the fault's ``seconds``, then goes on (kept below
+             ``detector.stall_timeout_s``, it slows its peers without failing anyone)
 
 Faults fire only in the first incarnation of a rank of the first attempt (``DSR_INCARNATION`` and
 ``DSR_RESTART`` unset or 0), so a worker the agent relaunched does not kill itself again at the
@@ -85,7 +87,8 @@ class FaultInjector:
     def maybe_fire(self, point: str, step: int) -> None:
         """Fire this rank's fault for (``step``, ``point``) if there is one that has not fired.
 
-        ``exit`` and ``sigkill`` never return; ``hang`` returns only if the process is continued.
+        ``exit`` and ``sigkill`` never return; ``hang`` returns only if the process is continued;
+        ``delay`` returns after its seconds.
 
         Raises:
             FaultPointError: ``point`` is not one of ``FAULT_POINTS``.
@@ -103,10 +106,12 @@ class FaultInjector:
         if self._on_fire is not None:
             self._on_fire(fault)
         sys.stdout.flush()
-        self._fire(fault.kind)
+        self._fire(fault.kind, fault.seconds)
 
-    def _fire(self, kind: str) -> None:
-        if kind == "exit":
+    def _fire(self, kind: str, seconds: float | None = None) -> None:
+        if kind == "delay":
+            time.sleep(seconds or 0.0)
+        elif kind == "exit":
             os._exit(EXIT_CODE)
         elif kind == "sigkill":
             self._kill(os.getpid(), signal.SIGKILL)  # delivered before kill() returns

@@ -26,6 +26,7 @@ After a live re-grid the new grid's first rank publishes under its own scope. Ke
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -133,6 +134,9 @@ def newest(store: Any, scope: str, *, timeout_s: float,
     key = f"{PREFIX}/{scope}/building"
     if store.check([key]):
         build, publisher, epoch = (int(x) for x in store.get(key).decode().split())
+        if not store.check([_key(scope, build, "record")]):
+            print(f"[ds_resilience] waiting for rank {publisher}'s plan table (build {build}, announced in epoch "
+                  f"{epoch}): the survivors will answer this re-join with it", file=sys.stderr, flush=True)
         try:
             return _record(store, scope, build, timeout_s, lambda: interrupted(publisher, epoch), publisher)
         except PublisherLost:
