@@ -14,8 +14,8 @@ from ds_resilience.errors import PlanningError, ResilienceError
 from ds_resilience.planning.planner import plan
 from ds_resilience.planning.provider import ScheduleProvider
 from ds_resilience.planning.table import PlanTable, TableSpec
-from ds_resilience.runtime.plan_agreement import (PublisherLost, adopt_published, announce, await_published, latest,
-                                                  newest, publish)
+from ds_resilience.runtime.plan_agreement import (PublisherLost, adopt_published, announce, await_published,
+                                                  check_joined, latest, newest, publish)
 from ds_resilience.topology import Topology, Worker
 
 TOPOLOGY = Topology(dp=2, pp=3)
@@ -172,6 +172,27 @@ def test_a_worker_relaunched_while_rank_0_builds_waits_for_that_build():
     assert record["build"] == 1 and asked and set(asked) == {(0, 3)}
     with pytest.raises(ResilienceError, match="did not publish its plan table \\(build 2\\)"):
         newest(store, "attempt0", timeout_s=0.2)
+
+
+def test_a_rejoined_worker_stops_when_its_table_is_not_the_survivors():
+    """Once its donor handed it state the survivors are past any re-plan: the newest published
+    build is theirs. A re-joiner that took another build (it read the store before rank 0 announced
+    the re-plan) stops with both builds named; one that took theirs goes on."""
+    store = dist.HashStore()
+    check_joined(store, "attempt0", None, rank=1)  # nothing published on either side
+    publish(store, _provider(), scope="attempt0", build=0)
+    first = latest(store, "attempt0")
+    check_joined(store, "attempt0", first, rank=1)
+    with pytest.raises(ResilienceError, match="rank 1 re-joined with plan table none .* from build 0"):
+        check_joined(store, "attempt0", None, rank=1)
+    publish(store, _provider(cost=PROFILED, variant="auto"), scope="attempt0", build=1)
+    with pytest.raises(ResilienceError, match="rank 1 re-joined with plan table build 0 .*survivors answer failures "
+                                              "from build 1"):
+        check_joined(store, "attempt0", first, rank=1)
+    check_joined(store, "attempt0", latest(store, "attempt0"), rank=1)
+    forged = {**latest(store, "attempt0"), "digest": "0" * 64}  # the same build number, another table
+    with pytest.raises(ResilienceError, match="digest 000000000000"):
+        check_joined(store, "attempt0", forged, rank=1)
 
 
 def test_a_failure_of_the_publisher_ends_a_wait_even_one_it_rejoined_from():

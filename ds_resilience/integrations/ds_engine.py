@@ -39,7 +39,8 @@ from ..config import ResilienceConfig
 from ..errors import ConfigError, ResilienceError
 from ..ir import Action, ActionKind, Schedule
 from ..ir.pairs import early_posts
-from ..runtime.plan_agreement import PublisherLost, adopt_published, announce, await_published, newest, publish
+from ..runtime.plan_agreement import (PublisherLost, adopt_published, announce, await_published, check_joined, newest,
+                                      publish)
 from ..runtime.progress import Progress
 from ..launch import LaunchEnv
 from ..planning.provider import ScheduleChoice, ScheduleProvider
@@ -217,6 +218,7 @@ class ResilientPipelineEngine(PipelineEngine):
                 self.tier.capture_due()  # the initial state, step 0
         if rejoin and self.alive:
             self.recovery.join()
+            check_joined(self.coordinator.store, self._plan_scope(), self._joined_record, rank=self.rank)
         # the profile (DSR_PROFILE_OUT, set by `ds-resilience profile`): a fresh, fault-free start only
         self.profiler = profile_from_engine(self, on_done=self._replan) if fresh else None
 
@@ -428,8 +430,8 @@ class ResilientPipelineEngine(PipelineEngine):
     def _joined_plans(self) -> ScheduleProvider | None:
         """A re-joining worker plans with what the survivors plan with: rank 0's newest published
         cost model, variant and table (None: nothing published, plan as configured)."""
-        record = newest(self.coordinator.store, self._plan_scope(), timeout_s=self._plans_timeout_s(),
-                        interrupted=self._publisher_failed)
+        record = self._joined_record = newest(self.coordinator.store, self._plan_scope(),
+                                              timeout_s=self._plans_timeout_s(), interrupted=self._publisher_failed)
         if record is None:
             return None
         provider = adopt_published(self.coordinator.store, record, self._adopting_provider, scope=self._plan_scope())

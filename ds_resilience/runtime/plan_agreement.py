@@ -36,7 +36,8 @@ from ..errors import ResilienceError
 from ..planning.provider import ScheduleProvider
 from ..planning.table import PlanTable
 
-__all__ = ["PublisherLost", "announce", "publish", "await_published", "latest", "newest", "adopt_published"]
+__all__ = ["PublisherLost", "announce", "publish", "await_published", "latest", "newest", "adopt_published",
+           "check_joined"]
 
 PREFIX = "dsr/plans"
 
@@ -142,6 +143,29 @@ def newest(store: Any, scope: str, *, timeout_s: float,
         except PublisherLost:
             pass
     return latest(store, scope)
+
+
+def check_joined(store: Any, scope: str, adopted: dict[str, Any] | None, *, rank: int) -> None:
+    """A re-joined worker, once its donor has handed it state: the donor applied the re-join at an
+    iteration boundary, past any re-plan, so the newest published build is the one the survivors
+    answer failures from; ``adopted`` (the record the worker took, ``None``: none) must be it.
+
+    Raises:
+        ResilienceError: it is not (the worker would answer the next failure from another table);
+            the worker stops, and its next relaunch reads the survivors' build.
+    """
+    current = latest(store, scope)
+    mine = None if adopted is None else (adopted["build"], adopted["digest"])
+    theirs = None if current is None else (current["build"], current["digest"])
+    if mine != theirs:
+        raise ResilienceError(
+            f"rank {rank} re-joined with plan table {_name(mine)}, but the survivors answer failures from "
+            f"{_name(theirs)}; it stops rather than answer the next failure from another table (a relaunch "
+            f"reads theirs)")
+
+
+def _name(build: tuple | None) -> str:
+    return "none (the configured plans)" if build is None else f"build {build[0]} (digest {str(build[1])[:12]})"
 
 
 def adopt_published(store: Any, record: dict[str, Any], make_provider, *, scope: str,
