@@ -423,6 +423,36 @@ def test_a_worker_relaunched_while_rank_0_rebuilds_the_plans_waits_for_that_buil
 
 
 @pytest.mark.timeout(600)
+def test_when_rank_0_dies_rebuilding_the_plans_everyone_keeps_the_first_build_and_it_rejoins_with_it(tmp_path):
+    """Rank 0 is SIGKILLed after it announced the re-plan (build 1) and before it published it: the
+    ranks waiting for it give the re-plan up and keep build 0, and rank 0's relaunch, which finds
+    build 1 announced but its publisher failed since, re-joins with build 0 too (it would wait 30
+    minutes for a build nobody makes otherwise). A later failure (rank 3) is answered from build 0
+    by all; the survivors end with the masters of a fault-free run (the user's configuration)."""
+    steps, end = 40, 3
+    profiled = {"variant": None, "profile_steps": 1, "planner": {"solver": "heuristic"}}
+    code, _, reference = run_job(tmp_path, name="ref", steps=steps, resilience=profiled, deepspeed=USER_CONFIG,
+                                 extra=TRAINING_DATA)
+    assert code == 0, logs(tmp_path, "ref")
+    faults = [{"rank": 0, "step": end, "point": "in_replan", "kind": "sigkill"},
+              {"rank": 3, "step": 34, "point": "before_forward", "kind": "sigkill"}]
+    code, events, dumps = run_job(tmp_path, faults=faults, rejoin_after=0.5, steps=steps, pace=0.5,
+                                  resilience=profiled, deepspeed=USER_CONFIG, extra=TRAINING_DATA)
+    text = logs(tmp_path, "job")
+    assert code == 0, text
+    assert [e.rank for e in events if e.kind == "crash"] == [0, 3], [(e.kind, e.rank) for e in events]
+    for rank in (1, 2):
+        assert "re-plan abandoned" in (tmp_path / "job-logs" / f"rank{rank}.0.log").read_text(), text
+    joined = [r for r in dumps[0]["recovery"] if r["kind"] == "joined"]
+    assert joined and end <= joined[0]["resume_step"] < 34, dumps[0]["recovery"]
+    joiner = (tmp_path / "job-logs" / "rank0.1.log").read_text()
+    assert "waiting for rank 0's plan table (build 1" in joiner, joiner[-3000:]  # announced, never published
+    line = next((x for x in joiner.splitlines() if "re-joining with rank 0's plans" in x), joiner[-3000:])
+    assert "(build 0, unit costs" in line and line.endswith("variant recycle)"), line
+    assert_masters_equal({r: d for r, d in dumps.items() if r != 3}, reference, steps=steps, dead=(3,))
+
+
+@pytest.mark.timeout(600)
 def test_a_loop_that_evaluates_and_saves_survives_a_failure_and_its_checkpoint_restarts_a_full_job(tmp_path):
     """The drop-in promise after a failure: eval_batch every step, save_checkpoint every other step,
     a loss-logging all-reduce on the survivors' group, DeepSpeed's csv monitor; rank 0 (which
