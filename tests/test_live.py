@@ -390,6 +390,30 @@ def test_a_rejoined_worker_plans_with_the_survivors_profile_and_a_later_failure_
     assert_equal_to_reference({r: d for r, d in dumps.items() if r != 3}, reference, steps=steps, dead=(3,))
 
 
+PROFILED = {"variant": None, "profile_steps": 1, "planner": {"solver": "heuristic"}}
+PROFILE_END = 3  # the profile (1 fused + 1 decoupled step after the memory step) ends at step 3
+
+
+def _rejoin_around_the_replan(tmp_path, faults, *, joiner: int, extra):
+    """A 40-step profiled run in the user's configuration with ``faults`` and re-joins, beside a
+    fault-free one; asserts both ran to the end, ``joiner`` re-joined after the re-plan (before
+    step 34, where the tests fail rank 3) and the survivors' masters equal the fault-free run's.
+    Returns the agent's events, the ``joiner`` relaunch's log and its ``re-joining with`` line."""
+    steps = 40
+    code, _, reference = run_job(tmp_path, name="ref", steps=steps, resilience=PROFILED, deepspeed=USER_CONFIG,
+                                 extra=extra)
+    assert code == 0, logs(tmp_path, "ref")
+    code, events, dumps = run_job(tmp_path, faults=faults, rejoin_after=0.5, steps=steps, pace=0.5,
+                                  resilience=PROFILED, deepspeed=USER_CONFIG, extra=extra)
+    assert code == 0, logs(tmp_path, "job")
+    joined = [r for r in dumps[joiner]["recovery"] if r["kind"] == "joined"]
+    assert joined and PROFILE_END <= joined[0]["resume_step"] < 34, dumps[joiner]["recovery"]  # after the re-plan
+    assert_masters_equal({r: d for r, d in dumps.items() if r != 3}, reference, steps=steps, dead=(3,))
+    log = (tmp_path / "job-logs" / f"rank{joiner}.1.log").read_text()
+    line = next((x for x in log.splitlines() if "re-joining with rank 0's plans" in x), log[-3000:])
+    return events, log, line
+
+
 @pytest.mark.timeout(600)
 def test_a_worker_relaunched_while_rank_0_rebuilds_the_plans_waits_for_that_build(tmp_path):
     """The profile is in and rank 0 has announced the re-plan (build 1), but it is slow to finish
@@ -399,27 +423,14 @@ def test_a_worker_relaunched_while_rank_0_rebuilds_the_plans_waits_for_that_buil
     schedule than theirs. In the user's configuration (Adam, clipping 1.0, bf16 with fp32 masters,
     their own data loader, activation checkpointing on every block); the survivors end with the
     masters of a fault-free run."""
-    steps, end = 40, 3  # the profile (1 fused + 1 decoupled step after the memory step) ends at step 3
-    profiled = {"variant": None, "profile_steps": 1, "planner": {"solver": "heuristic"}}
-    extra = [*TRAINING_DATA, "--activation-checkpoint-interval", "1"]
-    code, _, reference = run_job(tmp_path, name="ref", steps=steps, resilience=profiled, deepspeed=USER_CONFIG,
-                                 extra=extra)
-    assert code == 0, logs(tmp_path, "ref")
-    faults = [{"rank": 0, "step": end, "point": "in_replan", "kind": "delay", "seconds": 30.0},
-              {"rank": 1, "step": end, "point": "in_replan", "kind": "sigkill"},
+    faults = [{"rank": 0, "step": PROFILE_END, "point": "in_replan", "kind": "delay", "seconds": 30.0},
+              {"rank": 1, "step": PROFILE_END, "point": "in_replan", "kind": "sigkill"},
               {"rank": 3, "step": 34, "point": "before_forward", "kind": "sigkill"}]
-    code, events, dumps = run_job(tmp_path, faults=faults, rejoin_after=0.5, steps=steps, pace=0.5,
-                                  resilience=profiled, deepspeed=USER_CONFIG, extra=extra)
-    text = logs(tmp_path, "job")
-    assert code == 0, text
+    events, joiner, line = _rejoin_around_the_replan(tmp_path, faults, joiner=1,
+                                                     extra=[*TRAINING_DATA, "--activation-checkpoint-interval", "1"])
     assert [e.rank for e in events if e.kind == "crash"] == [1, 3], [(e.kind, e.rank) for e in events]
-    joined = [r for r in dumps[1]["recovery"] if r["kind"] == "joined"]
-    assert joined and end <= joined[0]["resume_step"] < 34, dumps[1]["recovery"]  # it joins after the re-plan
-    joiner = (tmp_path / "job-logs" / "rank1.1.log").read_text()
     assert "waiting for rank 0's plan table (build 1" in joiner, joiner[-3000:]  # it came up during the build
-    line = next((x for x in joiner.splitlines() if "re-joining with rank 0's plans" in x), joiner[-3000:])
     assert "(build 1, profile" in line and line.endswith("variant auto)"), line
-    assert_masters_equal({r: d for r, d in dumps.items() if r != 3}, reference, steps=steps, dead=(3,))
 
 
 @pytest.mark.timeout(600)
@@ -429,27 +440,14 @@ def test_when_rank_0_dies_rebuilding_the_plans_everyone_keeps_the_first_build_an
     build 1 announced but its publisher failed since, re-joins with build 0 too (it would wait 30
     minutes for a build nobody makes otherwise). A later failure (rank 3) is answered from build 0
     by all; the survivors end with the masters of a fault-free run (the user's configuration)."""
-    steps, end = 40, 3
-    profiled = {"variant": None, "profile_steps": 1, "planner": {"solver": "heuristic"}}
-    code, _, reference = run_job(tmp_path, name="ref", steps=steps, resilience=profiled, deepspeed=USER_CONFIG,
-                                 extra=TRAINING_DATA)
-    assert code == 0, logs(tmp_path, "ref")
-    faults = [{"rank": 0, "step": end, "point": "in_replan", "kind": "sigkill"},
+    faults = [{"rank": 0, "step": PROFILE_END, "point": "in_replan", "kind": "sigkill"},
               {"rank": 3, "step": 34, "point": "before_forward", "kind": "sigkill"}]
-    code, events, dumps = run_job(tmp_path, faults=faults, rejoin_after=0.5, steps=steps, pace=0.5,
-                                  resilience=profiled, deepspeed=USER_CONFIG, extra=TRAINING_DATA)
-    text = logs(tmp_path, "job")
-    assert code == 0, text
+    events, joiner, line = _rejoin_around_the_replan(tmp_path, faults, joiner=0, extra=TRAINING_DATA)
     assert [e.rank for e in events if e.kind == "crash"] == [0, 3], [(e.kind, e.rank) for e in events]
     for rank in (1, 2):
-        assert "re-plan abandoned" in (tmp_path / "job-logs" / f"rank{rank}.0.log").read_text(), text
-    joined = [r for r in dumps[0]["recovery"] if r["kind"] == "joined"]
-    assert joined and end <= joined[0]["resume_step"] < 34, dumps[0]["recovery"]
-    joiner = (tmp_path / "job-logs" / "rank0.1.log").read_text()
+        assert "re-plan abandoned" in (tmp_path / "job-logs" / f"rank{rank}.0.log").read_text(), logs(tmp_path, "job")
     assert "waiting for rank 0's plan table (build 1" in joiner, joiner[-3000:]  # announced, never published
-    line = next((x for x in joiner.splitlines() if "re-joining with rank 0's plans" in x), joiner[-3000:])
     assert "(build 0, unit costs" in line and line.endswith("variant recycle)"), line
-    assert_masters_equal({r: d for r, d in dumps.items() if r != 3}, reference, steps=steps, dead=(3,))
 
 
 @pytest.mark.timeout(600)
