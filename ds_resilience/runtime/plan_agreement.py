@@ -50,6 +50,14 @@ def _key(scope: str, build: int, what: str) -> str:
     return f"{PREFIX}/{scope}/{build}/{what}"
 
 
+def _building_key(scope: str) -> str:  # "<build> <publisher> <epoch>" of the build under way
+    return f"{PREFIX}/{scope}/building"
+
+
+def _latest_key(scope: str) -> str:  # the newest published build
+    return f"{PREFIX}/{scope}/latest"
+
+
 def _published(store: Any, scope: str, record: dict[str, Any], publisher: int) -> PlanTable:
     """The table ``record`` announces, checked against the record's digest."""
     table = PlanTable.from_bytes(store.get(_key(scope, record["build"], "table")),
@@ -63,7 +71,7 @@ def _published(store: Any, scope: str, record: dict[str, Any], publisher: int) -
 def announce(store: Any, *, scope: str, build: int, publisher: int, epoch: int) -> None:
     """The publisher, before it builds ``build`` (the agent's newest epoch is ``epoch``): a worker
     that re-joins meanwhile waits for it."""
-    store.set(f"{PREFIX}/{scope}/building", f"{build} {publisher} {epoch}")
+    store.set(_building_key(scope), f"{build} {publisher} {epoch}")
 
 
 def publish(store: Any, provider: ScheduleProvider, *, scope: str, build: int) -> dict[str, Any]:
@@ -76,7 +84,7 @@ def publish(store: Any, provider: ScheduleProvider, *, scope: str, build: int) -
         data = Path(path).read_bytes() if path and Path(path).is_file() else table.to_bytes()
         store.set(_key(scope, build, "table"), data)  # before the record that announces it
     store.set(_key(scope, build, "record"), json.dumps(record))
-    store.set(f"{PREFIX}/{scope}/latest", str(build))
+    store.set(_latest_key(scope), str(build))
     return record
 
 
@@ -113,7 +121,7 @@ def await_published(store: Any, make_provider, *, scope: str, build: int, timeou
 
 def latest(store: Any, scope: str) -> dict[str, Any] | None:
     """The newest record rank 0 published under ``scope`` (``None``: none yet)."""
-    key = f"{PREFIX}/{scope}/latest"
+    key = _latest_key(scope)
     if not store.check([key]):
         return None
     build = int(store.get(key))
@@ -132,7 +140,7 @@ def newest(store: Any, scope: str, *, timeout_s: float,
     Raises:
         ResilienceError: the announced build did not come within ``timeout_s``.
     """
-    key = f"{PREFIX}/{scope}/building"
+    key = _building_key(scope)
     if store.check([key]):
         build, publisher, epoch = (int(x) for x in store.get(key).decode().split())
         if not store.check([_key(scope, build, "record")]):
@@ -170,7 +178,7 @@ def _name(build: tuple | None) -> str:
 
 def adopt_published(store: Any, record: dict[str, Any], make_provider, *, scope: str,
                     publisher: int = 0) -> ScheduleProvider:
-    """The provider the publisher plans with, from its ``record`` (:func:`latest` for a re-joining
+    """The provider the publisher plans with, from its ``record`` (:func:`newest` for a re-joining
     worker, :func:`await_published` for the others).
 
     ``make_provider(cost, variant, solver)`` builds a provider with that cost model, variant and
