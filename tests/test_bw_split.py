@@ -830,3 +830,26 @@ def test_added_parameters_get_a_fast_w_equal_to_autograd_bit_for_bit():
     _, pend = backward_input(stage(x), g, (x,), stage.parameters())
     assert len(pend._fast) == 4 and not pend._groups
     backward_weight(pend)
+
+
+def test_w_frees_each_fast_w_operands_once_it_ran(monkeypatch):
+    """W hands each fast W's captured gradient and saved input back as soon as that W ran, so the
+    next W's products reuse the memory (on a CPU, holding them all to the end cost every W a fresh
+    page per 4 KB it wrote), and W's peak is one W's operands, not all of them."""
+    torch.manual_seed(10)
+    stage = _mlp_stage()
+    x = torch.randn(3, 5, H, dtype=D, requires_grad=True)
+    out = stage(x)
+    _, pend = backward_input(out, torch.randn(3, 5, H, dtype=D), (x,), stage.parameters())
+    del out
+    order = [w for w in pend._fast]
+    refs = [[weakref.ref(t) for t in w.tensors()] for w in order]
+    alive_at_run: list[list[bool]] = []
+    for kind in {type(w) for w in order}:
+        monkeypatch.setattr(kind, "run", lambda self, run=kind.run: (
+            alive_at_run.append([any(r() is not None for r in rs) for rs in refs]), run(self))[1])
+    del order
+    backward_weight(pend)
+    assert len(alive_at_run) == len(refs) >= 3
+    for k, alive in enumerate(alive_at_run):  # the k-th W runs after the first k were released
+        assert alive[:k] == [False] * k and alive[k], (k, alive)

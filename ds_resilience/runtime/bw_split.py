@@ -463,8 +463,9 @@ def backward_weight(pending: PendingW) -> None:
         if pending._mode != "split":
             if pending._params:
                 torch.autograd.backward(pending._outputs, pending._grads, inputs=pending._params)
-        for lw in pending._fast:
-            lw.run()
+        fast, pending._fast = pending._fast[::-1], []
+        while fast:  # each W's operands freed once it ran: the next W's product reuses that memory
+            fast.pop().run()
         for k, (params, edges, seeds, clamps) in enumerate(pending._groups):
             # a boundary node's gradient is the one captured in B, whatever reaches it again here
             handles = [n.register_prehook(lambda _g, s=s: s) for n, s in clamps]
