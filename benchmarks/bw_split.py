@@ -2,7 +2,7 @@
 
     python benchmarks/bw_split.py [--device auto|cpu|cuda] [--dtype float32|bfloat16|float16]
                                   [--shapes D:T:MB:L,...] [--repeats 20] [--warmup 3] [--json FILE]
-                                  [--model gpt|llama|megatron]
+                                  [--model gpt|llama|megatron] [--explain] [--profile]
 
 One middle pipeline stage (``--model``: the example GPT's pre-LN blocks, Llama-style RMSNorm
 blocks, or a megatron-core decoder chunk) of ``L`` transformer blocks, width ``D``,
@@ -19,6 +19,11 @@ Each action is timed alone (the device synchronized around it: CUDA events would
 on a single stream). The table gives medians in ms and B + W over fused; the issue's goal is
 <= 1.10x. Before timing, the split's gradients are compared with the fused ones bit for bit
 (printed: ``equal``), so the figure is the price of the same numbers.
+
+``--explain`` adds two more interleaved methods and a second table: a plain input-gradient pass
+(``autograd.grad`` to the input alone: the floor under B, so B minus it is what the split adds to
+B) and W run after its operands were read once, untimed (W cold minus W warm: what re-reading
+them from memory costs).
 
 The default shapes are the example GPT of ``benchmarks/engine.py`` on a CPU and transformer-sized
 stages on a GPU; ``--shapes`` replaces them.
@@ -45,6 +50,7 @@ from ds_resilience.runtime.bw_split import backward_fused, backward_input, backw
 CPU_SHAPES = "128:64:2:4,256:128:4:2"
 GPU_SHAPES = "1024:1024:4:4,2048:2048:2:2,4096:2048:1:2"
 METHODS = ("fused", "split", "split_autograd_w")
+EXPLAIN = ("input_only", "split_warm_w")  # --explain: the floor under B, and W with its operands in cache
 
 
 def parse_shapes(text: str) -> list[tuple[int, int, int, int]]:
@@ -150,11 +156,19 @@ def one_round(stage, x0, g, method: str, clock: Clock) -> dict[str, float]:
     if method == "fused":
         (dx,) = backward_fused(y, g, x, params)
         out["BW"] = clock.now() - t1
+    elif method == "input_only":  # the floor under B: autograd to the input alone, no capture, no W state
+        (dx,) = torch.autograd.grad(y, x, g)
+        out["BW"] = clock.now() - t1
     else:
         (dx,), pending = backward_input(y, g, x, params, strategy="split",
-                                        fast_linear=method == "split")
+                                        fast_linear=method != "split_autograd_w")
         del y
         t2 = clock.now()
+        if method == "split_warm_w":  # read every operand of the fast W's once (untimed): W with warm caches
+            for w in pending._fast:
+                for t in w.tensors():
+                    t.sum()
+            t2 = clock.now()
         backward_weight(pending)
         out["B"], out["W"] = t2 - t1, clock.now() - t2
     out["_dx"] = dx
@@ -183,13 +197,14 @@ def setup(shape, device, dtype):
     return stage, x0, g, Clock(device)
 
 
-def measure(shape, device, dtype, repeats: int, warmup: int) -> dict:
+def measure(shape, device, dtype, repeats: int, warmup: int, explain: bool = False) -> dict:
     d, t, mb, layers = shape
     stage, x0, g, clock = setup(shape, device, dtype)
     equal = compare(stage, x0, g, clock)
-    samples: dict[str, list[dict]] = {m: [] for m in METHODS}
+    methods = METHODS + (EXPLAIN if explain else ())
+    samples: dict[str, list[dict]] = {m: [] for m in methods}
     for k in range(warmup + repeats):
-        for method in METHODS:
+        for method in methods:
             r = one_round(stage, x0, g, method, clock)
             if k >= warmup:
                 samples[method].append(r)
@@ -207,6 +222,9 @@ def measure(shape, device, dtype, repeats: int, warmup: int) -> dict:
         row[f"{method}_B_ms"] = 1e3 * med(method, "B")
         row[f"{method}_W_ms"] = 1e3 * med(method, "W")
         row[f"{method}_ratio"] = med_sum(method) / fused
+    if explain:
+        row["input_only_ms"] = 1e3 * med("input_only", "BW")
+        row["split_warm_w_W_ms"] = 1e3 * med("split_warm_w", "W")
     return row
 
 
@@ -250,6 +268,9 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (one per worker, as the engine runs)")
     parser.add_argument("--profile", action="store_true",
                         help="also print torch.profiler's top kernels of one fused and one split backward (first shape)")
+    parser.add_argument("--explain", action="store_true",
+                        help="also time a plain input-gradient pass and W with warm caches, interleaved with the "
+                             "others, and print where B + W's excess over the fused backward goes")
     parser.add_argument("--model", choices=("gpt", "llama", "megatron"), default="gpt",
                         help="the example GPT's blocks (LayerNorm, biases), Llama-style blocks (RMSNorm, no "
                              "biases, SiLU gate) or a megatron-core decoder chunk (its linear layers' autograd function)")
@@ -270,12 +291,23 @@ def main(argv=None) -> int:
           f"{'B ms':>8} {'W ms':>8} {'B+W/fused':>9} {'autograd-W ratio':>16}")
     rows = []
     for shape in shapes:
-        row = measure(shape, device, dtype, args.repeats, args.warmup)
+        row = measure(shape, device, dtype, args.repeats, args.warmup, args.explain)
         rows.append(row)
         print(f"{row['d_model']:>5} {row['seq_len']:>5} {row['micro_batch']:>3} {row['layers']:>2} "
               f"{'yes' if row['equal'] else 'NO':>5} {row['F_ms']:>8.2f} {row['fused_ms']:>9.2f} "
               f"{row['split_B_ms']:>8.2f} {row['split_W_ms']:>8.2f} {row['split_ratio']:>8.2f}x "
               f"{row['split_autograd_w_ratio']:>15.2f}x", flush=True)
+    if args.explain:
+        print("\nWhere B + W exceeds the fused backward (ms, medians): B over a plain input-gradient pass "
+              "(graph listing, pre-hooks, fast-W checks, W state), and W run cold (as timed above) against "
+              "W run after its operands were read once (untimed): what re-reading them from memory costs")
+        print(f"{'D':>5} {'fused':>8} {'in-only':>8} {'B':>8} {'B-in':>7} {'fused-in':>9} {'W cold':>8} {'W warm':>8} "
+              f"{'cold-warm':>9}")
+        for r in rows:
+            print(f"{r['d_model']:>5} {r['fused_ms']:>8.2f} {r['input_only_ms']:>8.2f} {r['split_B_ms']:>8.2f} "
+                  f"{r['split_B_ms'] - r['input_only_ms']:>7.2f} {r['fused_ms'] - r['input_only_ms']:>9.2f} "
+                  f"{r['split_W_ms']:>8.2f} {r['split_warm_w_W_ms']:>8.2f} "
+                  f"{r['split_W_ms'] - r['split_warm_w_W_ms']:>9.2f}")
     if args.profile:
         profile(shapes[0], device, dtype)
     if args.json:
