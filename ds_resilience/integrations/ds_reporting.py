@@ -38,6 +38,8 @@ def plan_line(figures: dict, cost_name: str, failed: str) -> str:
     line = (f"plan for failed {failed}: variant {figures.get('variant')}, predicted iteration "
             f"{figures.get('iteration_time', float('nan')):.4g} ({cost_name} costs; fault-free 1F1B "
             f"{figures.get('fault_free_iteration_time', float('nan')):.4g})")
+    if figures.get("fused_stages"):  # the split variant runs these stages' backward fused (planning/stage_mix.py)
+        line += f", fused backward on stage(s) {', '.join(map(str, figures['fused_stages']))}"
     choice = figures.get("variant_choice")
     if choice:
         line += "; chosen among " + ", ".join(

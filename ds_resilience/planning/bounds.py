@@ -60,6 +60,7 @@ from ..costs import CostModel
 from ..ir import TiedGroups
 from ..topology import Topology
 from .memory import max_deferred_w
+from .stage_mix import as_split, costly_stages
 
 __all__ = ["work_bound", "fill_bound", "critical_path_bound", "tied_cycle_bound", "stage0_cycle_bound", "lower_bound", "tied_times"]
 
@@ -211,7 +212,21 @@ def lower_bound(
 ) -> float:
     """The bound that applies to ``variant`` (``adaptive``, ``decoupled`` or ``recycle``), with
     ``tied`` groups' reduces in the tails, under ``memory_cap`` (in ``cost.memory_unit``; ``None``:
-    no cap)."""
+    no cap). A split variant's plans may fuse the stages whose B + W costs more than their fused
+    backward (:mod:`.stage_mix`); such a plan is a split one under ``as_split(cost, ...)``, so the
+    bound is the smaller of the two models' split bounds."""
+    costly = costly_stages(cost, topology.pp) if variant != "adaptive" else ()
+    if costly:
+        mixed = as_split(cost, costly, topology.pp)
+        return min(_variant_bound(topology, microbatches, c, variant=variant, tied=tied, memory_cap=memory_cap)
+                   for c in (cost, mixed))
+    return _variant_bound(topology, microbatches, cost, variant=variant, tied=tied, memory_cap=memory_cap)
+
+
+def _variant_bound(
+    topology: Topology, microbatches: int, cost: CostModel, *, variant: str, tied: TiedGroups,
+    memory_cap: float | None,
+) -> float:
     # the fill bound holds the work bound (its idle term is >= 0)
     work = fill_bound(topology, microbatches, cost, split_backward=variant != "adaptive", tied=tied,
                       memory_cap=memory_cap)

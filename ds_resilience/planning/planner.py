@@ -39,7 +39,7 @@ from typing import Iterable
 
 from ..costs import CostModel
 from ..errors import MemoryCapError, PlanningError, ScheduleError
-from ..ir import Schedule, TiedGroups, check_tied, validate
+from ..ir import ActionKind, Schedule, TiedGroups, check_tied, validate
 from ..ir.timeline import STEADY_ITERATIONS, iteration_time, memory_peaks
 from ..topology import Topology, Worker
 from ..vocab import SOLVERS, VARIANT_CHOICES, VARIANTS
@@ -50,6 +50,7 @@ from .lowering import lower
 from .memory import fault_free_peak, resolve_cap, worker_peaks
 from .plan import Plan, SolverReport
 from .reroute import reroute_assignment
+from .stage_mix import as_split, costly_stages, fuse
 
 __all__ = [
     "VARIANTS",
@@ -126,7 +127,25 @@ def _heuristic(
     topology: Topology, microbatches: int, cost: CostModel, variant: str, memory_cap: float, tied: TiedGroups = ()
 ) -> tuple[Schedule, float]:
     """Best list schedule over a few splits of the memory cap between activations and pending W
-    (as fractions of the pending W's that fit: all, three quarters, half, and at most ``pp``)."""
+    (as fractions of the pending W's that fit: all, three quarters, half, and at most ``pp``), and,
+    for the split variants where the cost model makes B + W dearer than the fused backward on some
+    stages, the same with those stages fused (:mod:`.stage_mix`); each timed under ``cost``."""
+    best = _list_candidates(topology, microbatches, cost, variant, memory_cap, tied, ())
+    costly = costly_stages(cost, topology.pp) if variant != "adaptive" else ()
+    if costly:
+        mixed = _list_candidates(topology, microbatches, cost, variant, memory_cap, tied, costly)
+        if mixed[1] < best[1] - 1e-9:
+            best = mixed
+    return best
+
+
+def _list_candidates(
+    topology: Topology, microbatches: int, cost: CostModel, variant: str, memory_cap: float, tied: TiedGroups,
+    fused: tuple[int, ...],
+) -> tuple[Schedule, float]:
+    """:func:`_heuristic`'s candidates with the stages ``fused`` run fused: listed as split stages
+    under :func:`.stage_mix.as_split` (a W there lasts nothing and runs at once), then fused back."""
+    real, cost = cost, as_split(cost, fused, topology.pp)
     dp, pp = topology.dp, topology.pp
     n = dp * pp
     assignments = [reroute_assignment(topology, microbatches)]
@@ -141,6 +160,7 @@ def _heuristic(
     weights = [per_stage[w // dp] for w in range(n)]
     act_caps = [max(1, int(memory_cap // max(a, 1e-300) + 1e-9)) for a, _ in weights]
     fit_w = [max(1, int(memory_cap // w_w + 1e-9)) if w_w > 0 else microbatches * dp for _, w_w in weights]
+    fit_w = [1 if w // dp in fused else f for w, f in enumerate(fit_w)]  # a fused stage's W follows its B
     candidates: list[tuple[int | None, ...]]
     if not split:
         candidates = [(None,) * n]
@@ -173,7 +193,8 @@ def _heuristic(
             name=f"{variant}-heuristic",
             tied=tied,
         )
-        value = iteration_time(schedule, cost, variant)
+        schedule = fuse(schedule, fused)
+        value = iteration_time(schedule, real, variant)
         if best is None or value < best[1] - 1e-9:
             best = (schedule, value)
     assert best is not None
@@ -266,6 +287,9 @@ def _plan(dp: int, pp: int, microbatches: int, failed: Iterable[Worker], *, cost
     # a re-routed schedule is also a valid fault-free one (the failed worker idles), so the best
     # fault-free figure is never above the plan itself: degradation_vs_best is never negative
     best = min(_best_fault_free_time(dp, pp, microbatches, cost, variant, tied, cap), value)
+    # a split variant's plan that runs some stages fused (stage_mix) says which
+    fused = sorted({a.stage for actions in schedule.workers for a in actions if a.kind is ActionKind.BW}) \
+        if variant != "adaptive" else []
     return Plan(
         dp=dp,
         pp=pp,
@@ -285,6 +309,7 @@ def _plan(dp: int, pp: int, microbatches: int, failed: Iterable[Worker], *, cost
         peak_state=state,
         solver=report,
         cost_name=cost.name,
+        extra={"fused_stages": fused} if fused else {},
     )
 
 
