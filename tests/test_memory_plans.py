@@ -18,7 +18,7 @@ from ds_resilience.planning.lowering import lower
 from ds_resilience.planning.memory import fault_free_peak, parse_memory, resolve_cap, worker_peaks
 from ds_resilience.planning.planner import plan
 from ds_resilience.planning.reroute import reroute_assignment
-from ds_resilience.planning.stage_mix import as_split, costly_stages
+from ds_resilience.planning.stage_mix import as_split, fusable_stages
 from ds_resilience.topology import Topology, Worker
 
 W = Worker
@@ -167,7 +167,7 @@ def _exhaustive_best(dp, pp, m, failed, cost, variant, cap):
     and, where the model makes some stages' B + W dearer than fused, those stages fused (a split
     schedule under ``as_split``, whose zero-length W's the fused schedule drops: the same times)."""
     best, topology = _exhaustive_orders(dp, pp, m, failed, cost, variant, cap)
-    costly = costly_stages(cost, pp) if variant != "adaptive" else ()
+    costly = fusable_stages(cost, pp, variant)
     if costly:
         best = min(best, _exhaustive_orders(dp, pp, m, failed, as_split(cost, costly, pp), variant, cap)[0])
     return best, topology

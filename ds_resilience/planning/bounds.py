@@ -60,7 +60,7 @@ from ..costs import CostModel
 from ..ir import TiedGroups
 from ..topology import Topology
 from .memory import max_deferred_w
-from .stage_mix import as_split, costly_stages
+from .stage_mix import as_split, fusable_stages
 
 __all__ = ["work_bound", "fill_bound", "critical_path_bound", "tied_cycle_bound", "stage0_cycle_bound", "lower_bound", "tied_times"]
 
@@ -215,7 +215,7 @@ def lower_bound(
     no cap). A split variant's plans may fuse the stages whose B + W costs more than their fused
     backward (:mod:`.stage_mix`); such a plan is a split one under ``as_split(cost, ...)``, so the
     bound is the smaller of the two models' split bounds."""
-    costly = costly_stages(cost, topology.pp) if variant != "adaptive" else ()
+    costly = fusable_stages(cost, topology.pp, variant)
     if costly:
         mixed = as_split(cost, costly, topology.pp)
         return min(_variant_bound(topology, microbatches, c, variant=variant, tied=tied, memory_cap=memory_cap)

@@ -50,7 +50,7 @@ from .lowering import lower
 from .memory import fault_free_peak, resolve_cap, worker_peaks
 from .plan import Plan, SolverReport
 from .reroute import reroute_assignment
-from .stage_mix import as_split, costly_stages, fuse
+from .stage_mix import as_split, fusable_stages, fuse
 
 __all__ = [
     "VARIANTS",
@@ -131,7 +131,7 @@ def _heuristic(
     for the split variants where the cost model makes B + W dearer than the fused backward on some
     stages, the same with those stages fused (:mod:`.stage_mix`); each timed under ``cost``."""
     best = _list_candidates(topology, microbatches, cost, variant, memory_cap, tied, ())
-    costly = costly_stages(cost, topology.pp) if variant != "adaptive" else ()
+    costly = fusable_stages(cost, topology.pp, variant)
     if costly:
         mixed = _list_candidates(topology, microbatches, cost, variant, memory_cap, tied, costly)
         if mixed[1] < best[1] - 1e-9:

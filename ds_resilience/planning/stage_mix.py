@@ -23,7 +23,7 @@ from ..costs import CostModel
 from ..ir import Schedule
 from ..ir.action import ActionKind, trusted_action
 
-__all__ = ["as_split", "costly_stages", "fuse"]
+__all__ = ["as_split", "costly_stages", "fusable_stages", "fuse"]
 
 _SLACK = 1e-9  # relative: a stage whose B + W is within this of its fused time is split as before
 
@@ -36,6 +36,13 @@ def costly_stages(cost: CostModel, pp: int) -> tuple[int, ...]:
         if c.t_b + c.t_w > c.t_bw * (1 + _SLACK) + _SLACK:
             out.append(s)
     return tuple(out)
+
+
+def fusable_stages(cost: CostModel, pp: int, variant: str) -> tuple[int, ...]:
+    """The stages ``variant``'s plans may run fused: :func:`costly_stages` for the split variants,
+    none for ``adaptive`` (fused everywhere already). The heuristic's candidates and the lower bound
+    both read it, so the bound covers every plan the heuristic can return."""
+    return costly_stages(cost, pp) if variant != "adaptive" else ()
 
 
 def as_split(cost: CostModel, stages: tuple[int, ...], pp: int) -> CostModel:
