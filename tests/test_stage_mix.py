@@ -88,17 +88,20 @@ def test_fuse_turns_bs_into_bws_and_drops_ws_on_the_chosen_stages_only():
 
 
 @pytest.mark.timeout(600)
-def test_a_mixed_plan_runs_live_and_trains_exactly_like_a_run_without_the_failure(tmp_path):
+def test_a_mixed_plan_runs_live_in_the_users_configuration(tmp_path):
     """A hand-written cost model makes stage 1's split dear: the engine's recycle plans run fused BW
-    on stage 1 and B/W on stage 0; rank 3 (stage 1) is SIGKILLed mid-backward, and the survivors
-    end with the parameters of a run that never failed."""
+    on stage 1 and B/W on stage 0. In the user's configuration (DeepSpeed's default Adam and
+    clipping 1.0, bf16 with fp32 masters, their own data loader, activation checkpointing on every
+    block), rank 3 (stage 1) is SIGKILLed mid-backward, and the survivors end with the masters of a
+    run that never failed."""
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from test_live import assert_equal_to_reference, logs, run_job
+    from test_live import TRAINING_DATA, USER_CONFIG, assert_masters_equal, logs, run_job
 
-    code, _, reference = run_job(tmp_path, name="ref")
+    extra = [*TRAINING_DATA, "--activation-checkpoint-interval", "1"]
+    code, _, reference = run_job(tmp_path, name="ref", deepspeed=USER_CONFIG, extra=extra)
     assert code == 0, logs(tmp_path, "ref")
     model = tmp_path / "costly_last.json"
     model.write_text(json.dumps({"name": "costly-last", "t_f": [1.0, 1.0], "t_b": [1.0, 2.0], "t_w": [1.0, 2.0],
@@ -107,10 +110,10 @@ def test_a_mixed_plan_runs_live_and_trains_exactly_like_a_run_without_the_failur
     assert _backwards(plan(2, 2, 4, [Worker(pipeline=1, stage=1)], cost=CostModel.load(model),
                            variant="recycle").schedule) == {0: {"B", "W"}, 1: {"BW"}}
     fault = {"rank": 3, "step": 3, "point": "mid_backward", "kind": "sigkill"}
-    code, _, dumps = run_job(tmp_path, name="mixed", faults=[fault],
+    code, _, dumps = run_job(tmp_path, name="mixed", faults=[fault], deepspeed=USER_CONFIG, extra=extra,
                              resilience={"variant": "recycle", "cost_model": str(model),
                                          "planner": {"solver": "heuristic", "cache_dir": str(tmp_path / "plans")}})
     assert code == 0, logs(tmp_path, "mixed")
-    assert_equal_to_reference(dumps, reference, dead=[3])
+    assert_masters_equal(dumps, reference, dead=[3])
     line = next(x for x in logs(tmp_path, "mixed").splitlines() if "plan for failed 1:1" in x)
     assert "variant recycle" in line and "fused backward on stage(s) 1" in line, line
