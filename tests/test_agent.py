@@ -142,6 +142,7 @@ def _bare_coordinator(store):
     c.store, c.rank, c.store_timeout_s, c.applied, c.applying = store, 0, 5.0, 1, 0
     c._latched, c._disruptive, c._lock, c.on_epoch = None, 0, threading.Lock(), lambda record: None
     c._switch_seen, c._switch_checked = 0, 0.0
+    c.joining, c._over_checked = False, 0.0
     return c
 
 
@@ -454,6 +455,47 @@ def test_a_relaunched_worker_still_starting_when_training_ends_is_stopped(tmp_pa
     assert [e.kind for e in agent.events if e.rank == 1] == ["crash", "relaunch", "cancel"]
     assert [r.kind for r in agent.epochs] == ["start", "crash"]
     assert first(logs["rank0.0"], "done")["steps"] == 20
+
+
+@pytest.mark.timeout(60)
+def test_a_relaunched_worker_registered_but_not_admitted_when_training_ends_exits_0(tmp_path):
+    """The relaunched rank 1 registers (the agent publishes its re-join epoch) but the survivor
+    runs its last step without admitting it: the agent says training is over and the joiner's
+    wait for its peers gives up at once and exits 0 (before, it waited out the store timeout,
+    30 s here, and exited 1: a crash at the end of a finished job)."""
+    agent, code, logs = run_agent(tmp_path, 2, [fault(1, 1, "before_forward", "sigkill")],
+                                  args=("--steps", "30", "--step_s", "0.1"), rejoin_after_s=0.1,
+                                  extra_env={"DSR_TEST_JOINER_WAITS": "1"})
+    assert code == 0, worker_output(tmp_path)
+    assert [r.kind for r in agent.epochs] == ["start", "crash", "rejoin"]
+    assert [e.kind for e in agent.events if e.rank == 1] == ["crash", "relaunch", "rejoin", "exit"]
+    assert first(logs["rank1.1"], "joining")["joining"]
+    over = first(logs["rank1.1"], "training_over")
+    done = first(logs["rank0.0"], "done")
+    assert "rank 0 finished training" in over["why"] and done["steps"] == 30
+    assert over["t"] - done["t"] < 5.0  # released by the agent's word, not by the store timeout
+    assert mb.training_over(agent.store) == "rank 0 finished training"
+
+
+def test_only_a_joining_coordinator_gives_up_its_waits_when_training_is_over(store):
+    """The survivors' waits ignore the key (they finished or are finishing by themselves); a
+    re-joining worker's waits end with TrainingOver, its other waits are untouched until then."""
+    from ds_resilience.runtime.coordinator import TrainingOver
+
+    survivor, joiner = _bare_coordinator(store), _bare_coordinator(store)
+    joiner.joining = True
+    store.set("k/posted", "v")
+    assert joiner.wait_key("k/posted") == b"v"
+    threading.Timer(0.3, lambda: store.set(mb.TRAINING_OVER_KEY, "rank 0 finished training")).start()
+    started = time.monotonic()
+    with pytest.raises(TrainingOver, match="rank 0 finished training"):
+        joiner.wait_key("k/never", timeout_s=20.0)
+    assert time.monotonic() - started < 3.0
+    with pytest.raises(ResilienceError, match="timed out"):
+        survivor.wait_key("k/never", timeout_s=0.3)
+    joiner.joining = False  # admitted: a donor's state arrived
+    with pytest.raises(ResilienceError, match="timed out"):
+        joiner.wait_key("k/never", timeout_s=0.3)
 
 
 @pytest.mark.timeout(60)

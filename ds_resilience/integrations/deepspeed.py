@@ -8,12 +8,14 @@ removes the config's ``"resilience"`` section, reads the agent's launch contract
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 from ..config import ResilienceConfig, load_resilience_config
 from ..errors import ConfigError
 from ..launch import LaunchEnv, launch_env
+from ..runtime.coordinator import TrainingOver
 from ..runtime.executor import BatchSource
 from ..runtime.recovery import BeyondTolerance
 from .ds_data import DataIterFactory, reroute_data_error
@@ -159,27 +161,31 @@ def initialize(
     mpu = model.mpu()
     config_class = DeepSpeedConfig(ds_config, mpu)
     deepspeed.set_optimizer_flags(config_class, model)  # as deepspeed.initialize does (Muon flags)
-    engine = ResilientPipelineEngine(
-        args=args,
-        model=model,
-        optimizer=optimizer,
-        model_parameters=model_parameters,
-        training_data=training_data,
-        lr_scheduler=lr_scheduler,
-        mpu=mpu,
-        dist_init_required=dist_init_required,
-        collate_fn=collate_fn,
-        config=ds_config,
-        config_class=config_class,
-        resilience=resilience,
-        batch_source=batch_source,
-        eval_source=eval_source,
-        data_iter_factory=data_iter_factory,
-        launch=launch,
-        config_dir=base_dir,
-        rebuild={"args": args, "optimizer": optimizer, "lr_scheduler": lr_scheduler, "collate_fn": collate_fn,
-                 "config": ds_config, "batch_source": batch_source, "eval_source": eval_source,
-                 "config_dir": base_dir} if resilience.regrid else None,
-    )
+    try:
+        engine = ResilientPipelineEngine(
+            args=args,
+            model=model,
+            optimizer=optimizer,
+            model_parameters=model_parameters,
+            training_data=training_data,
+            lr_scheduler=lr_scheduler,
+            mpu=mpu,
+            dist_init_required=dist_init_required,
+            collate_fn=collate_fn,
+            config=ds_config,
+            config_class=config_class,
+            resilience=resilience,
+            batch_source=batch_source,
+            eval_source=eval_source,
+            data_iter_factory=data_iter_factory,
+            launch=launch,
+            config_dir=base_dir,
+            rebuild={"args": args, "optimizer": optimizer, "lr_scheduler": lr_scheduler, "collate_fn": collate_fn,
+                     "config": ds_config, "batch_source": batch_source, "eval_source": eval_source,
+                     "config_dir": base_dir} if resilience.regrid else None,
+        )
+    except TrainingOver as over:  # a relaunched worker the survivors finished without
+        print(f"[ds_resilience] {over}; exiting", file=sys.stderr, flush=True)
+        raise SystemExit(0) from None
     engine._configure_python_gc()
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

@@ -411,10 +411,13 @@ class Agent:
     def _training_over(self, rank: int) -> None:
         """A member finished training: relaunches still due are dropped and relaunched workers
         that have not registered yet are stopped (there is no step left for them to join; they
-        would wait for a donor that is leaving). Not a failure: the job still exits 0."""
+        would wait for a donor that is leaving). One that registered but was not admitted (the
+        survivors ran their last step before its re-join epoch) reads ``TRAINING_OVER_KEY`` and
+        exits 0 by itself. Not a failure: the job still exits 0."""
         if self._finished:
             return
         self._finished = True
+        self.store.set(mb.TRAINING_OVER_KEY, f"rank {rank} finished training")
         self._cancel_rejoins(f"rank {rank} finished training")
 
     def _no_more_rejoins(self, why: str) -> None:

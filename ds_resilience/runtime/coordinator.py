@@ -28,7 +28,7 @@ from ..errors import ResilienceError
 from ..launch import LaunchEnv
 from . import membership
 
-__all__ = ["Reconfigure", "Coordinator", "poison"]
+__all__ = ["Reconfigure", "TrainingOver", "Coordinator", "poison"]
 
 
 class Reconfigure(ResilienceError):
@@ -37,6 +37,11 @@ class Reconfigure(ResilienceError):
     def __init__(self, record) -> None:
         super().__init__(f"membership epoch {record.epoch} ({record.kind}): failed ranks {list(record.failed)}")
         self.record = record
+
+
+class TrainingOver(ResilienceError):
+    """A re-joining worker learns that training ended before the survivors admitted it (the
+    agent's ``TRAINING_OVER_KEY``): there is no step left for it; it exits 0."""
 
 
 class Coordinator:
@@ -68,6 +73,8 @@ class Coordinator:
         self._lock = threading.Lock()
         self._switch_seen = 0  # the newest re-join a peer is known to apply (announce_switch)
         self._switch_checked = 0.0
+        self.joining = bool(launch.rejoin)  # a relaunched worker not admitted yet: its waits end when training does
+        self._over_checked = 0.0
         interval = launch.heartbeat_interval_s or heartbeat_interval_s
         self.heartbeat_interval_s = interval
         membership.register_worker(store, membership.WorkerInfo(
@@ -136,6 +143,20 @@ class Coordinator:
             return True
         return False
 
+    def check_training_over(self) -> None:
+        """While this worker is re-joining (:attr:`joining`), raise :class:`TrainingOver` once the
+        agent says a member finished training (one store read per 20 ms)."""
+        if not self.joining:
+            return
+        now = time.monotonic()
+        if now - self._over_checked < 0.02:
+            return
+        self._over_checked = now
+        why = membership.training_over(self.store)
+        if why is not None:
+            raise TrainingOver(f"rank {self.rank}: training ended ({why}) before the survivors admitted this "
+                               f"relaunched worker: no step is left for it to join")
+
     def begin(self, record) -> None:
         """``record`` is being applied: waits inside it are interrupted only by a newer epoch."""
         self.applying = record.epoch
@@ -172,6 +193,7 @@ class Coordinator:
             record = self.interrupting()
             if record is not None:
                 raise Reconfigure(record)
+            self.check_training_over()
             if time.monotonic() > deadline:
                 raise ResilienceError(f"timed out after {timeout_s:.0f}s waiting for store key {key}")
             time.sleep(0.001)

@@ -139,6 +139,17 @@ REGRIDDED_KEY = "dsr/regridded"
 as text): the agent then relaunches no worker any more (a relaunched worker would join the first
 grid, which is gone)."""
 
+TRAINING_OVER_KEY = "dsr/training_over"
+"""Set by the agent when a member finished training (who, as text): a relaunched worker that has
+registered but was not admitted yet gives up its re-join and exits 0 (the survivors ran their last
+step without it and will not come back to its epoch)."""
+
+
+def training_over(store: dist.Store) -> str | None:
+    """Why training is over (the agent's text), or None while it goes on; never blocks."""
+    raw = _get(store, TRAINING_OVER_KEY)
+    return None if raw is None else raw.decode(errors="replace")
+
 
 def register_worker(store: dist.Store, info: WorkerInfo) -> None:
     """Publish ``info`` under ``dsr/worker/{rank}`` (the agent uses it to judge tolerance)."""

@@ -359,14 +359,19 @@ class LiveRecovery:
 
     # --- re-join -----------------------------------------------------------------------------------
     def join(self) -> None:
-        """A re-joining worker: wait for the agent's re-join epoch, join its groups, take a peer's state."""
+        """A re-joining worker: wait for the agent's re-join epoch, join its groups, take a peer's state.
+
+        Until a donor has sent the state, the waits give up with :class:`TrainingOver` when the
+        agent says training ended: the survivors ran their last step without this worker."""
         deadline = time.monotonic() + max(self.timeout_s, 60.0)
+        self.coordinator.joining = True
         while True:
             record = self.coordinator.pending()
             if record is not None and self.rank in record.joining:
                 break
             if record is not None:
                 self.coordinator.mark_applied(record)  # an epoch before ours: nothing to do yet
+            self.coordinator.check_training_over()
             if time.monotonic() > deadline:
                 raise ResilienceError(f"rank {self.rank}: no re-join epoch from the agent within {self.timeout_s:.0f} s")
             time.sleep(0.01)
@@ -379,6 +384,7 @@ class LiveRecovery:
         self.executor.install(generation.groups)
         self.adopt(generation)
         state = recv_state(generation.groups.world, donor, timeout_s=self.timeout_s)
+        self.coordinator.joining = False  # admitted: the survivors train on with this worker
         apply(state, self.tier.host, stage=self.me.stage)
         if self.on_membership is not None:
             self.on_membership(record, plan, None, generation, joining=True)

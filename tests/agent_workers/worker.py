@@ -11,7 +11,10 @@ With ``--until_epoch K`` it keeps stepping past ``--steps`` until it has seen ep
 ``DSR_TEST_DIE_IF_REJOIN=1`` makes every relaunched worker exit with code 5 at once;
 ``DSR_TEST_START_DELAY_IF_REJOIN=S`` makes it sleep S seconds before it starts (a slow start-up);
 ``DSR_TEST_REGRID_AT_STEP=N`` makes rank 0 announce at step N that the survivors re-form the grid
-(what ``integrations/ds_regrid.py`` does).
+(what ``integrations/ds_regrid.py`` does);
+``DSR_TEST_JOINER_WAITS=1`` makes a relaunched worker register through a real ``Coordinator`` and
+wait, as a re-joining engine does, for peers that never come (these stand-in survivors do not
+admit anyone): it logs ``training_over`` and exits 0 when the coordinator gives up.
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ def main() -> int:
         emit("die_early")
         return 5
 
+    if os.environ.get("DSR_TEST_JOINER_WAITS") == "1" and settings.rejoin:
+        return _wait_as_a_joiner(settings, world // args.stages, emit)
     store = mb.agent_store_from_env(30.0)
     dp = world // args.stages
     mb.register_worker(store, mb.WorkerInfo(rank=rank, pipeline=rank % dp, stage=rank // dp, pid=os.getpid(),
@@ -109,6 +114,22 @@ def main() -> int:
     watcher.stop()
     heartbeat.stop()
     return 0
+
+
+def _wait_as_a_joiner(settings, dp: int, emit) -> int:
+    from ds_resilience.runtime.coordinator import Coordinator, TrainingOver
+
+    rank = settings.rank
+    coordinator = Coordinator(launch=settings, info={"pipeline": rank % dp, "stage": rank // dp},
+                              heartbeat_interval_s=0.1, store_timeout_s=30.0, on_epoch=lambda record: None)
+    emit("joining", joining=coordinator.joining)
+    try:
+        coordinator.wait_key("test/never-posted")  # the arrival of a survivor that finished instead
+    except TrainingOver as over:
+        emit("training_over", why=str(over))
+        coordinator.close()
+        return 0
+    return 7
 
 
 if __name__ == "__main__":
