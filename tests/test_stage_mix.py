@@ -77,6 +77,60 @@ def test_without_a_costly_stage_plans_split_every_stage_as_before():
         assert _backwards(p.schedule) == {0: {"B", "W"}, 1: {"B", "W"}}
 
 
+def test_the_fault_free_decoupled_schedule_fuses_a_stage_where_the_split_does_not_pay():
+    """``schedule: decoupled`` under a profile: the healthy run's schedule fuses the last stage
+    (it is the bottleneck and pays 30% for the split) and keeps stage 0 split; the replay finds it
+    faster than the fully split one. Under unit costs, or when the split pays, nothing changes."""
+    from ds_resilience.ir.timeline import iteration_time
+    from ds_resilience.planning.generators import _decoupled, decoupled, generate
+
+    mixed = decoupled(2, 2, 6, COSTLY_LAST)
+    split = _decoupled(2, 2, 6, COSTLY_LAST, (), ())
+    validate(mixed, replayed=True)
+    assert _backwards(mixed) == {0: {"B", "W"}, 1: {"BW"}} and _backwards(split) == {0: {"B", "W"}, 1: {"B", "W"}}
+    assert iteration_time(mixed, COSTLY_LAST, "decoupled") < iteration_time(split, COSTLY_LAST, "decoupled") - 1e-9
+    assert generate("decoupled", 2, 2, 6, COSTLY_LAST) == mixed
+    for cost in (CostModel.unit(), CostModel(t_b=(1.0, 1.0), t_w=(1.0, 1.0), t_fused=(2.5, 2.0))):
+        assert _backwards(decoupled(2, 2, 6, cost)) == {0: {"B", "W"}, 1: {"B", "W"}}
+    # costly but hidden: stage 0 is the bottleneck (3x its forward), stage 1's split hides in its bubbles
+    hidden = CostModel(t_f=(3.0, 1.0), t_b=(3.0, 1.0), t_w=(3.0, 0.2), t_fused=(6.0, 1.1))
+    assert costly_stages(hidden, 2) == (1,)
+    kept = decoupled(2, 2, 6, hidden)
+    assert iteration_time(kept, hidden, "decoupled") <= iteration_time(_decoupled(2, 2, 6, hidden, (1,), ()),
+                                                                       hidden, "decoupled") + 1e-9
+
+
+@pytest.mark.parametrize("schedule_name, failed, switched", [("decoupled", (), True), ("1f1b", (), False),
+                                                            ("decoupled", (Worker(pipeline=1, stage=1),), False)])
+def test_after_the_profile_a_healthy_run_switches_to_the_profiled_fault_free_schedule(schedule_name, failed, switched):
+    """The engine's re-plan (``_replan``, after the self-profile) re-lists a healthy run's schedule
+    with the profiled costs: ``schedule: decoupled`` starts fully split (unit costs) and runs the
+    mixed schedule from the next iteration, and says so. 1F1B does not change, and a run that is
+    re-routing around a failure keeps its plan (the profile is only taken when healthy)."""
+    from types import SimpleNamespace
+
+    from ds_resilience.integrations.ds_engine import ResilientPipelineEngine
+    from ds_resilience.planning.generators import generate
+    from ds_resilience.planning.provider import ScheduleProvider
+    from ds_resilience.runtime.recovery import Generation
+
+    topology = Topology(dp=2, pp=2)
+    start = generate(schedule_name, 2, 2, 6, CostModel.unit())
+    engine = SimpleNamespace(generation=Generation(
+        epoch=0, topology=topology.without(failed), schedule=start, source="planner" if failed else "fault-free",
+        lookup_s=0.0, figures=None, groups=None))
+    engine.provider = ScheduleProvider.build(topology, 6, COSTLY_LAST, schedule=schedule_name, variant="recycle",
+                                             solver="heuristic", time_limit_s=1.0, memory_cap=None, max_failures=0,
+                                             all_coverable=False, cache_dir=None, workers=1)
+    said = ResilientPipelineEngine._healthy_schedule_from_profile(engine)
+    if switched:
+        assert _backwards(engine.generation.schedule) == {0: {"B", "W"}, 1: {"BW"}}
+        assert said == "; the healthy decoupled schedule re-listed with them (fused backward on stage(s) 1)"
+        assert engine.generation.epoch == 0 and engine.generation.source == "fault-free"
+    else:
+        assert said == "" and engine.generation.schedule is start
+
+
 def test_fuse_turns_bs_into_bws_and_drops_ws_on_the_chosen_stages_only():
     p = plan(2, 2, 4, [], cost=CostModel.unit(), variant="decoupled")
     fused = fuse(p.schedule, (0,))
@@ -117,3 +171,44 @@ def test_a_mixed_plan_runs_live_in_the_users_configuration(tmp_path):
     assert_masters_equal(dumps, reference, dead=[3])
     line = next(x for x in logs(tmp_path, "mixed").splitlines() if "plan for failed 1:1" in x)
     assert "variant recycle" in line and "fused backward on stage(s) 1" in line, line
+
+
+@pytest.mark.timeout(600)
+def test_a_self_profiled_decoupled_run_re_lists_its_healthy_schedule_and_stays_exact(tmp_path):
+    """``schedule: decoupled`` with no cost model, in the user's configuration: the job profiles
+    itself (steps 0-2), re-plans, re-lists its healthy schedule with what it measured (on this CPU
+    the last stage's split costs more than its fused backward: it runs fused from step 3), then
+    loses rank 3 mid-backward at step 6; the survivors end with the masters of a run that never
+    failed (a fused-1F1B one), whichever backward each stage ran at each step."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_live import TRAINING_DATA, USER_CONFIG, assert_masters_equal, logs, run_job
+
+    steps = 10
+    extra = [*TRAINING_DATA, "--activation-checkpoint-interval", "1"]
+    code, _, reference = run_job(tmp_path, name="ref", deepspeed=USER_CONFIG, extra=extra, steps=steps)
+    assert code == 0, logs(tmp_path, "ref")
+    fault = {"rank": 3, "step": 6, "point": "mid_backward", "kind": "sigkill"}
+    out = tmp_path / "profile.json"
+    code, _, dumps = run_job(tmp_path, name="job", faults=[fault], deepspeed=USER_CONFIG, extra=extra, steps=steps,
+                             resilience={"schedule": "decoupled", "variant": None, "profile_steps": 1,
+                                         "profile_out": str(out), "planner": {"solver": "heuristic"}})
+    text = logs(tmp_path, "job")
+    assert code == 0, text
+    assert_masters_equal(dumps, reference, dead=[3], steps=steps)
+    # what the measured model says the healthy run should fuse (the engine prices clipping's step check in)
+    from dataclasses import replace
+
+    from ds_resilience.planning.generators import generate
+
+    cost = replace(CostModel.load(out), step_check="speculative")
+    expected = _backwards(generate("decoupled", 2, 2, 4, cost))
+    fused = sorted(s for s, kinds in expected.items() if kinds == {"BW"})
+    replan = next(x for x in (tmp_path / "job-logs" / "rank0.0.log").read_text().splitlines()
+                  if "plans rebuilt with the profiled costs" in x)
+    if fused:  # on this CPU, the last stage (head and loss): its B + W costs more than its fused backward
+        assert replan.endswith(f"re-listed with them (fused backward on stage(s) {', '.join(map(str, fused))})"), replan
+    else:
+        assert "fused backward" not in replan, replan

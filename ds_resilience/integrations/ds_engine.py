@@ -378,9 +378,26 @@ class ResilientPipelineEngine(PipelineEngine):
         self.provider = provider
         if self.recovery is not None:
             self.recovery.provider = self.provider
+        healthy = self._healthy_schedule_from_profile()
         if is_reporter(self):
             print(f"[ds_resilience] plans rebuilt with the profiled costs ({cost.name}) in "
-                  f"{time.perf_counter() - started:.2f}s", flush=True)
+                  f"{time.perf_counter() - started:.2f}s{healthy}", flush=True)
+
+    def _healthy_schedule_from_profile(self) -> str:
+        """A fault-free run switches to the fault-free schedule of the profiled costs (every rank
+        at this same iteration boundary, from the same agreed model): ``schedule: decoupled`` runs
+        fused on the stages where the profile finds the split dearer and the replay slower
+        (``planning/generators.decoupled``). Returns what changed, for the log ("" if nothing)."""
+        generation = self.generation
+        if generation.source != "fault-free" or generation.topology.failed:
+            return ""
+        choice = self.provider.schedule_for(frozenset())
+        if choice.schedule == generation.schedule:
+            return ""
+        self.generation = replace(generation, schedule=choice.schedule, lookup_s=choice.seconds)
+        fused = sorted({a.stage for actions in choice.schedule.workers for a in actions if a.kind is ActionKind.BW})
+        how = f"fused backward on stage(s) {', '.join(map(str, fused))}" if fused else "every stage split"
+        return f"; the healthy {choice.schedule.name} schedule re-listed with them ({how})"
 
     def _plan_scope(self) -> str:
         return f"attempt{self.launch.restart}" + (f"-grid{self.regrids}" if self.regrids else "")

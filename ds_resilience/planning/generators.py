@@ -14,9 +14,11 @@ from functools import lru_cache
 from ..costs import CostModel
 from ..errors import PlanningError
 from ..ir import Action, ActionKind, Schedule, TiedGroups, validate
+from ..ir.timeline import iteration_time
 from ..vocab import SCHEDULES
 from .list_scheduler import list_schedule
 from .lowering import lower
+from .stage_mix import as_split, costly_stages, fuse
 
 __all__ = ["one_f_one_b", "decoupled", "one_f_one_b_order", "activation_caps", "SCHEDULES", "generate"]
 
@@ -87,10 +89,28 @@ def decoupled(
     time, mostly the cool-down bubble. In-flight activations (F done, B not yet) never exceed
     1F1B's on any stage (``pp - s``); pending W at stage ``s`` are capped at ``s + 1``, so a worker
     holds at most ``pp + 1`` micro-batches of state of either kind, as in ZB-H1.
+
+    Under a cost model (a profile) whose split backward is dearer than the fused one on some
+    stages (:func:`.stage_mix.costly_stages`), the *mixed* schedule that runs those stages fused
+    is built too, and returned when the replay under ``cost`` finds it faster: a stage where
+    the split does not pay stops paying for it on every micro-batch of a healthy run.
     """
     _check_grid(dp, pp, microbatches)
     cost = cost or CostModel.unit()
     cost.check_stages(pp)
+    split = _decoupled(dp, pp, microbatches, cost, (), tied)
+    costly = costly_stages(cost, pp)
+    if not costly:
+        return split
+    mixed = _decoupled(dp, pp, microbatches, cost, costly, tied)
+    faster = iteration_time(mixed, cost, "decoupled") < iteration_time(split, cost, "decoupled") * (1 - 1e-9)
+    return mixed if faster else split
+
+
+def _decoupled(dp: int, pp: int, microbatches: int, cost: CostModel, fused: tuple[int, ...],
+               tied: TiedGroups) -> Schedule:
+    """:func:`decoupled`'s list schedule with the stages ``fused`` run fused (listed as split
+    stages whose W lasts nothing, right after their B: :func:`.stage_mix.as_split`)."""
     caps = activation_caps(pp, microbatches)
     assignment = {
         (p, s, m): s * dp + p for p in range(dp) for s in range(pp) for m in range(microbatches)
@@ -99,13 +119,14 @@ def decoupled(
         dp=dp,
         pp=pp,
         microbatches=microbatches,
-        cost=cost,
+        cost=as_split(cost, fused, pp),
         assignment=assignment,
         split_backward=True,
         act_caps=[caps[w // dp] for w in range(dp * pp)],
-        w_caps=[min(w // dp + 1, microbatches) for w in range(dp * pp)],
+        w_caps=[1 if w // dp in fused else min(w // dp + 1, microbatches) for w in range(dp * pp)],
     )
-    return validate(lower(result.orders, dp=dp, pp=pp, microbatches=microbatches, name="decoupled", tied=tied))
+    schedule = lower(result.orders, dp=dp, pp=pp, microbatches=microbatches, name="decoupled", tied=tied)
+    return validate(fuse(schedule, fused))
 
 
 def generate(
