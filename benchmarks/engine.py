@@ -6,7 +6,10 @@
 same processes, interleaved over several rounds so drift hits them alike:
 
 * fault-free: vanilla DeepSpeed ``PipelineEngine`` (1F1B), this engine with 1F1B, this engine with
-  the decoupled schedule; throughput ratio against vanilla;
+  the decoupled schedule (under unit costs: split on every stage), and the decoupled schedule as a
+  user without a cost model gets it (``decoupled-profiled``: the engine profiles itself in the
+  warm-up steps and re-lists the schedule with what it measured, fusing the backward on the stages
+  where the split does not pay); throughput ratio against vanilla;
 * one simulated failure (worker 1:1 idle): this engine with the planner's schedule for each
   variant; measured iteration time against the simulator's prediction for the schedule the engine
   ran, under a cost model calibrated from that run's own action timings, and against vanilla's
@@ -84,6 +87,8 @@ def _program(rank: int, world: int, opts: dict) -> dict:
                                                 "clipping": sc.get("clipping", "speculative"),
                                                 # the rows compare schedules; the profile is its own row
                                                 "cost_model": "unit"})
+                if sc.get("profile"):  # no cost model: the engine profiles itself, then re-plans
+                    config["resilience"].update(cost_model=None, profile_steps=sc["profile"])
                 if sc.get("clip"):
                     config["gradient_clipping"] = sc["clip"]
                 if sc.get("precision") == "bf16":
@@ -98,7 +103,7 @@ def _program(rank: int, world: int, opts: dict) -> dict:
 
                 def step():
                     engine.train_batch()
-            for _ in range(warmup):
+            for _ in range(max(warmup, 2 * sc.get("profile", 0) + 1)):  # the timed steps run after the profile
                 step()
             resilient = sc["engine"] != "vanilla" and getattr(engine, "alive", False)
             durations: dict = {}
@@ -225,12 +230,13 @@ def main() -> None:
         {"name": "vanilla", "engine": "vanilla"},
         {"name": "1f1b", "engine": "resilient", "schedule": "1f1b"},
         {"name": "decoupled", "engine": "resilient", "schedule": "decoupled"},
+        {"name": "decoupled-profiled", "engine": "resilient", "schedule": "decoupled", "profile": 1},
         {"name": "fail-adaptive", "engine": "resilient", "variant": "adaptive", "failed": ["1:1"]},
         {"name": "fail-decoupled", "engine": "resilient", "variant": "decoupled", "failed": ["1:1"]},
         {"name": "fail-recycle", "engine": "resilient", "variant": "recycle", "failed": ["1:1"]},
     ]
     if args.world == 2:
-        scenarios = scenarios[:3]
+        scenarios = [sc for sc in scenarios if not sc.get("failed")]
     if args.config_rows:  # the DeepSpeed user's own configuration: clipping (DeepSpeed's default 1.0), bf16
         scenarios += [
             # the staggered optimizer (a failure re-routed by the recycle plan): the barrier every
@@ -297,6 +303,10 @@ def main() -> None:
                 row["profiled_predicted_s"] = q
                 row["profiled_measured_over_predicted"] = t / q
                 pred += f" {q:23.4f} {t / q:25.2f}"
+        if sc.get("profile"):  # the stages the re-listed schedule runs fused
+            row["fused_stages"] = sorted({a.stage for actions in schedule.workers for a in actions
+                                          if a.kind.value == "BW"})
+            pred += f"   fused backward on stage(s) {row['fused_stages']}"
         if counts:
             row["validation"] = counts
             pred += f"   steps speculated/rolled back/waited {counts['speculated']}/{counts['rolled back']}/{counts['waited']}"
