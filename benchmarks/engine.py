@@ -270,6 +270,7 @@ def main() -> None:
 
     from ds_resilience.ir import Schedule
     from ds_resilience.ir import simulate
+    from ds_resilience.planning.stage_mix import fused_in
 
     vanilla = it_time("vanilla")
     report = {"vanilla_s": vanilla}
@@ -304,8 +305,7 @@ def main() -> None:
                 row["profiled_measured_over_predicted"] = t / q
                 pred += f" {q:23.4f} {t / q:25.2f}"
         if sc.get("profile"):  # the stages the re-listed schedule runs fused
-            row["fused_stages"] = sorted({a.stage for actions in schedule.workers for a in actions
-                                          if a.kind.value == "BW"})
+            row["fused_stages"] = fused_in(schedule)
             pred += f"   fused backward on stage(s) {row['fused_stages']}"
         if counts:
             row["validation"] = counts

@@ -44,6 +44,7 @@ from ..runtime.plan_agreement import (PublisherLost, adopt_published, announce, 
 from ..runtime.progress import Progress
 from ..launch import LaunchEnv
 from ..planning.provider import ScheduleChoice, ScheduleProvider
+from ..planning.stage_mix import fused_in
 from ..runtime.coordinator import Coordinator
 from ..runtime.executor import BatchSource, Executor, StageSpec, rng_seed
 from ..runtime.membership import failed_after, latest_epoch
@@ -395,7 +396,7 @@ class ResilientPipelineEngine(PipelineEngine):
         if choice.schedule == generation.schedule:
             return ""
         self.generation = replace(generation, schedule=choice.schedule, lookup_s=choice.seconds)
-        fused = sorted({a.stage for actions in choice.schedule.workers for a in actions if a.kind is ActionKind.BW})
+        fused = fused_in(choice.schedule)
         how = f"fused backward on stage(s) {', '.join(map(str, fused))}" if fused else "every stage split"
         return f"; the healthy {choice.schedule.name} schedule re-listed with them ({how})"
 

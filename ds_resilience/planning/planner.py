@@ -39,7 +39,7 @@ from typing import Iterable
 
 from ..costs import CostModel
 from ..errors import MemoryCapError, PlanningError, ScheduleError
-from ..ir import ActionKind, Schedule, TiedGroups, check_tied, validate
+from ..ir import Schedule, TiedGroups, check_tied, validate
 from ..ir.timeline import STEADY_ITERATIONS, iteration_time, memory_peaks
 from ..topology import Topology, Worker
 from ..vocab import SOLVERS, VARIANT_CHOICES, VARIANTS
@@ -50,7 +50,7 @@ from .lowering import lower
 from .memory import fault_free_peak, resolve_cap, worker_peaks
 from .plan import Plan, SolverReport
 from .reroute import reroute_assignment
-from .stage_mix import as_split, fusable_stages, fuse
+from .stage_mix import as_split, fusable_stages, fuse, fused_in
 
 __all__ = [
     "VARIANTS",
@@ -288,8 +288,7 @@ def _plan(dp: int, pp: int, microbatches: int, failed: Iterable[Worker], *, cost
     # fault-free figure is never above the plan itself: degradation_vs_best is never negative
     best = min(_best_fault_free_time(dp, pp, microbatches, cost, variant, tied, cap), value)
     # a split variant's plan that runs some stages fused (stage_mix) says which
-    fused = sorted({a.stage for actions in schedule.workers for a in actions if a.kind is ActionKind.BW}) \
-        if variant != "adaptive" else []
+    fused = fused_in(schedule) if variant != "adaptive" else []
     return Plan(
         dp=dp,
         pp=pp,

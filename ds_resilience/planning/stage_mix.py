@@ -23,7 +23,7 @@ from ..costs import CostModel
 from ..ir import Schedule
 from ..ir.action import ActionKind, trusted_action
 
-__all__ = ["as_split", "costly_stages", "fusable_stages", "fuse"]
+__all__ = ["as_split", "costly_stages", "fusable_stages", "fuse", "fused_in"]
 
 _SLACK = 1e-9  # relative: a stage whose B + W is within this of its fused time is split as before
 
@@ -83,3 +83,9 @@ def fuse(schedule: Schedule, stages: tuple[int, ...]) -> Schedule:
                 out.append(a)
         workers.append(tuple(out))
     return replace(schedule, workers=tuple(workers))
+
+
+def fused_in(schedule: Schedule) -> list[int]:
+    """The stages whose backward ``schedule`` runs fused (a BW action), ascending: for a split
+    variant's schedule, the stages :func:`fuse` fused."""
+    return sorted({a.stage for actions in schedule.workers for a in actions if a.kind is ActionKind.BW})

@@ -362,9 +362,9 @@ class LiveRecovery:
         """A re-joining worker: wait for the agent's re-join epoch, join its groups, take a peer's state.
 
         Until a donor has sent the state, the waits give up with :class:`TrainingOver` when the
-        agent says training ended: the survivors ran their last step without this worker."""
+        agent says training ended: the survivors ran their last step without this worker (the
+        coordinator of a relaunched worker starts ``joining``)."""
         deadline = time.monotonic() + max(self.timeout_s, 60.0)
-        self.coordinator.joining = True
         while True:
             record = self.coordinator.pending()
             if record is not None and self.rank in record.joining:
