@@ -91,7 +91,9 @@ def test_profile_iterations_are_training_and_write_a_model_the_planner_uses(tmp_
     assert "chosen among adaptive" in line and f"{cost.name} costs" in line
     chosen = line.split("variant ")[1].split(",")[0]
     times = {part.split()[0]: float(part.split()[1]) for part in line.split("chosen among ")[1].split(", ")}
-    assert chosen == min(times, key=times.get)
+    # the line prints 4 significant digits: two variants can print the same figure (a split variant
+    # whose plan fuses every stage is adaptive's schedule), so the chosen one prints the smallest
+    assert times[chosen] == min(times.values()), line
 
 
 @pytest.mark.timeout(300)

@@ -18,7 +18,7 @@ from ..ir.timeline import iteration_time
 from ..vocab import SCHEDULES
 from .list_scheduler import list_schedule
 from .lowering import lower
-from .stage_mix import as_split, costly_stages, fuse
+from .stage_mix import as_split, costly_stages, fuse, prefer_mixed
 
 __all__ = ["one_f_one_b", "decoupled", "one_f_one_b_order", "activation_caps", "SCHEDULES", "generate"]
 
@@ -81,7 +81,8 @@ def _one_f_one_b(dp: int, pp: int, microbatches: int, tied: TiedGroups) -> Sched
 
 
 def decoupled(
-    dp: int, pp: int, microbatches: int, cost: CostModel | None = None, *, tied: TiedGroups = ()
+    dp: int, pp: int, microbatches: int, cost: CostModel | None = None, *, tied: TiedGroups = (),
+    mixed: bool = True,
 ) -> Schedule:
     """Decoupled backward in the style of ZB-H1.
 
@@ -92,19 +93,21 @@ def decoupled(
 
     Under a cost model (a profile) whose split backward is dearer than the fused one on some
     stages (:func:`.stage_mix.costly_stages`), the *mixed* schedule that runs those stages fused
-    is built too, and returned when the replay under ``cost`` finds it faster: a stage where
+    is built too, and returned unless the replay under ``cost`` finds the fully split one faster
+    by more than :data:`.stage_mix.SPLIT_MARGIN` (:func:`.stage_mix.prefer_mixed`): a stage where
     the split does not pay stops paying for it on every micro-batch of a healthy run.
+    ``mixed=False``: the fully split schedule whatever the costs.
     """
     _check_grid(dp, pp, microbatches)
     cost = cost or CostModel.unit()
     cost.check_stages(pp)
     split = _decoupled(dp, pp, microbatches, cost, (), tied)
-    costly = costly_stages(cost, pp)
+    costly = costly_stages(cost, pp) if mixed else ()
     if not costly:
         return split
     mixed = _decoupled(dp, pp, microbatches, cost, costly, tied)
-    faster = iteration_time(mixed, cost, "decoupled") < iteration_time(split, cost, "decoupled") * (1 - 1e-9)
-    return mixed if faster else split
+    keep_mixed = prefer_mixed(iteration_time(mixed, cost, "decoupled"), iteration_time(split, cost, "decoupled"))
+    return mixed if keep_mixed else split
 
 
 def _decoupled(dp: int, pp: int, microbatches: int, cost: CostModel, fused: tuple[int, ...],

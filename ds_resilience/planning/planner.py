@@ -50,7 +50,7 @@ from .lowering import lower
 from .memory import fault_free_peak, resolve_cap, worker_peaks
 from .plan import Plan, SolverReport
 from .reroute import reroute_assignment
-from .stage_mix import as_split, fusable_stages, fuse, fused_in
+from .stage_mix import as_split, fusable_stages, fuse, fused_in, prefer_mixed
 
 __all__ = [
     "VARIANTS",
@@ -108,18 +108,24 @@ def _best_fault_free_time(
 ) -> float:
     """The best fault-free schedule under ``variant``'s rules and ``memory_cap``: the fault-free
     decoupled generator's (staggered optimizer for ``recycle``) if it fits the cap, the heuristic's
-    own schedule for the empty failure set, and 1F1B if it fits. The same rules as the plans it is
-    compared with (steady state for ``recycle``), so a degradation against it is a real one."""
+    own schedules for the empty failure set, and 1F1B if it fits. The same rules as the plans it is
+    compared with (steady state for ``recycle``), so a degradation against it is a real one.
+    Both the fully split and the mixed schedules count, whichever :func:`.stage_mix.prefer_mixed`
+    would run: the best is the fastest replay, never one the margin chose for robustness."""
     times = []
-    generated = decoupled(dp, pp, microbatches, cost, tied=tied)
-    if variant == "recycle":
-        generated = replace(generated, optimizer="staggered")
-    if max(worker_peaks(generated, cost)) <= memory_cap + 1e-9:
-        times.append(iteration_time(generated, cost, variant))
+    generated = [decoupled(dp, pp, microbatches, cost, tied=tied, mixed=mixed) for mixed in (True, False)]
+    for schedule in generated:
+        if variant == "recycle":
+            schedule = replace(schedule, optimizer="staggered")
+        if max(worker_peaks(schedule, cost)) <= memory_cap + 1e-9:
+            times.append(iteration_time(schedule, cost, variant))
     if fault_free_peak(dp, pp, microbatches, cost, tied) <= memory_cap + 1e-9:
         times.append(one_f_one_b_time(dp, pp, microbatches, cost, tied=tied))
-    _, heuristic = _heuristic(Topology(dp=dp, pp=pp), microbatches, cost, variant, memory_cap, tied)
-    times.append(heuristic)
+    healthy = Topology(dp=dp, pp=pp)
+    times.append(_list_candidates(healthy, microbatches, cost, variant, memory_cap, tied, ())[1])
+    costly = fusable_stages(cost, pp, variant)
+    if costly:  # the heuristic's two candidates, both counted
+        times.append(_list_candidates(healthy, microbatches, cost, variant, memory_cap, tied, costly)[1])
     return min(times)
 
 
@@ -129,12 +135,14 @@ def _heuristic(
     """Best list schedule over a few splits of the memory cap between activations and pending W
     (as fractions of the pending W's that fit: all, three quarters, half, and at most ``pp``), and,
     for the split variants where the cost model makes B + W dearer than the fused backward on some
-    stages, the same with those stages fused (:mod:`.stage_mix`); each timed under ``cost``."""
+    stages, the same with those stages fused (:mod:`.stage_mix`); each timed under ``cost``. The
+    fully split one is kept over the mixed one only when it is faster by more than
+    :data:`.stage_mix.SPLIT_MARGIN` (:func:`.stage_mix.prefer_mixed`)."""
     best = _list_candidates(topology, microbatches, cost, variant, memory_cap, tied, ())
     costly = fusable_stages(cost, topology.pp, variant)
     if costly:
         mixed = _list_candidates(topology, microbatches, cost, variant, memory_cap, tied, costly)
-        if mixed[1] < best[1] - 1e-9:
+        if prefer_mixed(mixed[1], best[1]):
             best = mixed
     return best
 

@@ -4,7 +4,8 @@ A profile can find B + W dearer than the fused backward on one stage (on a CPU, 
 head and loss: 1.28x in ``benchmarks/engine.py --world 2``) and not on another (stage 0: 0.98x).
 The split variants (``decoupled``, ``recycle``) split every stage, so such a stage pays the
 difference on every micro-batch. A *mixed* schedule runs fused BW on those stages and B/W on the
-others; the planner tries it next to the fully split one and keeps the faster by the replay.
+others; the planner tries it next to the fully split one and keeps the split one only where the
+replay finds it faster by more than :data:`SPLIT_MARGIN` (:func:`prefer_mixed`).
 
 One observation does all the work: a fused BW on stage ``s`` is a B lasting ``t_bw`` followed at
 once by a W lasting nothing and holding nothing. So a mixed schedule under the cost model ``cost``
@@ -23,9 +24,23 @@ from ..costs import CostModel
 from ..ir import Schedule
 from ..ir.action import ActionKind, trusted_action
 
-__all__ = ["as_split", "costly_stages", "fusable_stages", "fuse", "fused_in"]
+__all__ = ["SPLIT_MARGIN", "as_split", "costly_stages", "fusable_stages", "fuse", "fused_in", "prefer_mixed"]
 
 _SLACK = 1e-9  # relative: a stage whose B + W is within this of its fused time is split as before
+
+#: How much faster (relative) the replay must find the fully split schedule than the mixed one for
+#: the split to be kept on the costly stages. A smaller predicted gain is inside a profile's own
+#: noise: the same job, profiled three times in a row on dedicated cores (BENCHMARKS.md, "The
+#: healthy decoupled schedule after the self-profile"), measured its last stage's B + W at
+#: 1.06-1.75x its fused backward, and a split predicted 1-3% faster ran 3-13% slower. The
+#: mixed schedule also holds no pending W on its fused stages, so in a tie it is the one to run.
+SPLIT_MARGIN = 0.05
+
+
+def prefer_mixed(mixed_time: float, split_time: float) -> bool:
+    """Whether to run the mixed schedule (``mixed_time``, replayed) rather than the fully split one
+    (``split_time``): unless the split one is predicted faster by more than :data:`SPLIT_MARGIN`."""
+    return mixed_time <= split_time * (1 + SPLIT_MARGIN) + 1e-12
 
 
 def costly_stages(cost: CostModel, pp: int) -> tuple[int, ...]:
