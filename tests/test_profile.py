@@ -54,8 +54,8 @@ def test_incomplete_profiles_are_named():
 
 @pytest.mark.timeout(600)
 def test_profile_iterations_are_training_and_write_a_model_the_planner_uses(tmp_path, monkeypatch):
-    """Under the agent, DSR_PROFILE_OUT makes the first 2 x 2 + 1 iterations the profile (fused,
-    then decoupled); training goes on, and every rank ends where a run without the profile ends."""
+    """Under the agent, DSR_PROFILE_OUT makes the first 2 x 2 + 1 iterations the profile (fused and
+    decoupled in turn); training goes on, and every rank ends where a run without the profile ends."""
     code, _, reference = run_job(tmp_path, name="ref")
     assert code == 0, logs(tmp_path, "ref")
     out = tmp_path / "profile.json"
@@ -164,3 +164,43 @@ def test_self_profile_default_and_opt_outs():
     assert ResilienceConfig(cost_model="unit").self_profile_steps({}) == 0
     assert ResilienceConfig(cost_model="unit").cost() == CostModel.unit()
     assert ResilienceConfig(cost_model=str(REPO / "configs" / "costs_gpt_example.json")).self_profile_steps({}) == 0
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3])
+def test_the_profile_alternates_fused_and_decoupled_iterations(steps, monkeypatch):
+    """Fused and decoupled iterations take turns after the memory iteration, so a drift over the
+    job's first iterations does not fall on the fused backward alone and skew (B + W) / fused,
+    which decides the stages the split runs on. Each iteration's timings go to its own kind."""
+    from types import SimpleNamespace
+
+    from ds_resilience.integrations import ds_profile
+    from ds_resilience.integrations.ds_profile import Profiler
+    from ds_resilience.ir import ActionKind
+    from ds_resilience.runtime.recovery import Generation
+    from ds_resilience.topology import Topology
+
+    topology = Topology(dp=2, pp=2)
+    executor = SimpleNamespace(handlers={ActionKind.F: lambda action: None}, parameters=[], is_last=False,
+                               count_w_bytes=False, stats=None)
+    monkeypatch.setattr(ds_profile.dist, "get_rank", lambda: 0)  # no process group: one rank's driver alone
+    engine = SimpleNamespace(topology=topology, tied_groups=(), micro_batches=4, executor=executor, stage_id=0,
+                             generation=Generation(epoch=0, topology=topology, schedule=None, source="fault-free",
+                                                   lookup_s=0.0, figures=None, groups=None))
+    profiler = Profiler(engine, out=None, steps=steps)
+    finished = []
+    profiler._finish = lambda: finished.append(profiler.iteration)
+    kinds = []
+    for _ in range(2 * steps + 1):
+        profiler.before()
+        kinds_run = {a.kind for w in engine.generation.schedule.workers for a in w}
+        backwards = kinds_run & {ActionKind.B, ActionKind.W, ActionKind.BW}
+        kinds.append("fused" if backwards == {ActionKind.BW} else "split")
+        assert backwards in ({ActionKind.BW}, {ActionKind.B, ActionKind.W})
+        measured = "BW" if kinds[-1] == "fused" else "W"
+        executor.stats = SimpleNamespace(durations={measured: [float(len(kinds))]}, peak_pending_w=0)
+        profiler.after()
+    assert kinds[1:] == ["fused", "split"] * steps  # kinds[0]: the memory iteration (fused 1F1B)
+    assert finished == [2 * steps + 1]
+    durations = profiler.row["durations"]
+    assert durations["BW"] == [float(i + 1) for i in range(1, 2 * steps + 1, 2)]
+    assert durations["W"] == [float(i + 1) for i in range(2, 2 * steps + 1, 2)]

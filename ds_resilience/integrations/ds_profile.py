@@ -10,6 +10,9 @@ the user's model, data, precision and ranks:
    the checkpoint keeps) and the bytes its output sends to the next stage;
 2. ``steps`` fused 1F1B iterations: the fused backward (B+W in one pass), the reduce and the step;
 3. ``steps`` decoupled iterations: F, B and W apart, and the bytes a pending W keeps alive;
+   the two kinds alternate (fused, decoupled, fused, ...), so a drift over the job's first
+   iterations (allocator and cache warm-up, a neighbour's load) falls on both and not on the
+   fused one alone: (B + W) / fused is what decides where the split runs;
 4. a ping-pong between each pair of neighbouring stages of a pipeline: latency (small messages)
    and bandwidth (activation-sized ones).
 
@@ -119,7 +122,7 @@ class Profiler:
             self._abandon("the membership changed during the profile")
             return
         topo, tied = engine.topology, engine.tied_groups
-        fused = self.iteration <= self.steps
+        fused = self.iteration % 2 == 1  # 1, 3, ...: fused; 2, 4, ...: decoupled (module docstring)
         schedule = (one_f_one_b(topo.dp, topo.pp, engine.micro_batches, tied=tied) if fused else
                     decoupled(topo.dp, topo.pp, engine.micro_batches, CostModel.unit(), tied=tied))
         engine.generation = replace(generation, schedule=schedule)
