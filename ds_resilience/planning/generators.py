@@ -20,7 +20,7 @@ from .list_scheduler import list_schedule
 from .lowering import lower
 from .stage_mix import as_split, costly_stages, fuse, prefer_mixed
 
-__all__ = ["one_f_one_b", "decoupled", "one_f_one_b_order", "activation_caps", "SCHEDULES", "generate"]
+__all__ = ["one_f_one_b", "decoupled", "decoupled_candidates", "one_f_one_b_order", "activation_caps", "SCHEDULES", "generate"]
 
 
 def _check_grid(dp: int, pp: int, microbatches: int) -> None:
@@ -98,16 +98,24 @@ def decoupled(
     the split does not pay stops paying for it on every micro-batch of a healthy run.
     ``mixed=False``: the fully split schedule whatever the costs.
     """
-    _check_grid(dp, pp, microbatches)
     cost = cost or CostModel.unit()
+    split, fused = decoupled_candidates(dp, pp, microbatches, cost, tied=tied, mixed=mixed)
+    if fused is None:
+        return split
+    keep_mixed = prefer_mixed(iteration_time(fused, cost, "decoupled"), iteration_time(split, cost, "decoupled"))
+    return fused if keep_mixed else split
+
+
+def decoupled_candidates(
+    dp: int, pp: int, microbatches: int, cost: CostModel, *, tied: TiedGroups = (), mixed: bool = True
+) -> tuple[Schedule, Schedule | None]:
+    """:func:`decoupled`'s two candidates: the fully split schedule, and the mixed one fusing the
+    costly stages (``None`` without a costly stage, or with ``mixed=False``)."""
+    _check_grid(dp, pp, microbatches)
     cost.check_stages(pp)
     split = _decoupled(dp, pp, microbatches, cost, (), tied)
     costly = costly_stages(cost, pp) if mixed else ()
-    if not costly:
-        return split
-    mixed = _decoupled(dp, pp, microbatches, cost, costly, tied)
-    keep_mixed = prefer_mixed(iteration_time(mixed, cost, "decoupled"), iteration_time(split, cost, "decoupled"))
-    return mixed if keep_mixed else split
+    return split, (_decoupled(dp, pp, microbatches, cost, costly, tied) if costly else None)
 
 
 def _decoupled(dp: int, pp: int, microbatches: int, cost: CostModel, fused: tuple[int, ...],

@@ -44,7 +44,7 @@ from ..ir.timeline import STEADY_ITERATIONS, iteration_time, memory_peaks
 from ..topology import Topology, Worker
 from ..vocab import SOLVERS, VARIANT_CHOICES, VARIANTS
 from .bounds import lower_bound
-from .generators import decoupled, one_f_one_b
+from .generators import decoupled_candidates, one_f_one_b
 from .list_scheduler import list_schedule
 from .lowering import lower
 from .memory import fault_free_peak, resolve_cap, worker_peaks
@@ -113,8 +113,9 @@ def _best_fault_free_time(
     Both the fully split and the mixed schedules count, whichever :func:`.stage_mix.prefer_mixed`
     would run: the best is the fastest replay, never one the margin chose for robustness."""
     times = []
-    generated = [decoupled(dp, pp, microbatches, cost, tied=tied, mixed=mixed) for mixed in (True, False)]
-    for schedule in generated:
+    for schedule in decoupled_candidates(dp, pp, microbatches, cost, tied=tied):
+        if schedule is None:
+            continue
         if variant == "recycle":
             schedule = replace(schedule, optimizer="staggered")
         if max(worker_peaks(schedule, cost)) <= memory_cap + 1e-9:
