@@ -111,15 +111,15 @@ def test_the_split_is_kept_only_when_the_replay_finds_it_faster_by_more_than_the
     only slightly faster than the mixed schedule is not worth its pending-W memory: the mixed one
     runs. A clear gain keeps the split, fault-free and in the planner's failure plans alike."""
     from ds_resilience.ir.timeline import iteration_time
-    from ds_resilience.planning.generators import decoupled
+    from ds_resilience.planning.generators import decoupled, decoupled_candidates
     from ds_resilience.planning.stage_mix import SPLIT_MARGIN, prefer_mixed
 
     assert prefer_mixed(1.0, 1.0) and prefer_mixed(1.0 + SPLIT_MARGIN / 2, 1.0)
     assert not prefer_mixed(1.0 + 2 * SPLIT_MARGIN, 1.0)
     for cost, gain, mixed_runs in ((CLOSE_CALL, (0.0, SPLIT_MARGIN), True), (CLEAR_GAIN, (SPLIT_MARGIN, 1.0), False)):
-        split = decoupled(1, 2, 8, cost, mixed=False)
-        mixed = decoupled(1, 2, 8, as_split(cost, (0, 1), 2))  # every stage fused, as a split listing
-        t_split, t_mixed = (iteration_time(s, cost, "decoupled") for s in (split, fuse(mixed, (0, 1))))
+        split, mixed = decoupled_candidates(1, 2, 8, cost)
+        assert _backwards(mixed) == {0: {"BW"}, 1: {"BW"}}  # both stages costly: both fused
+        t_split, t_mixed = (iteration_time(s, cost, "decoupled") for s in (split, mixed))
         assert gain[0] < t_mixed / t_split - 1 < gain[1]  # the replay's predicted gain of the split
         chosen = decoupled(1, 2, 8, cost)
         assert _backwards(chosen) == ({0: {"BW"}, 1: {"BW"}} if mixed_runs else {0: {"B", "W"}, 1: {"B", "W"}})

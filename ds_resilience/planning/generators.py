@@ -81,8 +81,7 @@ def _one_f_one_b(dp: int, pp: int, microbatches: int, tied: TiedGroups) -> Sched
 
 
 def decoupled(
-    dp: int, pp: int, microbatches: int, cost: CostModel | None = None, *, tied: TiedGroups = (),
-    mixed: bool = True,
+    dp: int, pp: int, microbatches: int, cost: CostModel | None = None, *, tied: TiedGroups = ()
 ) -> Schedule:
     """Decoupled backward in the style of ZB-H1.
 
@@ -96,10 +95,9 @@ def decoupled(
     is built too, and returned unless the replay under ``cost`` finds the fully split one faster
     by more than :data:`.stage_mix.SPLIT_MARGIN` (:func:`.stage_mix.prefer_mixed`): a stage where
     the split does not pay stops paying for it on every micro-batch of a healthy run.
-    ``mixed=False``: the fully split schedule whatever the costs.
     """
     cost = cost or CostModel.unit()
-    split, fused = decoupled_candidates(dp, pp, microbatches, cost, tied=tied, mixed=mixed)
+    split, fused = decoupled_candidates(dp, pp, microbatches, cost, tied=tied)
     if fused is None:
         return split
     keep_mixed = prefer_mixed(iteration_time(fused, cost, "decoupled"), iteration_time(split, cost, "decoupled"))
@@ -107,14 +105,14 @@ def decoupled(
 
 
 def decoupled_candidates(
-    dp: int, pp: int, microbatches: int, cost: CostModel, *, tied: TiedGroups = (), mixed: bool = True
+    dp: int, pp: int, microbatches: int, cost: CostModel, *, tied: TiedGroups = ()
 ) -> tuple[Schedule, Schedule | None]:
     """:func:`decoupled`'s two candidates: the fully split schedule, and the mixed one fusing the
-    costly stages (``None`` without a costly stage, or with ``mixed=False``)."""
+    costly stages (``None`` without a costly stage)."""
     _check_grid(dp, pp, microbatches)
     cost.check_stages(pp)
     split = _decoupled(dp, pp, microbatches, cost, (), tied)
-    costly = costly_stages(cost, pp) if mixed else ()
+    costly = costly_stages(cost, pp)
     return split, (_decoupled(dp, pp, microbatches, cost, costly, tied) if costly else None)
 
 

@@ -122,11 +122,8 @@ def _best_fault_free_time(
             times.append(iteration_time(schedule, cost, variant))
     if fault_free_peak(dp, pp, microbatches, cost, tied) <= memory_cap + 1e-9:
         times.append(one_f_one_b_time(dp, pp, microbatches, cost, tied=tied))
-    healthy = Topology(dp=dp, pp=pp)
-    times.append(_list_candidates(healthy, microbatches, cost, variant, memory_cap, tied, ())[1])
-    costly = fusable_stages(cost, pp, variant)
-    if costly:  # the heuristic's two candidates, both counted
-        times.append(_list_candidates(healthy, microbatches, cost, variant, memory_cap, tied, costly)[1])
+    candidates = _heuristic_candidates(Topology(dp=dp, pp=pp), microbatches, cost, variant, memory_cap, tied)
+    times.extend(t for _, t in candidates)
     return min(times)
 
 
@@ -139,13 +136,22 @@ def _heuristic(
     stages, the same with those stages fused (:mod:`.stage_mix`); each timed under ``cost``. The
     fully split one is kept over the mixed one only when it is faster by more than
     :data:`.stage_mix.SPLIT_MARGIN` (:func:`.stage_mix.prefer_mixed`)."""
-    best = _list_candidates(topology, microbatches, cost, variant, memory_cap, tied, ())
+    candidates = _heuristic_candidates(topology, microbatches, cost, variant, memory_cap, tied)
+    if len(candidates) == 2 and prefer_mixed(candidates[1][1], candidates[0][1]):
+        return candidates[1]
+    return candidates[0]
+
+
+def _heuristic_candidates(
+    topology: Topology, microbatches: int, cost: CostModel, variant: str, memory_cap: float, tied: TiedGroups = ()
+) -> list[tuple[Schedule, float]]:
+    """:func:`_heuristic`'s fully split candidate, then, where ``variant`` may fuse costly stages
+    (:func:`.stage_mix.fusable_stages`), the mixed one."""
+    out = [_list_candidates(topology, microbatches, cost, variant, memory_cap, tied, ())]
     costly = fusable_stages(cost, topology.pp, variant)
     if costly:
-        mixed = _list_candidates(topology, microbatches, cost, variant, memory_cap, tied, costly)
-        if prefer_mixed(mixed[1], best[1]):
-            best = mixed
-    return best
+        out.append(_list_candidates(topology, microbatches, cost, variant, memory_cap, tied, costly))
+    return out
 
 
 def _list_candidates(
