@@ -422,6 +422,11 @@ def test_rejoin_relaunches_the_rank_and_publishes_a_rejoin_epoch(tmp_path):
     crash = next(e for e in agent.events if e.kind == "crash")
     assert relaunch.time - crash.time >= 0.3 - 0.05
     assert mb.read_worker(agent.store, 1).incarnation == 1
+    assert [e.kind for e in agent.events if e.rank == 1] == ["crash", "relaunch", "register", "rejoin", "exit"]
+    register, rejoin = (next(e for e in agent.events if e.kind == k) for k in ("register", "rejoin"))
+    assert register.epoch == rejoin.epoch == 3 and rejoin.latency_s >= register.latency_s
+    exit_ = [e for e in agent.events if e.rank == 1][-1]
+    assert "admitted" in rejoin.detail and exit_.detail == "exit code 0"
 
 
 @pytest.mark.timeout(60)
@@ -468,7 +473,10 @@ def test_a_relaunched_worker_registered_but_not_admitted_when_training_ends_exit
                                   extra_env={"DSR_TEST_JOINER_WAITS": "1"})
     assert code == 0, worker_output(tmp_path)
     assert [r.kind for r in agent.epochs] == ["start", "crash", "rejoin"]
-    assert [e.kind for e in agent.events if e.rank == 1] == ["crash", "relaunch", "rejoin", "exit"]
+    # registered (the re-join epoch was published) but never admitted: no rejoin in the event table
+    assert [e.kind for e in agent.events if e.rank == 1] == ["crash", "relaunch", "register", "exit"]
+    assert "never admitted" in [e for e in agent.events if e.rank == 1][-1].detail
+    assert mb.admitted(agent.store, 1) is None
     assert first(logs["rank1.1"], "joining")["joining"]
     over = first(logs["rank1.1"], "training_over")
     done = first(logs["rank0.0"], "done")
@@ -493,7 +501,9 @@ def test_only_a_joining_coordinator_gives_up_its_waits_when_training_is_over(sto
     assert time.monotonic() - started < 3.0
     with pytest.raises(ResilienceError, match="timed out"):
         survivor.wait_key("k/never", timeout_s=0.3)
-    joiner.joining = False  # admitted: a donor's state arrived
+    joiner.rank, joiner.incarnation = 1, 2
+    joiner.admitted()  # a donor's state arrived: the survivors train on with it
+    assert not joiner.joining and mb.admitted(store, 1) == 2
     with pytest.raises(ResilienceError, match="timed out"):
         joiner.wait_key("k/never", timeout_s=0.3)
 

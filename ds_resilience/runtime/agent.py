@@ -63,11 +63,14 @@ class _Interrupted(Exception):
 @dataclass(frozen=True, kw_only=True)
 class AgentEvent:
     """Something the agent saw or did. ``latency_s``: for a crash, from the exit being observable to
-    the epoch's publication; for a hang, the silence since the last heartbeat change; for a rejoin,
-    from the relaunch to the registration."""
+    the epoch's publication; for a hang, the silence since the last heartbeat change; for a
+    register, from the relaunch to the registration (the re-join epoch is published then); for a
+    rejoin, from the relaunch to the survivors admitting the worker (it trains with them from then
+    on). A relaunched worker that registered but was never admitted (training ended first) has a
+    register and an exit, no rejoin."""
 
     time: float  # time.time()
-    kind: str  # start | crash | hang | stop | relaunch | rejoin | exit | killed | giveup | cancel
+    kind: str  # start | crash | hang | stop | relaunch | register | rejoin | exit | killed | giveup | cancel
     rank: int | None = None
     epoch: int | None = None
     latency_s: float | None = None
@@ -96,6 +99,7 @@ class _Child:
     hb_changed: float = 0.0  # monotonic
     failed_at: float = 0.0  # monotonic, when declared failed
     launched_at: float = 0.0
+    admitted: bool = False  # a relaunched worker the survivors admitted (its rejoin event recorded)
 
 
 def _signal_text(code: int) -> str:
@@ -363,7 +367,10 @@ class Agent:
             if code == 0:
                 member = w.state == "running"
                 w.state = "done"
-                self._event("exit", w.rank, detail="exit code 0")
+                late = w.incarnation > 0 and not self._check_admitted(w)
+                self._event("exit", w.rank, detail="exit code 0" + (
+                    "; never admitted: training ended before the survivors took this relaunched worker in"
+                    if late else ""))
                 if member and not stopping:
                     self._training_over(w.rank)
             elif w.state == "joining" or stopping:
@@ -542,10 +549,23 @@ class Agent:
                 w.state = "running"
                 self._failed.discard(w.rank)
                 self._join_attempts.pop(w.rank, None)
-                record = self._publish("rejoin", f"rank {w.rank} re-joined (incarnation {w.incarnation})",
+                record = self._publish("rejoin", f"rank {w.rank} re-joins (incarnation {w.incarnation})",
                                        joining=(w.rank,))
-                self._event("rejoin", w.rank, epoch=record.epoch, latency_s=time.monotonic() - w.launched_at,
-                            detail=f"incarnation {w.incarnation} registered")
+                self._event("register", w.rank, epoch=record.epoch, latency_s=time.monotonic() - w.launched_at,
+                            detail=f"incarnation {w.incarnation} registered; epoch {record.epoch} asks the "
+                                   f"survivors to take it in")
+            elif w.state == "running" and w.incarnation > 0:
+                self._check_admitted(w)
+
+    def _check_admitted(self, w: _Child) -> bool:
+        """Whether the survivors admitted relaunched worker ``w`` (its own word in the store);
+        records its rejoin event the first time it is seen."""
+        if not w.admitted and mb.admitted(self.store, w.rank) == w.incarnation:
+            w.admitted = True
+            epoch = next((r.epoch for r in reversed(self.epochs) if w.rank in r.joining), None)
+            self._event("rejoin", w.rank, epoch=epoch, latency_s=time.monotonic() - w.launched_at,
+                        detail=f"incarnation {w.incarnation} admitted: it trains with the survivors")
+        return w.admitted
 
     # --- helpers --------------------------------------------------------------------------------
     def _publish(self, kind: str, reason: str, joining: tuple[int, ...] = (), restart: bool = False) -> mb.EpochRecord:

@@ -74,6 +74,7 @@ class Coordinator:
         self._switch_seen = 0  # the newest re-join a peer is known to apply (announce_switch)
         self._switch_checked = 0.0
         self.joining = bool(launch.rejoin)  # a relaunched worker not admitted yet: its waits end when training does
+        self.incarnation = launch.incarnation
         self._over_checked = 0.0
         interval = launch.heartbeat_interval_s or heartbeat_interval_s
         self.heartbeat_interval_s = interval
@@ -142,6 +143,12 @@ class Coordinator:
             self._switch_seen = record.epoch
             return True
         return False
+
+    def admitted(self) -> None:
+        """This relaunched worker was admitted by the survivors: its waits no longer end with
+        training, and the agent records the re-join (not just the registration)."""
+        self.joining = False
+        membership.mark_admitted(self.store, self.rank, self.incarnation)
 
     def check_training_over(self) -> None:
         """While this worker is re-joining (:attr:`joining`), raise :class:`TrainingOver` once the

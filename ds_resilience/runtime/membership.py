@@ -41,7 +41,7 @@ __all__ = [
     "MembershipError", "EpochRecord", "WorkerInfo", "EPOCH_KINDS", "EXIT_ORPHANED",
     "hb_key", "hb_stopped_key", "worker_key", "epoch_key", "status_key", "LATEST_KEY",
     "publish_epoch", "read_epoch", "latest_epoch", "wait_epoch",
-    "register_worker", "read_worker", "set_status", "read_status", "read_heartbeat",
+    "register_worker", "read_worker", "admitted_key", "mark_admitted", "admitted", "set_status", "read_status", "read_heartbeat",
     "AgentEnv", "agent_env", "agent_store_from_env", "connect_store", "EpochWatcher", "Heartbeat",
 ]
 
@@ -149,6 +149,23 @@ def training_over(store: dist.Store) -> str | None:
     """Why training is over (the agent's text), or None while it goes on; never blocks."""
     raw = _get(store, TRAINING_OVER_KEY)
     return None if raw is None else raw.decode(errors="replace")
+
+
+def admitted_key(rank: int) -> str:
+    """Set by a relaunched worker once the survivors admitted it (its incarnation, as text)."""
+    return f"dsr/admitted/{rank}"
+
+
+def mark_admitted(store: dist.Store, rank: int, incarnation: int) -> None:
+    """A relaunched worker says the survivors admitted it: it trains with them from now on (the
+    agent's event table tells a re-join from a registration that came too late)."""
+    store.set(admitted_key(rank), str(incarnation))
+
+
+def admitted(store: dist.Store, rank: int) -> int | None:
+    """The incarnation of ``rank`` last admitted by the survivors, or None; never blocks."""
+    raw = _get(store, admitted_key(rank))
+    return None if raw is None else int(raw)
 
 
 def register_worker(store: dist.Store, info: WorkerInfo) -> None:

@@ -384,7 +384,7 @@ class LiveRecovery:
         self.executor.install(generation.groups)
         self.adopt(generation)
         state = recv_state(generation.groups.world, donor, timeout_s=self.timeout_s)
-        self.coordinator.joining = False  # admitted: the survivors train on with this worker
+        self.coordinator.admitted()  # the survivors train on with this worker
         apply(state, self.tier.host, stage=self.me.stage)
         if self.on_membership is not None:
             self.on_membership(record, plan, None, generation, joining=True)

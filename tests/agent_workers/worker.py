@@ -5,7 +5,8 @@ until every first-incarnation worker is up, then runs ``--steps`` "iterations" o
 seconds, calling the fault injector at each point (faults come from ``DSR_FAULTS``). Every event
 goes as one JSON line to ``$DSR_TEST_OUT/rank{r}.{incarnation}.jsonl``.
 
-On a stop epoch it writes ``saved.{r}`` into ``$DSR_TEST_OUT`` (a stand-in checkpoint) and exits 0.
+A relaunched worker marks itself admitted (``membership.mark_admitted``) when it sees its own
+re-join epoch, as the engine does once a donor's state arrived. On a stop epoch it writes ``saved.{r}`` into ``$DSR_TEST_OUT`` (a stand-in checkpoint) and exits 0.
 With ``--until_epoch K`` it keeps stepping past ``--steps`` until it has seen epoch K.
 ``DSR_TEST_DIE_EARLY=r`` makes rank r exit with code 5 before registering;
 ``DSR_TEST_DIE_IF_REJOIN=1`` makes every relaunched worker exit with code 5 at once;
@@ -79,6 +80,8 @@ def main() -> int:
     def on_epoch(record: mb.EpochRecord) -> None:
         seen.append(record.epoch)
         emit("epoch", record=json.loads(record.to_json()))
+        if settings.rejoin and rank in record.joining:  # its own re-join epoch: "admitted" at once
+            mb.mark_admitted(store, rank, settings.incarnation)
         if record.stop:
             stop.set()
 
