@@ -144,6 +144,35 @@ def test_the_split_is_kept_only_when_the_replay_finds_it_faster_by_more_than_the
         assert p.degradation_vs_best >= 0
 
 
+def test_the_solver_applies_the_same_margin_to_its_schedules():
+    """CP-SAT searches each family the heuristic listed (fully split; mixed, as split schedules
+    under as_split, fused back) and the margin picks between their best. Before, it searched fully
+    split schedules only and took any that beat the heuristic's pick, so a split 4.4% faster than
+    the mixed plan the margin had kept displaced it under ``--solver cpsat`` (and its "optimal"
+    ignored the mixed family)."""
+    from ds_resilience.planning.stage_mix import SPLIT_MARGIN, fused_in
+
+    failed = [Worker(pipeline=0, stage=1)]
+    topology = Topology(dp=2, pp=2).without(failed)
+    heuristic = plan(2, 2, 4, failed, cost=CLOSE_CALL, variant="decoupled", solver="heuristic")
+    (split, t_split), (mixed, t_mixed) = planner._heuristic_candidates(topology, 4, CLOSE_CALL, "decoupled",
+                                                                       heuristic.memory_cap, ())
+    assert 0 < t_mixed / t_split - 1 < SPLIT_MARGIN and fused_in(heuristic.schedule) == [0, 1]
+    solved = plan(2, 2, 4, failed, cost=CLOSE_CALL, variant="decoupled", solver="cpsat", time_limit_s=5)
+    assert fused_in(solved.schedule) == [0, 1] and solved.iteration_time <= t_mixed + 1e-9
+    assert solved.solver.status == "feasible"  # the faster split family is not the one that runs
+    assert solved.degradation_vs_best >= 0 and max(solved.peak_memory) <= solved.memory_cap + 1e-9
+    # where the solver's split is faster by more than the margin, the split runs, improved
+    failed = [Worker(pipeline=0, stage=1)]
+    topology = Topology(dp=2, pp=3).without(failed)
+    heuristic = plan(2, 3, 6, failed, cost=CLEAR_GAIN, variant="decoupled", solver="heuristic")
+    solved = plan(2, 3, 6, failed, cost=CLEAR_GAIN, variant="decoupled", solver="cpsat", time_limit_s=5)
+    _, t_mixed = planner._heuristic_candidates(topology, 6, CLEAR_GAIN, "decoupled", heuristic.memory_cap, ())[1]
+    assert fused_in(solved.schedule) == [] and solved.iteration_time < heuristic.iteration_time - 1e-9
+    assert t_mixed > solved.iteration_time * (1 + SPLIT_MARGIN)
+    validate(solved.schedule, replayed=True)
+
+
 @pytest.mark.parametrize("schedule_name, failed, switched", [("decoupled", (), True), ("1f1b", (), False),
                                                             ("decoupled", (Worker(pipeline=1, stage=1),), False)])
 def test_after_the_profile_a_healthy_run_switches_to_the_profiled_fault_free_schedule(schedule_name, failed, switched):
