@@ -23,6 +23,10 @@ JSON fields (all optional, defaults in brackets)::
                        saved layer inputs and output gradients W needs)                     [0]
     p2p_latency        per-message latency                            [0]
     p2p_bandwidth      bytes per time unit, null = infinite           [null]
+    split_noise        how far the measured (B + W) / fused ratio moved between the profile's
+                       iterations (relative half-range; the profile writes it): the planner keeps a
+                       fully split schedule over a mixed one only if predicted faster by more than
+                       this (clamped; null = the planner's fixed margin)   [null]
 
 Memory: with ``state_bytes`` (and ``pending_w_bytes``) given, plans count a worker's memory in
 bytes; without them every micro-batch state (an activation held from F to B, or a pending W from B
@@ -156,6 +160,7 @@ class CostModel:
     t_sync: float = 0.0
     check_waits: float = 0.0
     check_rollbacks: float = 0.0
+    split_noise: float | None = None
 
     def __post_init__(self) -> None:
         for name in _PER_STAGE:
@@ -182,6 +187,12 @@ class CostModel:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise CostModelError(f"cost model {self.name!r}: {name} must be a finite number >= 0, got {v!r}")
             object.__setattr__(self, name, float(v))
+        noise = self.split_noise
+        if noise is not None:
+            if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not math.isfinite(noise) or noise < 0:
+                raise CostModelError(f"cost model {self.name!r}: split_noise must be a finite number >= 0 or null, "
+                                     f"got {noise!r}")
+            object.__setattr__(self, "split_noise", float(noise))
         if self.check_waits + self.check_rollbacks > 1.0 + 1e-12:
             raise CostModelError(f"cost model {self.name!r}: check_waits + check_rollbacks are fractions of the "
                                  f"steps and must sum to at most 1, got {self.check_waits} + {self.check_rollbacks}")
@@ -238,6 +249,8 @@ class CostModel:
         if self.step_check != "none":
             for name in ("step_check", "t_sync", "check_waits", "check_rollbacks"):
                 out[name] = getattr(self, name)
+        if self.split_noise is not None:
+            out["split_noise"] = self.split_noise
         return out
 
     def step_mix(self) -> tuple[tuple[str, float], ...]:

@@ -18,6 +18,9 @@ def test_per_stage_values_and_round_trip(tmp_path):
     path.write_text(json.dumps(cm.to_dict()))
     assert CostModel.load(path) == cm
     assert cm.transfer_time(20) == 2.0
+    assert "split_noise" not in cm.to_dict()  # a model without it keeps its form (and plan-cache key)
+    noisy = CostModel(name="x", t_f=(1, 2), split_noise=0.07)
+    assert CostModel.from_dict(json.loads(json.dumps(noisy.to_dict()))) == noisy
 
 
 @pytest.mark.parametrize(
@@ -29,6 +32,8 @@ def test_per_stage_values_and_round_trip(tmp_path):
         ({"p2p_bandwidth": 0}, "p2p_bandwidth must be > 0"),
         ({"t_b": []}, "t_b is empty"),
         ({"t_f": 0}, "t_f must be > 0"),
+        ({"split_noise": -0.1}, "split_noise must be a finite number >= 0 or null"),
+        ({"split_noise": "5%"}, "split_noise must be a finite number >= 0 or null"),
     ],
 )
 def test_bad_values(data, fragment):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from dataclasses import replace
 import sys
 
 import pytest
@@ -45,6 +46,41 @@ def test_rows_become_per_stage_medians():
     assert CostModel.from_dict(json.loads(json.dumps(summary))) == cost
 
 
+def test_the_profiles_noise_sets_the_split_margin_and_changes_the_plan():
+    """The profile keeps each iteration's median fused backward and B + W; how far their ratio
+    moves between iterations is the model's split_noise, and the planner's margin for keeping a
+    fully split schedule over a mixed one. A quiet profile keeps a split predicted 4.7% faster; a
+    noisy one, or a model that says nothing of its noise (5%), runs the mixed schedule."""
+    from ds_resilience.planning.generators import decoupled, decoupled_candidates
+    from ds_resilience.ir.timeline import iteration_time
+    from ds_resilience.planning.stage_mix import MARGIN_RANGE, SPLIT_MARGIN, fused_in, split_margin
+
+    rows = [_row(0, 0, [1], [1], [1], [2]), _row(1, 0, [1], [1], [1], [2]), _row(2, 1, [1], [1], [1], [2])]
+    rows[0].update(fused_iters=[2.0, 2.0], split_iters=[2.0, 2.2])  # ratios 1.0, 1.1
+    rows[1].update(fused_iters=[2.0], split_iters=[2.4])  # 1.2: stage 0 moves +-0.1 around 1.1
+    rows[2].update(fused_iters=[4.0, 4.0], split_iters=[4.0, 4.1])  # stage 1: +-0.0125 around 1.0125
+    cost = cost_from_profile(rows, 2)
+    assert cost.split_noise == pytest.approx(0.1 / 1.1)
+    assert CostModel.from_dict(json.loads(json.dumps(profile_summary(rows, 2, cost)))) == cost
+    assert cost_from_profile([_row(0, 0, [1], [1], [1], [2]), _row(1, 1, [1], [1], [1], [2])], 2).split_noise is None
+    # the margin: the noise, clamped; the fixed one for a model without it
+    base = CostModel(name="close-call", t_f=(1.0,), t_b=(1.0,), t_w=(1.1,), t_fused=(2.0,))
+    assert split_margin(base) == SPLIT_MARGIN
+    assert [split_margin(CostModel(t_f=(1.0,), split_noise=n)) for n in (0.0, 0.03, 0.9)] == [
+        MARGIN_RANGE[0], 0.03, MARGIN_RANGE[1]]
+    split, mixed = decoupled_candidates(1, 2, 8, base)
+    gain = iteration_time(mixed, base, "decoupled") / iteration_time(split, base, "decoupled") - 1
+    assert MARGIN_RANGE[0] < gain < SPLIT_MARGIN  # 4.7%
+    chosen = {noise: fused_in(decoupled(1, 2, 8, replace(base, split_noise=noise))) for noise in (None, 0.01, 0.2)}
+    assert chosen == {None: [0, 1], 0.01: [], 0.2: [0, 1]}
+    # the failure plans follow the same margin
+    failed = [Worker(pipeline=0, stage=1)]
+    plans = {noise: plan(2, 2, 4, failed, cost=replace(base, split_noise=noise), variant="decoupled")
+             for noise in (None, 0.01)}
+    assert fused_in(plans[None].schedule) == [0, 1] and fused_in(plans[0.01].schedule) == []
+    assert plans[0.01].iteration_time < plans[None].iteration_time
+
+
 def test_incomplete_profiles_are_named():
     with pytest.raises(CostModelError, match=r"no rank reported for stages \[1\]"):
         cost_from_profile([_row(0, 0, [1], [1], [1], [2])], 2)
@@ -69,6 +105,7 @@ def test_profile_iterations_are_training_and_write_a_model_the_planner_uses(tmp_
     assert all(x > 0 for x in cost.t_f + cost.t_b + cost.t_w + cost.t_opt + cost.t_reduce)
     assert all(x > 0 for x in cost.state_bytes + cost.pending_w_bytes) and cost.activation_bytes[0] > 0
     assert cost.p2p_latency > 0 and cost.p2p_bandwidth > 0
+    assert cost.split_noise is not None and cost.split_noise >= 0  # 2 ranks x 2 pairs of iterations per stage
     measured = data["measured"]
     assert all(x > 0 for x in measured["fused_backward"]) and measured["ranks"] == [0, 1, 2, 3]
     # 4 micro-batches per pipeline, 4 ranks: fused BW in 2 iterations, B and W in 2, F in all 4

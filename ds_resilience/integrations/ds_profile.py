@@ -41,6 +41,7 @@ import torch.distributed as dist
 from ..ir import ActionKind
 from ..planning.generators import decoupled, one_f_one_b
 from ..planning.profile import cost_from_profile, profile_summary
+from ..planning.stage_mix import split_margin
 from ..costs import CostModel
 from ..topology import Worker
 
@@ -139,8 +140,15 @@ class Profiler:
         if self.iteration == 0:
             self._unhook_forward()
         else:
-            for kind, values in stats.durations.items():
+            durations = stats.durations
+            for kind, values in durations.items():
                 self.row["durations"].setdefault(kind, []).extend(values)
+            # per iteration too: how far (B + W) / fused moves between them is the profile's noise
+            if self.iteration % 2 == 1 and durations.get("BW"):
+                self.row.setdefault("fused_iters", []).append(statistics.median(durations["BW"]))
+            elif self.iteration % 2 == 0 and durations.get("B") and durations.get("W"):
+                self.row.setdefault("split_iters", []).append(statistics.median(durations["B"])
+                                                              + statistics.median(durations["W"]))
             if stats.peak_pending_w:
                 self._pending.append(stats.peak_pending_w_bytes / stats.peak_pending_w)
         self.iteration += 1
@@ -254,7 +262,8 @@ class Profiler:
             ratio = ", ".join("n/a" if r is None else f"{r:.2f}" for r in summary["measured"]["split_over_fused"])
             print(f"[ds_resilience] profile of {len(rows)} ranks ({2 * self.steps + 1} iterations) {where}; "
                   f"per stage t_F {_ms(cost.t_f)}, t_B {_ms(cost.t_b)}, t_W {_ms(cost.t_w)}, fused "
-                  f"{_ms(summary['measured']['fused_backward'])}; (B+W)/fused {ratio}", file=sys.stderr, flush=True)
+                  f"{_ms(summary['measured']['fused_backward'])}; (B+W)/fused {ratio}{_noise(cost)}",
+                  file=sys.stderr, flush=True)
         dist.barrier()
         if self.on_done is not None:
             self.on_done(cost)
@@ -267,3 +276,9 @@ class Profiler:
 
 def _ms(values) -> str:
     return "[" + ", ".join(f"{1e3 * v:.2f} ms" for v in values) + "]"
+
+
+def _noise(cost: CostModel) -> str:
+    if cost.split_noise is None:
+        return ""
+    return f", moving +-{100 * cost.split_noise:.1f}% between iterations (split margin {100 * split_margin(cost):.1f}%)"

@@ -18,7 +18,7 @@ from ..ir.timeline import iteration_time
 from ..vocab import SCHEDULES
 from .list_scheduler import list_schedule
 from .lowering import lower
-from .stage_mix import as_split, costly_stages, fuse, prefer_mixed
+from .stage_mix import as_split, costly_stages, fuse, prefer_mixed, split_margin
 
 __all__ = ["one_f_one_b", "decoupled", "decoupled_candidates", "one_f_one_b_order", "activation_caps", "SCHEDULES", "generate"]
 
@@ -93,14 +93,15 @@ def decoupled(
     Under a cost model (a profile) whose split backward is dearer than the fused one on some
     stages (:func:`.stage_mix.costly_stages`), the *mixed* schedule that runs those stages fused
     is built too, and returned unless the replay under ``cost`` finds the fully split one faster
-    by more than :data:`.stage_mix.SPLIT_MARGIN` (:func:`.stage_mix.prefer_mixed`): a stage where
+    by more than the model's margin (:func:`.stage_mix.split_margin`): a stage where
     the split does not pay stops paying for it on every micro-batch of a healthy run.
     """
     cost = cost or CostModel.unit()
     split, fused = decoupled_candidates(dp, pp, microbatches, cost, tied=tied)
     if fused is None:
         return split
-    keep_mixed = prefer_mixed(iteration_time(fused, cost, "decoupled"), iteration_time(split, cost, "decoupled"))
+    keep_mixed = prefer_mixed(iteration_time(fused, cost, "decoupled"), iteration_time(split, cost, "decoupled"),
+                              split_margin(cost))
     return fused if keep_mixed else split
 
 

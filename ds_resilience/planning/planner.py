@@ -50,7 +50,7 @@ from .lowering import lower
 from .memory import fault_free_peak, resolve_cap, worker_peaks
 from .plan import Plan, SolverReport
 from .reroute import reroute_assignment
-from .stage_mix import as_split, fusable_stages, fuse, fused_in, prefer_mixed
+from .stage_mix import as_split, fusable_stages, fuse, fused_in, prefer_mixed, split_margin
 
 __all__ = [
     "VARIANTS",
@@ -134,15 +134,15 @@ def _heuristic(
     (as fractions of the pending W's that fit: all, three quarters, half, and at most ``pp``), and,
     for the split variants where the cost model makes B + W dearer than the fused backward on some
     stages, the same with those stages fused (:mod:`.stage_mix`); each timed under ``cost``. The
-    fully split one is kept over the mixed one only when it is faster by more than
-    :data:`.stage_mix.SPLIT_MARGIN` (:func:`.stage_mix.prefer_mixed`)."""
-    return _choose(_heuristic_candidates(topology, microbatches, cost, variant, memory_cap, tied))
+    fully split one is kept over the mixed one only when it is faster by more than the model's
+    margin (:func:`.stage_mix.split_margin`)."""
+    return _choose(_heuristic_candidates(topology, microbatches, cost, variant, memory_cap, tied), cost)
 
 
-def _choose(candidates: list[tuple[Schedule, float]]) -> tuple[Schedule, float]:
+def _choose(candidates: list[tuple[Schedule, float]], cost: CostModel) -> tuple[Schedule, float]:
     """The fully split candidate, or the mixed one (second, if any) where :func:`.stage_mix.prefer_mixed`
-    says so: one rule for the heuristic's candidates and for the solver's."""
-    if len(candidates) == 2 and prefer_mixed(candidates[1][1], candidates[0][1]):
+    says so under ``cost``'s margin: one rule for the heuristic's candidates and for the solver's."""
+    if len(candidates) == 2 and prefer_mixed(candidates[1][1], candidates[0][1], split_margin(cost)):
         return candidates[1]
     return candidates[0]
 
@@ -317,12 +317,12 @@ def _plan(dp: int, pp: int, microbatches: int, failed: Iterable[Worker], *, cost
     cap = resolve_cap(dp, pp, microbatches, cost, memory_cap, tied, split_backward=variant != "adaptive")
     started = time.perf_counter()
     candidates = _heuristic_candidates(topology, microbatches, cost, variant, cap, tied)
-    schedule, value = _choose(candidates)
+    schedule, value = _choose(candidates, cost)
     bound = lower_bound(topology, microbatches, cost, variant=variant, tied=tied, memory_cap=cap)
     report = SolverReport(name="heuristic", status="feasible", gap=None, seconds=0.0)
     if solver == "cpsat" and value > bound + 1e-9:
         candidates, report = _solved(topology, microbatches, cost, variant, cap, candidates, time_limit_s)
-        schedule, value = _choose(candidates)
+        schedule, value = _choose(candidates, cost)
         if len(candidates) == 2 and value > min(t for _, t in candidates) + 1e-9:
             report = replace(report, status="feasible")  # the margin kept the slower family
     if value <= bound + 1e-9:

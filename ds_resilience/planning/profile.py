@@ -8,6 +8,11 @@ activations take from F to B and its pending W from B to W, the bytes crossing i
 and, for ranks that pinged a neighbour, a latency and a bandwidth. Per stage the figure is the
 median over the stage's ranks' samples (a re-routed job measures the same code on every replica).
 
+Rows may also carry ``fused_iters`` and ``split_iters``: per iteration of the profile (they
+alternate, fused first), the median fused backward and the median B plus the median W. How far
+their ratio moves between iterations is the model's ``split_noise`` (:func:`split_noise`), from
+which the planner sets its margin for keeping a fully split schedule over a mixed one.
+
 The fused backward is measured, not assumed: it is the model's ``t_fused`` (what every plan with
 a fused backward, 1F1B's included, is rated with), and the ``measured`` section puts it next to
 ``t_b + t_w``: their ratio says what the B/W split costs on this hardware. Times are in seconds.
@@ -22,7 +27,7 @@ from typing import Any, Iterable, Mapping
 from ..costs import CostModel
 from ..errors import CostModelError
 
-__all__ = ["cost_from_profile", "profile_summary"]
+__all__ = ["cost_from_profile", "profile_summary", "split_noise"]
 
 _TIMES = {"t_f": "F", "t_b": "B", "t_w": "W", "t_fused": "BW", "t_opt": "OPT", "t_reduce": "RD", "t_tied_reduce": "TR"}
 
@@ -66,9 +71,28 @@ def cost_from_profile(rows: list[Mapping[str, Any]], pp: int, *, name: str = "pr
     if not any(fields["state_bytes"]):
         fields.pop("state_bytes")
         fields.pop("pending_w_bytes")
+    noise = split_noise(rows, pp)
+    if noise is not None:
+        fields["split_noise"] = noise
     latency = _median(r["p2p_latency"] for r in rows if r.get("p2p_latency"))
     bandwidth = _median(r["p2p_bandwidth"] for r in rows if r.get("p2p_bandwidth"))
     return CostModel(name=name, p2p_latency=latency, p2p_bandwidth=bandwidth or None, **fields)
+
+
+def split_noise(rows: list[Mapping[str, Any]], pp: int) -> float | None:
+    """How far the split's price moved during the profile: per stage, the ratio of each decoupled
+    iteration's B + W to the fused backward of the iteration before it, on every rank of the stage;
+    the half-range of those ratios over their median; the largest over the stages. None when no
+    stage has two ratios (one rank, one pair of iterations)."""
+    worst = None
+    for s in range(pp):
+        ratios = [b / f for r in rows if int(r["stage"]) == s
+                  for f, b in zip(r.get("fused_iters", ()), r.get("split_iters", ())) if f > 0]
+        if len(ratios) < 2:
+            continue
+        spread = (max(ratios) - min(ratios)) / (2 * statistics.median(ratios))
+        worst = spread if worst is None else max(worst, spread)
+    return worst
 
 
 def profile_summary(rows: list[Mapping[str, Any]], pp: int, cost: CostModel) -> dict[str, Any]:

@@ -5,7 +5,8 @@ head and loss: 1.28x in ``benchmarks/engine.py --world 2``) and not on another (
 The split variants (``decoupled``, ``recycle``) split every stage, so such a stage pays the
 difference on every micro-batch. A *mixed* schedule runs fused BW on those stages and B/W on the
 others; the planner tries it next to the fully split one and keeps the split one only where the
-replay finds it faster by more than :data:`SPLIT_MARGIN` (:func:`prefer_mixed`).
+replay finds it faster by more than the margin (:func:`split_margin`: the profile's measured noise, or
+:data:`SPLIT_MARGIN`; :func:`prefer_mixed`).
 
 One observation does all the work: a fused BW on stage ``s`` is a B lasting ``t_bw`` followed at
 once by a W lasting nothing and holding nothing. So a mixed schedule under the cost model ``cost``
@@ -24,7 +25,8 @@ from ..costs import CostModel
 from ..ir import Schedule
 from ..ir.action import ActionKind, trusted_action
 
-__all__ = ["SPLIT_MARGIN", "as_split", "costly_stages", "fusable_stages", "fuse", "fused_in", "prefer_mixed"]
+__all__ = ["SPLIT_MARGIN", "MARGIN_RANGE", "as_split", "costly_stages", "fusable_stages", "fuse", "fused_in",
+           "prefer_mixed", "split_margin"]
 
 _SLACK = 1e-9  # relative: a stage whose B + W is within this of its fused time is split as before
 
@@ -34,14 +36,31 @@ _SLACK = 1e-9  # relative: a stage whose B + W is within this of its fused time 
 #: with a core per worker, and the split's margin"), measured its last stage's B + W at 1.06-1.75x
 #: its fused backward, and a run whose profiles predicted the split 0.9% and 3.1% faster ran at
 #: 0.870 of vanilla DeepSpeed against 0.968 for 1F1B. The mixed schedule also holds no pending W
-#: on its fused stages, so in a tie it is the one to run.
+#: on its fused stages, so in a tie it is the one to run. The margin of a model that says nothing of
+#: its noise (hand-written, unit costs); a profile measures its own (:func:`split_margin`).
 SPLIT_MARGIN = 0.05
 
+#: The margin a profile's measured noise is clamped to: at least 1% (a tie, and the replay's own
+#: error, go to the schedule that holds no pending W on its fused stages), at most 25% (past that
+#: the profile says little; only a large predicted gain keeps the split).
+MARGIN_RANGE = (0.01, 0.25)
 
-def prefer_mixed(mixed_time: float, split_time: float) -> bool:
+
+def split_margin(cost: CostModel) -> float:
+    """How much faster the fully split schedule must be predicted under ``cost`` to be kept over
+    the mixed one: the profile's measured ``split_noise`` (how far (B + W) / fused moved between its
+    iterations) clamped to :data:`MARGIN_RANGE`, or :data:`SPLIT_MARGIN` for a model without it."""
+    if cost.split_noise is None:
+        return SPLIT_MARGIN
+    low, high = MARGIN_RANGE
+    return min(high, max(low, cost.split_noise))
+
+
+def prefer_mixed(mixed_time: float, split_time: float, margin: float = SPLIT_MARGIN) -> bool:
     """Whether to run the mixed schedule (``mixed_time``, replayed) rather than the fully split one
-    (``split_time``): unless the split one is predicted faster by more than :data:`SPLIT_MARGIN`."""
-    return mixed_time <= split_time * (1 + SPLIT_MARGIN) + 1e-12
+    (``split_time``): unless the split one is predicted faster by more than ``margin``
+    (:func:`split_margin` of the cost model both were replayed under)."""
+    return mixed_time <= split_time * (1 + margin) + 1e-12
 
 
 def costly_stages(cost: CostModel, pp: int) -> tuple[int, ...]:
