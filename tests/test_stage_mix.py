@@ -198,7 +198,8 @@ def test_after_the_profile_a_healthy_run_switches_to_the_profiled_fault_free_sch
     said = ResilientPipelineEngine._healthy_schedule_from_profile(engine)
     if switched:
         assert _backwards(engine.generation.schedule) == {0: {"B", "W"}, 1: {"BW"}}
-        assert said == "; the healthy decoupled schedule re-listed with them (fused backward on stage(s) 1)"
+        assert said == ("; the healthy decoupled schedule re-listed with them (fused backward on stage(s) 1; "
+                        "a split must be predicted 5.0% faster to run (fixed margin))")
         assert engine.generation.epoch == 0 and engine.generation.source == "fault-free"
     else:
         assert said == "" and engine.generation.schedule is start
@@ -282,6 +283,6 @@ def test_a_self_profiled_decoupled_run_re_lists_its_healthy_schedule_and_stays_e
     replan = next(x for x in (tmp_path / "job-logs" / "rank0.0.log").read_text().splitlines()
                   if "plans rebuilt with the profiled costs" in x)
     if fused:  # on this CPU, the last stage (head and loss): its B + W costs more than its fused backward
-        assert replan.endswith(f"re-listed with them (fused backward on stage(s) {', '.join(map(str, fused))})"), replan
+        assert f"re-listed with them (fused backward on stage(s) {', '.join(map(str, fused))}; " in replan, replan
     else:
         assert "fused backward" not in replan, replan

@@ -44,7 +44,7 @@ from ..runtime.plan_agreement import (PublisherLost, adopt_published, announce, 
 from ..runtime.progress import Progress
 from ..launch import LaunchEnv
 from ..planning.provider import ScheduleChoice, ScheduleProvider
-from ..planning.stage_mix import fused_in
+from ..planning.stage_mix import fused_in, split_margin
 from ..runtime.coordinator import Coordinator
 from ..runtime.executor import BatchSource, Executor, StageSpec, rng_seed
 from ..runtime.membership import failed_after, latest_epoch
@@ -397,7 +397,10 @@ class ResilientPipelineEngine(PipelineEngine):
             return ""
         self.generation = replace(generation, schedule=choice.schedule, lookup_s=choice.seconds)
         fused = fused_in(choice.schedule)
-        how = f"fused backward on stage(s) {', '.join(map(str, fused))}" if fused else "every stage split"
+        cost = self.provider.cost
+        margin = (f"the profile's noise" if cost.split_noise is not None else "fixed")
+        how = (f"fused backward on stage(s) {', '.join(map(str, fused))}; a split must be predicted "
+               f"{100 * split_margin(cost):.1f}% faster to run ({margin} margin)" if fused else "every stage split")
         return f"; the healthy {choice.schedule.name} schedule re-listed with them ({how})"
 
     def _plan_scope(self) -> str:
