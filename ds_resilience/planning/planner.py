@@ -127,18 +127,6 @@ def _best_fault_free_time(
     return min(times)
 
 
-def _heuristic(
-    topology: Topology, microbatches: int, cost: CostModel, variant: str, memory_cap: float, tied: TiedGroups = ()
-) -> tuple[Schedule, float]:
-    """Best list schedule over a few splits of the memory cap between activations and pending W
-    (as fractions of the pending W's that fit: all, three quarters, half, and at most ``pp``), and,
-    for the split variants where the cost model makes B + W dearer than the fused backward on some
-    stages, the same with those stages fused (:mod:`.stage_mix`); each timed under ``cost``. The
-    fully split one is kept over the mixed one only when it is faster by more than the model's
-    margin (:func:`.stage_mix.split_margin`)."""
-    return _choose(_heuristic_candidates(topology, microbatches, cost, variant, memory_cap, tied), cost)
-
-
 def _choose(candidates: list[tuple[Schedule, float]], cost: CostModel) -> tuple[Schedule, float]:
     """The fully split candidate, or the mixed one (second, if any) where :func:`.stage_mix.prefer_mixed`
     says so under ``cost``'s margin: one rule for the heuristic's candidates and for the solver's."""
@@ -150,8 +138,11 @@ def _choose(candidates: list[tuple[Schedule, float]], cost: CostModel) -> tuple[
 def _heuristic_candidates(
     topology: Topology, microbatches: int, cost: CostModel, variant: str, memory_cap: float, tied: TiedGroups = ()
 ) -> list[tuple[Schedule, float]]:
-    """:func:`_heuristic`'s fully split candidate, then, where ``variant`` may fuse costly stages
-    (:func:`.stage_mix.fusable_stages`), the mixed one."""
+    """The heuristic's candidates: the best list schedule over a few splits of the memory cap
+    between activations and pending W (as fractions of the pending W's that fit: all, three
+    quarters, half, and at most ``pp``), each timed under ``cost``, fully split; then, where
+    ``variant`` may fuse costly stages (:func:`.stage_mix.fusable_stages`), the same with those
+    stages fused (the mixed one). :func:`_choose` picks between them."""
     out = [_list_candidates(topology, microbatches, cost, variant, memory_cap, tied, ())]
     costly = fusable_stages(cost, topology.pp, variant)
     if costly:
@@ -198,7 +189,7 @@ def _list_candidates(
     topology: Topology, microbatches: int, cost: CostModel, variant: str, memory_cap: float, tied: TiedGroups,
     fused: tuple[int, ...],
 ) -> tuple[Schedule, float]:
-    """:func:`_heuristic`'s candidates with the stages ``fused`` run fused: listed as split stages
+    """:func:`_heuristic_candidates`' candidate with the stages ``fused`` run fused: listed as split stages
     under :func:`.stage_mix.as_split` (a W there lasts nothing and runs at once), then fused back."""
     real, cost = cost, as_split(cost, fused, topology.pp)
     dp, pp = topology.dp, topology.pp
