@@ -1,6 +1,6 @@
 """Run a function in N real processes on gloo over loopback, bounded by a timeout.
 
-Workers are forked from a fork server that has imported torch and deepspeed once, so a 4-process
+Workers are forked from a fork server that has imported torch and deepspeed once (``DSR_PRELOAD``), so a 4-process
 job starts in well under a second instead of ~15 s of imports. Each worker gets the usual
 environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), one CPU thread, and returns a
 picklable result. A job that does not finish in time is killed and fails the test: a hang is a
@@ -36,9 +36,10 @@ def free_port() -> int:
 def _context():
     global _CTX
     if _CTX is None:
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "deepspeed", "ds_resilience"])
-        _CTX = ctx
+        from ds_resilience.runtime.spawn import fork_context, preload_modules
+
+        # the agent's list (conftest sets DSR_PRELOAD): one fork server per process serves both
+        _CTX = fork_context(preload_modules() or ("torch", "torch.distributed", "deepspeed", "ds_resilience"))
     return _CTX
 
 

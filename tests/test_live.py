@@ -350,7 +350,9 @@ def test_a_rejoin_reaching_ranks_in_different_iterations_is_applied_by_all_of_th
     code, _, reference = run_job(tmp_path, name="ref", steps=steps, deepspeed=deepspeed, extra=extra)
     assert code == 0, logs(tmp_path, "ref")
     fault = {"rank": 1, "step": 2, "point": "mid_backward", "kind": "sigkill"}
-    code, events, dumps = run_job(tmp_path, faults=[fault], rejoin_after=0.5, steps=steps, pace=0.5,
+    # relaunched 3 s (6 paced steps) after the failure, so that it registers after rank 3 fell behind at
+    # step 5 even when its process starts in a fraction of a second (forked from the preloaded server)
+    code, events, dumps = run_job(tmp_path, faults=[fault], rejoin_after=3.0, steps=steps, pace=0.5,
                                   deepspeed=deepspeed, extra=[*extra, "--lag", "3:5:0.35"])
     assert code == 0, logs(tmp_path, "job")
     assert any(e.kind == "rejoin" for e in events), [e.kind for e in events]

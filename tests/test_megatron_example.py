@@ -18,12 +18,18 @@ ARGS = ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2", "--glo
         "--train-iters", "4"]
 
 
+# the agent forks the Megatron workers from a server that imported megatron.core too (ds-resilience run
+# --preload; conftest's DSR_PRELOAD leaves it out: DeepSpeed jobs forked beside it train slower)
+PRELOAD = ["--preload", ",".join(filter(None, [os.environ.get("DSR_PRELOAD", ""), "megatron.core"]))]
+
+
 def _run(extra, tmp_path, launcher="agent", args=ARGS, nproc=4):
     """The example under `ds-resilience run --no_local_rank` (live failure handling) or torchrun
     (no agent: simulate_failed is what-if only there)."""
     script = os.path.join(REPO, "examples", "megatron_gpt.py")
     if launcher == "agent":
-        cmd = [sys.executable, "-m", "ds_resilience.cli", "run", "--no_local_rank", "--num_gpus", str(nproc), script]
+        cmd = [sys.executable, "-m", "ds_resilience.cli", "run", *PRELOAD, "--no_local_rank", "--num_gpus", str(nproc),
+               script]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
                str(_free_port()), script]
@@ -56,7 +62,7 @@ def _stopped(tmp_path, *, first: int, second: int, args, nproc: int) -> subproce
     config.write_text(json.dumps({"max_failures": 1, "checkpoint": {"max_restarts": 0}, "fault_injection": [
         {"rank": first, "step": 1, "point": "mid_backward", "kind": "sigkill"},
         {"rank": second, "step": 2, "point": "before_forward", "kind": "sigkill"}]}))
-    cmd = [sys.executable, "-m", "ds_resilience.cli", "run", "--no_local_rank", "--num_gpus", str(nproc),
+    cmd = [sys.executable, "-m", "ds_resilience.cli", "run", *PRELOAD, "--no_local_rank", "--num_gpus", str(nproc),
            os.path.join(REPO, "examples", "megatron_gpt.py"), *args, "--resilience-config", str(config)]
     out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"})

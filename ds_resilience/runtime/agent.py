@@ -44,6 +44,7 @@ from ..launch import LaunchEnv, snapshot_root
 from ..planning.recovery import lost_stages
 from . import membership as mb
 from .nodes import DONE_KEY, NodeAgent, RemoteProc, post_launch
+from .spawn import PRELOAD_VAR, WorkerProcess, preload_modules, start_worker
 
 __all__ = ["Agent", "AgentEvent", "AgentError", "main_run", "EXIT_OK", "EXIT_STARTUP", "EXIT_STOPPED"]
 
@@ -90,7 +91,7 @@ _LIVE = ("running", "joining")
 @dataclass(kw_only=True)
 class _Child:
     rank: int
-    proc: subprocess.Popen[bytes]
+    proc: WorkerProcess
     incarnation: int
     pidfd: int | None
     state: str = "running"  # running | joining | done | failed
@@ -142,6 +143,8 @@ class Agent:
         log_dir: when set, worker ``r``'s output goes to ``log_dir/rank{r}.{incarnation}.log``
             (``.restart{n}.log`` after the n-th restart).
         echo: where the agent's messages go (default: stderr).
+        preload: modules to import once in a fork server that every worker is forked from
+            (``runtime/spawn.py``); ``None``: ``DSR_PRELOAD``, else none (a fresh interpreter each).
     """
 
     def __init__(self, script: str | os.PathLike[str], script_args: Sequence[str] = (), *, num_workers: int,
@@ -152,7 +155,7 @@ class Agent:
                  max_restarts: int = 0, host_dir: str | os.PathLike[str] | None = None, keep_snapshots: bool = False,
                  env: Mapping[str, str] | None = None, log_dir: str | os.PathLike[str] | None = None,
                  echo: Callable[[str], None] | None = None, nnodes: int = 1, local_rank_arg: bool = True,
-                 regrid: bool = False) -> None:
+                 regrid: bool = False, preload: Sequence[str] | None = None) -> None:
         if num_workers < 1:
             raise AgentError(f"num_workers must be >= 1, got {num_workers}")
         if nnodes < 1:
@@ -185,6 +188,7 @@ class Agent:
         self.env = dict(env or {})
         self.max_restarts, self.restarts = max_restarts, 0
         self.regrid = regrid
+        self.preload = preload_modules(preload)
         self.job_id = self.env.get("DSR_JOB_ID") or f"job-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.host_dir = host_dir
         self.keep_snapshots = keep_snapshots
@@ -287,18 +291,8 @@ class Agent:
                         env={**self.env, **protocol}, log=str(log) if log is not None else None)
             return self._track(rank, incarnation, RemoteProc(self.store, node, rank, incarnation), None)
         env = {**os.environ, "OMP_NUM_THREADS": "1", **self.env, **protocol}
-        out: Any = None
-        if log is not None:
-            log.parent.mkdir(parents=True, exist_ok=True)
-            out = open(log, "wb")  # noqa: SIM115 - child keeps it
-        try:
-            proc = subprocess.Popen([sys.executable, "-u", self.script, *self.script_args,
-                                     *([f"--local_rank={local}"] if self.local_rank_arg else [])],
-                                    env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                    stderr=subprocess.STDOUT if out else None)
-        finally:
-            if out is not None:
-                out.close()
+        proc = start_worker(self.script, [*self.script_args, *([f"--local_rank={local}"] if self.local_rank_arg else [])],
+                            env=env, log=log, preload=self.preload)
         try:
             pidfd: int | None = os.pidfd_open(proc.pid)
         except (AttributeError, OSError):
@@ -635,6 +629,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no_local_rank", action="store_true",
                    help="do not pass --local_rank to the script (as DeepSpeed's launcher: Megatron-LM scripts "
                         "read LOCAL_RANK from the environment and reject the flag)")
+    p.add_argument("--preload", default=None, metavar="MODULES",
+                   help="comma-separated modules to import once in a fork server; workers (and relaunches) are forked "
+                        f"from it instead of importing them each (default: ${PRELOAD_VAR}, else none). Only modules "
+                        "that start no thread and touch no GPU at import, e.g. torch,deepspeed")
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     return p
@@ -673,12 +671,13 @@ def main_run(argv: Sequence[str]) -> int:
             interval = detector.heartbeat_interval_s if interval is None else interval
             timeout = detector.heartbeat_timeout_s if timeout is None else timeout
             store_timeout = detector.store_timeout_s
+        preload = preload_modules(args.preload) if args.preload is not None else None
         if args.node_rank:
             if not 0 < args.node_rank < args.nnodes:
                 raise AgentError(f"--node_rank {args.node_rank} is out of range for --nnodes {args.nnodes}")
             return NodeAgent(args.script, args.script_args, node_rank=args.node_rank, master_addr=args.master_addr,
                              master_port=args.master_port, log_dir=args.log_dir,
-                             local_rank_arg=not args.no_local_rank).run()
+                             local_rank_arg=not args.no_local_rank, preload=preload).run()
         if max_restarts and args.nnodes > 1:
             print("ds-resilience run: a restart from the snapshots is not supported across nodes yet: beyond "
                   "tolerance the job stops after its survivors save", file=sys.stderr)
@@ -687,7 +686,7 @@ def main_run(argv: Sequence[str]) -> int:
                       heartbeat_timeout_s=timeout, rejoin_after_s=args.rejoin_after,
                       stop_grace_s=args.stop_grace, store_timeout_s=store_timeout, log_dir=args.log_dir,
                       max_restarts=max_restarts, host_dir=host_dir, local_rank_arg=not args.no_local_rank,
-                      regrid=regrid)
+                      regrid=regrid, preload=preload)
         return agent.run()
     except ResilienceError as exc:
         print(f"ds-resilience run: error: {exc}", file=sys.stderr)

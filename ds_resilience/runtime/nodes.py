@@ -37,6 +37,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch.distributed as dist
 
 from ..errors import ResilienceError
+from .spawn import WorkerProcess, preload_modules, start_worker
 
 __all__ = ["NodeAgent", "RemoteProc", "exit_key", "kill_key", "post_launch", "DONE_KEY"]
 
@@ -120,11 +121,14 @@ class NodeAgent:
         log_dir: worker ``r``'s output to ``log_dir/rank{r}.{incarnation}.log`` (else the leader's choice).
         tick_s: polling interval.
         echo: where messages go (default: stderr).
+        preload: modules a fork server imports once for every worker (see ``runtime/spawn.py``;
+            ``None``: ``DSR_PRELOAD``).
     """
 
     def __init__(self, script: str, script_args: Sequence[str] = (), *, node_rank: int, master_addr: str,
                  master_port: int, connect_timeout_s: float = 300.0, log_dir: str | os.PathLike[str] | None = None,
-                 tick_s: float = 0.05, echo: Callable[[str], None] | None = None, local_rank_arg: bool = True) -> None:
+                 tick_s: float = 0.05, echo: Callable[[str], None] | None = None, local_rank_arg: bool = True,
+                 preload: Sequence[str] | None = None) -> None:
         if node_rank < 1:
             raise ResilienceError(f"a follower's node_rank must be >= 1, got {node_rank} (node 0 runs the leader)")
         if not master_port:
@@ -135,7 +139,8 @@ class NodeAgent:
         self.connect_timeout_s, self.tick_s = connect_timeout_s, tick_s
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self._echo = echo or (lambda msg: print(msg, file=sys.stderr, flush=True))
-        self.children: dict[tuple[int, int], subprocess.Popen] = {}  # (rank, incarnation) -> process
+        self.preload = preload_modules(preload)
+        self.children: dict[tuple[int, int], WorkerProcess] = {}  # (rank, incarnation) -> process
         self.reported: set[tuple[int, int]] = set()
         self.next_request = 0
 
@@ -182,21 +187,11 @@ class NodeAgent:
         rank, incarnation = int(request["rank"]), int(request["incarnation"])
         env = {**os.environ, "OMP_NUM_THREADS": "1", **{str(k): str(v) for k, v in request["env"].items()},
                "DSR_AGENT_PID": str(os.getpid())}  # orphan check: this agent is the parent here
-        out: Any = None
         log = request.get("log")
         if self.log_dir is not None:
             log = str(self.log_dir / Path(log).name) if log else str(self.log_dir / f"rank{rank}.{incarnation}.log")
-        if log:
-            Path(log).parent.mkdir(parents=True, exist_ok=True)
-            out = open(log, "wb")  # noqa: SIM115 - the child keeps it
-        try:
-            extra = [f"--local_rank={request['local_rank']}"] if self.local_rank_arg else []
-            proc = subprocess.Popen([sys.executable, "-u", self.script, *self.script_args, *extra], env=env,
-                                    stdin=subprocess.DEVNULL,
-                                    stdout=out, stderr=subprocess.STDOUT if out else None)
-        finally:
-            if out is not None:
-                out.close()
+        extra = [f"--local_rank={request['local_rank']}"] if self.local_rank_arg else []
+        proc = start_worker(self.script, [*self.script_args, *extra], env=env, log=log or None, preload=self.preload)
         self.children[rank, incarnation] = proc
         self._echo(f"[ds_resilience node {self.node}] launched rank {rank} (incarnation {incarnation}, pid {proc.pid})")
 

@@ -1,0 +1,191 @@
+"""How an agent starts a worker process: a fresh interpreter, or a fork of a pre-imported one.
+
+By default a worker is ``python -u script args`` (:class:`subprocess.Popen`), as DeepSpeed's
+launcher starts it. Every worker then imports torch, DeepSpeed and this package itself: about 3 s
+on an idle core, 8-12 s per process when four start at once on two cores, and again for every
+relaunched worker before it can re-join.
+
+With ``preload`` (``ds-resilience run --preload MODULES``, or ``DSR_PRELOAD=mod,mod`` in the
+agent's environment) the agent starts one fork server that imports those modules once, and each
+worker is a fork of it that runs the script as ``__main__`` (:func:`runpy.run_path`) with the
+worker's own environment, arguments, ``sys.path[0]`` and output file: a real process with its own
+pid, killed and reaped like any other, that starts in a fraction of a second. Only modules that
+neither start threads nor touch a GPU at import may be preloaded (torch, deepspeed, megatron.core
+qualify; the script's own code runs after the fork). A forked worker's parent is the fork server,
+which exits when the agent does, so the worker's orphan check (``DSR_AGENT_PID``) names the server.
+
+Both kinds of process answer ``pid``, ``poll()``, ``kill()``, ``wait(timeout)`` and ``returncode``
+as :class:`subprocess.Popen` does (a negative return code is the signal that killed it).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Mapping, Protocol, Sequence
+
+__all__ = ["PRELOAD_VAR", "WorkerProcess", "preload_modules", "start_worker", "fork_context"]
+
+PRELOAD_VAR = "DSR_PRELOAD"
+
+
+class WorkerProcess(Protocol):
+    pid: Any
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+    def kill(self) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+def preload_modules(preload: Sequence[str] | str | None = None, env: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """The modules to pre-import: ``preload`` when given, else ``DSR_PRELOAD`` (comma-separated)."""
+    if preload is None:
+        preload = (env if env is not None else os.environ).get(PRELOAD_VAR, "")
+    if isinstance(preload, str):
+        preload = preload.split(",")
+    return tuple(m.strip() for m in preload if m.strip())
+
+
+def fork_context(modules: Sequence[str]):
+    """The process's forkserver context, its server preloading ``modules`` (the list of whoever
+    starts it first: use one list per process, e.g. ``DSR_PRELOAD``)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(modules))
+    return ctx
+
+
+class _ForkedProc:
+    """A worker forked from the fork server, with :class:`subprocess.Popen`'s process methods."""
+
+    def __init__(self, process: Any) -> None:
+        self._p = process
+        self.pid = process.pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and not self._p.is_alive():
+            self.returncode = self._p.exitcode
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            try:
+                self._p.kill()
+            except (OSError, ValueError):  # gone meanwhile
+                pass
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._p.join(timeout)
+        if self.poll() is None:
+            raise subprocess.TimeoutExpired(f"worker pid {self.pid}", timeout or 0.0)
+        return self.returncode  # type: ignore[return-value]
+
+
+def _forget_the_agents_multiprocessing() -> None:
+    """A forked worker starts with multiprocessing as a fresh interpreter has it. The fork server
+    hands each child the agent's descriptors (its 'alive' pipe, its resource tracker) and the
+    agent's start method: kept, a worker would hold the server open after the agent died (so the
+    worker's orphan check would never fire) and its data-loader workers would come from a fork
+    server of its own that outlives it."""
+    import multiprocessing
+    from multiprocessing import forkserver, resource_tracker
+
+    server = forkserver._forkserver  # type: ignore[attr-defined]
+    tracker = resource_tracker._resource_tracker  # type: ignore[attr-defined]
+    for holder, attr in ((server, "_forkserver_alive_fd"), (tracker, "_fd")):
+        fd = getattr(holder, attr, None)
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+            setattr(holder, attr, None)
+    multiprocessing.set_start_method(None, force=True)  # the platform's default again
+
+
+def _run_script(script: str, args: list[str], env: dict[str, str], log: str | None) -> None:
+    """In the forked child: become ``python -u script args`` with ``env`` and exit as it would."""
+    import atexit
+    import io
+    import runpy
+    import signal
+    import threading
+    import traceback
+
+    if log is not None:
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    # -u: unbuffered text streams on the (possibly new) descriptors 1 and 2
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
+    _forget_the_agents_multiprocessing()
+    os.environ.clear()
+    os.environ.update(env)
+    os.environ["DSR_AGENT_PID"] = str(os.getppid())  # the fork server: it dies with the agent
+    script_dir = os.path.dirname(os.path.abspath(script))
+    extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:0] = [script_dir, *extra]
+    sys.argv = [script, *args]
+    if env.get("OMP_NUM_THREADS", "").isdigit() and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
+    code: int = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        if exc.code is None:
+            code = 0
+        elif isinstance(exc.code, int):
+            code = exc.code
+        else:
+            print(exc.code, file=sys.stderr)
+            code = 1
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    except BaseException:  # noqa: BLE001 - the interpreter's own report of an uncaught error
+        traceback.print_exc()
+        code = 1
+    try:  # what an interpreter does on its way out: join threads, run atexit handlers
+        threading._shutdown()  # type: ignore[attr-defined]
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code & 0xFF)
+
+
+def start_worker(script: str, args: Sequence[str], *, env: Mapping[str, str], log: str | os.PathLike[str] | None,
+                 preload: Sequence[str] = ()) -> WorkerProcess:
+    """Start ``python -u script args`` with exactly ``env``, output to ``log`` (else inherited):
+    a fresh interpreter, or (``preload`` non-empty) a fork of the fork server that imported them."""
+    if preload:
+        if log is not None:
+            Path(log).parent.mkdir(parents=True, exist_ok=True)
+        ctx = fork_context(preload)
+        process = ctx.Process(target=_run_script, args=(str(script), list(args), dict(env),
+                                                        None if log is None else str(log)),
+                              name=f"worker {Path(script).name}")
+        process.start()
+        return _ForkedProc(process)
+    out: Any = None
+    if log is not None:
+        Path(log).parent.mkdir(parents=True, exist_ok=True)
+        out = open(log, "wb")  # noqa: SIM115 - the child keeps it
+    try:
+        return subprocess.Popen([sys.executable, "-u", str(script), *args], env=dict(env), stdin=subprocess.DEVNULL,
+                                stdout=out, stderr=subprocess.STDOUT if out else None)
+    finally:
+        if out is not None:
+            out.close()
