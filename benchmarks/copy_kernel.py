@@ -58,7 +58,7 @@ def _no_cuda_exit() -> int:
         f"(torch {torch.__version__}, torch.version.cuda={torch.version.cuda}, "
         f"torch.cuda.is_available()={torch.cuda.is_available()}).\n"
         "Nothing was measured. Run it on a GPU machine; the CPU checks of the kernels are "
-        "tests/test_kernels.py (Triton under TRITON_INTERPRET=1) and tests/test_csrc_compile.py (nvcc)."
+        "tests/dist/test_kernels.py (Triton under TRITON_INTERPRET=1) and tests/dist/test_csrc_compile.py (nvcc)."
     )
     return 0
 

@@ -25,7 +25,7 @@ step bw_split 120 $py benchmarks/bw_split.py --json "$out/bw_split.json"
 arch=$($py -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
 step build_ext 180 env DSR_BUILD_CUDA=1 TORCH_CUDA_ARCH_LIST="$arch" MAX_JOBS=8 $py setup.py -q build_ext --inplace
 step pytest_gpu 180 $py -m pytest -c tests/pytest.ini -q -p no:cacheprovider -rs -m "gpu or multigpu" \
-  tests/test_kernels.py tests/test_accelerator.py tests/test_multigpu.py
+  tests/dist/test_kernels.py tests/unit/test_accelerator.py tests/dist/test_multigpu.py
 step copy_kernel 150 $py benchmarks/copy_kernel.py --quick --json "$out/copy_kernel.json"
 if [ "${DEVICE_ENGINE:-0}" = 1 ]; then
   if ! $py -c "import deepspeed, ortools" > /dev/null 2>&1; then

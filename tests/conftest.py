@@ -1,4 +1,16 @@
-"""Shared pytest setup: GPU markers skip where no CUDA device exists."""
+"""Shared pytest setup: the tiers by directory, the unit tier's one-process rule, GPU skips.
+
+The tiers (``tests/README.md``), marked here from where a test lives, so ``-m`` selects them:
+
+* ``tests/unit/<package>/test_<module>.py``: one process. No marker. A unit test that starts a
+  worker (a multiprocessing process, or a Python program other than a ``python -c`` import check)
+  fails with a message saying where it belongs.
+* ``tests/dist/``: starts worker processes (gloo ranks, a training or benchmark program): ``dist``.
+* ``tests/live/``: runs the agent or kills a process on purpose: ``live`` (and ``dist``).
+* ``gpu`` / ``multigpu(n)`` (set on the test): skipped where the CUDA devices are missing.
+
+``bash tests/run.sh -m "not dist and not live"`` is the contributor's loop.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +21,10 @@ import pytest
 
 # The engine profiles itself at start when no cost model is given (resilience.profile_steps null):
 # every test job would spend its first 5 iterations on it and plan with timings of a loaded machine.
-# Tests run with unit costs unless they ask for a profile (tests/test_profile.py does, both ways).
+# Tests run with unit costs unless they ask for a profile (tests/unit/planning/test_profile.py does, both ways).
 os.environ.setdefault("DSR_SELF_PROFILE", "0")
 # Point-to-point messages match as NCCL matches them (tags ignored, FIFO per pair) in every test job,
-# so the whole suite runs under NCCL's rules on gloo; tests/test_engine.py also runs gloo's tags.
+# so the whole suite runs under NCCL's rules on gloo; tests/dist/test_engine.py also runs gloo's tags.
 os.environ.setdefault("DSR_P2P_MATCHING", "fifo")
 # Start-up is paid once: agents fork their workers from a server that imported these modules
 # (ds_resilience/runtime/spawn.py), and tests/dist_harness.py forks its ranks from the same list.
@@ -21,9 +33,19 @@ os.environ.setdefault("DSR_P2P_MATCHING", "fifo")
 os.environ.setdefault(
     "DSR_PRELOAD", "torch,torch.distributed,deepspeed,ds_resilience,ds_resilience.integrations.deepspeed")
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
+TESTS = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(TESTS)
+# the repository, the harness (tests/) and every test directory: helper programs and shared test
+# helpers import by module name wherever they live (their names are unique across the tree)
+for _dir in [REPO, TESTS, *sorted(os.path.join(root, d) for root, dirs, _ in os.walk(TESTS) for d in dirs
+                                  if d not in ("__pycache__", "tools"))]:
+    if _dir not in sys.path:
+        sys.path.insert(1 if sys.path and sys.path[0] == REPO else 0, _dir)
+if sys.path[0] != REPO:
+    sys.path.remove(REPO)
     sys.path.insert(0, REPO)
+
+TIERS = {"dist": ("dist",), "live": ("dist", "live")}
 
 
 def _cuda_devices() -> int:
@@ -45,12 +67,62 @@ def required_gpus(item) -> int:
     return need
 
 
+def tier(path) -> str:
+    """``unit``, ``dist`` or ``live``: the first directory of ``path`` under tests/."""
+    rel = os.path.relpath(str(path), TESTS).split(os.sep)
+    return rel[0] if len(rel) > 1 and rel[0] in ("unit", "dist", "live") else "unit"
+
+
 def pytest_collection_modifyitems(config, items):
     gpus = None
     for item in items:
+        for name in TIERS.get(tier(item.path), ()):
+            item.add_marker(getattr(pytest.mark, name))
         if "gpu" in item.keywords or "multigpu" in item.keywords:
             if gpus is None:
                 gpus = _cuda_devices()
             need = required_gpus(item)
             if gpus < need:
                 item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA device(s), found {gpus}"))
+
+
+def _starts_a_program(argv) -> bool:
+    """A Python interpreter running a file or a module (``python -c`` is allowed: an import check)."""
+    if isinstance(argv, (str, bytes, os.PathLike)):
+        argv = [argv]
+    argv = [os.fsdecode(a) for a in argv]
+    if not argv:
+        return False
+    exe = os.path.basename(argv[0])
+    if exe in ("deepspeed", "torchrun", "ds-resilience", "mpirun", "srun"):
+        return True
+    return exe.startswith("python") and "-c" not in argv[1:3]
+
+
+@pytest.fixture(autouse=True)
+def _one_process_in_the_unit_tier(request, monkeypatch):
+    """A unit test runs in one process: starting a worker makes it fail, naming the tier it needs."""
+    if tier(request.node.path) != "unit":
+        yield
+        return
+    import multiprocessing.process
+    import subprocess
+
+    def refuse(what: str):
+        pytest.fail(f"{request.node.nodeid} {what}: the unit tier runs in one process; a test that starts "
+                    "workers belongs in tests/dist/, one that runs the agent or kills a process in tests/live/",
+                    pytrace=False)
+
+    def start(self):
+        refuse("starts a multiprocessing worker")
+
+    popen_init = subprocess.Popen.__init__
+
+    def popen(self, args, *rest, **kwargs):
+        if _starts_a_program(args):
+            refuse(f"runs {args!r:.120}")
+        popen_init(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", start)
+    monkeypatch.setattr(subprocess.Popen, "__init__", popen)
+    yield

@@ -2,7 +2,7 @@
 
 Four loops over a schedule encoded as flat numpy arrays, each with the same double operations in
 the same order as its Python reference, so the results are equal bit for bit
-(``tests/test_native.py`` compares each with its reference):
+(``tests/unit/ir/test_native.py`` compares each with its reference):
 
 * :func:`list_orders`: the list scheduler's event loop (:mod:`ds_resilience.planning.list_scheduler`);
 * :func:`replay_times`: what :func:`~.timeline.iteration_time` reads from a replay (every iteration's

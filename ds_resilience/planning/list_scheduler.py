@@ -10,7 +10,7 @@ It is used for the fault-free decoupled schedule and, with re-routed placements,
 runs in milliseconds and never fails on a feasible input; the timeline replay of the lowered
 schedule is the judge of its timing. The loop runs in C (``csrc/schedule_core.c``, through
 :func:`ds_resilience.ir.native.list_orders`) where the library builds, with the same choices in the
-same order (the orders are equal, ``tests/test_native.py``); this module's Python loop is the
+same order (the orders are equal, ``tests/unit/ir/test_native.py``); this module's Python loop is the
 reference and the fallback.
 """
 

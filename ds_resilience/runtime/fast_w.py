@@ -1,7 +1,7 @@
 """The fast W's of the B/W split (:mod:`.bw_split`): a parameter group's weight gradient computed
 from the gradient B captured and the tensors the forward saved, with no second trip through
 autograd, each with the kernels and the order of operations autograd's own W would run, so the
-same bits (``tests/test_bw_split.py``, ``tests/test_megatron.py``).
+same bits (``tests/unit/runtime/test_bw_split.py``, ``tests/dist/test_megatron.py``).
 
 :func:`fast_spec` is the structural half (which layer a group is, from the graph's structure, so
 it is cached with the split's analysis); :func:`fast_w` checks what can change per micro-batch and

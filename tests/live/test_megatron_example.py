@@ -1,0 +1,204 @@
+"""examples/megatron_gpt.py (Megatron-LM's pretrain_gpt.py shape), PP=2 x DP=2 on CPU: under
+`ds-resilience run --no_local_rank` fault-free and with a rank SIGKILLed mid-run, and under torchrun
+with a replica left idle; the losses printed are the healthy run's (up to summation order)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ARGS = ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2", "--global-batch-size", "16",
+        "--train-iters", "4"]
+
+
+# the agent forks the Megatron workers from a server that imported megatron.core too (ds-resilience run
+# --preload; conftest's DSR_PRELOAD leaves it out: DeepSpeed jobs forked beside it train slower)
+PRELOAD = ["--preload", ",".join(filter(None, [os.environ.get("DSR_PRELOAD", ""), "megatron.core"]))]
+
+
+def _run(extra, tmp_path, launcher="agent", args=ARGS, nproc=4):
+    """The example under `ds-resilience run --no_local_rank` (live failure handling) or torchrun
+    (no agent: simulate_failed is what-if only there)."""
+    script = os.path.join(REPO, "examples", "megatron_gpt.py")
+    if launcher == "agent":
+        cmd = [sys.executable, "-m", "ds_resilience.cli", "run", *PRELOAD, "--no_local_rank", "--num_gpus", str(nproc),
+               script]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+               str(_free_port()), script]
+    out = subprocess.run(cmd + list(args) + list(extra), cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    lines = re.findall(r"iteration +(\d+)/4 \| pipeline (\d) \| lm loss ([0-9.]+) \| grad norm ([0-9.]+)", out.stdout)
+    return out.stdout + out.stderr, {(int(i), int(p)): (loss, norm) for i, p, loss, norm in lines}
+
+
+def _assert_same_losses(got, healthy):
+    """The same losses and norms up to summation order (a stage's gradients summed over one replica
+    instead of two): printed to six and four decimals, they differ in the last digit at most."""
+    assert set(got) == set(healthy)
+    for key, (loss, norm) in healthy.items():
+        assert abs(float(got[key][0]) - float(loss)) <= 2e-6, (key, got[key], loss)
+        assert abs(float(got[key][1]) - float(norm)) <= 2e-4, (key, got[key], norm)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _stopped(tmp_path, *, first: int, second: int, args, nproc: int) -> subprocess.CompletedProcess:
+    """The example under the agent with no restart allowed: rank ``first`` SIGKILLed mid-backward in
+    iteration 1, rank ``second`` before the forward of iteration 2; the job must stop (exit code 3)."""
+    config = tmp_path / "kill2.json"
+    config.write_text(json.dumps({"max_failures": 1, "checkpoint": {"max_restarts": 0}, "fault_injection": [
+        {"rank": first, "step": 1, "point": "mid_backward", "kind": "sigkill"},
+        {"rank": second, "step": 2, "point": "before_forward", "kind": "sigkill"}]}))
+    cmd = [sys.executable, "-m", "ds_resilience.cli", "run", *PRELOAD, "--no_local_rank", "--num_gpus", str(nproc),
+           os.path.join(REPO, "examples", "megatron_gpt.py"), *args, "--resilience-config", str(config)]
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 3, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_the_megatron_example_trains_and_a_failed_replica_leaves_its_losses_unchanged(tmp_path):
+    text, healthy = _run(["--resilience"], tmp_path)
+    assert "[megatron_gpt] done: 4 iterations, TP=1 PP=2 DP=2" in text
+    assert set(healthy) == {(i, p) for i in range(1, 5) for p in (0, 1)}
+    assert float(healthy[(4, 0)][0]) < float(healthy[(1, 0)][0])  # it learns
+    config = tmp_path / "fail.json"
+    config.write_text(json.dumps({"simulate_failed": ["1:0"]}))
+    text, degraded = _run(["--resilience-config", str(config)], tmp_path, launcher="torchrun")
+    assert "failed 1:0: planner recycle schedule" in text
+    _assert_same_losses(degraded, healthy)
+
+
+@pytest.mark.timeout(600)
+def test_a_sigkilled_rank_under_the_agent_is_rerouted_live_and_the_losses_stay_the_healthy_ones(tmp_path):
+    """Rank 1 (replica p1s0) is SIGKILLed in the middle of iteration 1's backward: the agent publishes
+    the failure, the survivors plan (the table's re-routing), install new groups and finish the run;
+    every loss printed afterwards is the healthy run's (up to summation order)."""
+    _, healthy = _run(["--resilience"], tmp_path)
+    config = tmp_path / "kill.json"
+    config.write_text(json.dumps({"max_failures": 1, "fault_injection": [
+        {"rank": 1, "step": 1, "point": "mid_backward", "kind": "sigkill"}]}))
+    text, survived = _run(["--resilience-config", str(config)], tmp_path)
+    assert "rank 1 crashed (killed by SIGKILL)" in text
+    assert '"action": "continue"' in text and "failed 1:0: table recycle schedule" in text
+    assert "exit code 0: all live workers finished (1 failed)" in text
+    _assert_same_losses(survived, healthy)
+
+
+@pytest.mark.timeout(600)
+def test_beyond_tolerance_the_surviving_stage_is_saved_in_megatrons_layout_and_the_job_stops(tmp_path):
+    """Both replicas of stage 0 die (rank 1 in iteration 1, rank 0 in iteration 2) and no restart is
+    allowed: the agent stops the job (exit code 3), and stage 1's survivors write its shard in Megatron-LM's layout with a
+    manifest naming what was saved and lost."""
+    import torch
+
+    out = _stopped(tmp_path, first=1, second=0, args=ARGS, nproc=4)
+    assert "stopped cleanly after step 2" in out.stdout
+    manifest = json.loads((tmp_path / "checkpoints" / "global_step2" / "manifest.json").read_text())
+    assert manifest["stages_saved"] == [1] and manifest["stages_lost"] == [0]
+    assert "Megatron-LM torch layout" in manifest["format"]
+    shard = torch.load(tmp_path / "checkpoints" / "global_step2" / "iter_0000002" / "mp_rank_00_001" /
+                       "model_optim_rng.pt", weights_only=False)
+    assert shard["iteration"] == 2 and shard["checkpoint_version"] == 3.0
+    assert "output_layer.weight" in shard["model"] and shard["optimizer"]["state"]
+
+
+TP2 = ["--tensor-model-parallel-size", "2", *ARGS]  # TP=2 x PP=2 x DP=2: 8 ranks
+
+
+def _shards(directory):
+    """{(tp, pp) shard: its Megatron checkpoint dict} of a checkpoint the example saved (--save)."""
+    import torch
+
+    return {path.parent.name: torch.load(path, weights_only=False)
+            for path in sorted(directory.glob("iter_0000004/mp_rank_*/model_optim_rng.pt"))}
+
+
+@pytest.mark.timeout(900)
+def test_a_sigkilled_tensor_parallel_rank_takes_its_replica_out_and_the_survivors_end_at_the_healthy_weights(
+        tmp_path):
+    """TP=2 x PP=2 x DP=2 under the agent: rank 3 (tensor-parallel rank 1 of replica p1s0) is SIGKILLed
+    mid-backward. Its replica fails as one (rank 2 leaves the membership and idles), the other
+    replicas re-route its micro-batches in each tensor-parallel plane, and the run ends with the
+    healthy run's losses and, in every (tensor, pipeline) shard the survivors save, the healthy
+    run's weights and Adam moments (up to summation order)."""
+    import torch
+
+    text, healthy = _run(["--resilience", "--save", "healthy"], tmp_path, args=TP2, nproc=8)
+    assert "TP=2 PP=2 DP=2" in text
+    config = tmp_path / "kill.json"
+    config.write_text(json.dumps({"max_failures": 1, "fault_injection": [
+        {"rank": 3, "step": 1, "point": "mid_backward", "kind": "sigkill"}]}))
+    text, survived = _run(["--resilience-config", str(config), "--save", "survived"], tmp_path, args=TP2, nproc=8)
+    (tmp_path / "survived.log").write_text(text)
+    recovery = "\n".join(line for line in text.splitlines() if "recovery plan" in line or "epoch" in line
+                          or "ds-resilience" in line)  # what a failed assertion shows
+    assert "rank 3 crashed (killed by SIGKILL)" in text, recovery
+    assert "rank 2: replica 1:0 lost a rank" in text and "this rank leaves the membership and idles" in text, recovery
+    assert '"failed_workers": ["1:0"]' in text, recovery
+    assert "failed 1:0: table recycle schedule" in text, recovery
+    assert '"failed_ranks": [3]' in text, recovery  # the plan names replicas; the line also names the dead rank
+    assert "exit code 0: all live workers finished (1 failed)" in text, recovery
+    _assert_same_losses(survived, healthy)
+    want, got = _shards(tmp_path / "healthy"), _shards(tmp_path / "survived")
+    assert sorted(want) == sorted(got) == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+    for shard, ref in want.items():
+        weights = {k: v for k, v in ref["model"].items() if torch.is_tensor(v) and v.is_floating_point()}
+        assert weights
+        for name, value in weights.items():
+            torch.testing.assert_close(got[shard]["model"][name], value, rtol=0, atol=1e-5, msg=f"{shard} {name}")
+        for index, state in ref["optimizer"]["state"].items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(got[shard]["optimizer"]["state"][index][key], state[key], rtol=1e-4,
+                                           atol=1e-8, msg=f"{shard} {index} {key}")
+
+
+@pytest.mark.timeout(600)
+def test_with_tensor_parallelism_a_stage_is_lost_once_each_replica_lost_one_rank(tmp_path):
+    """TP=2 x PP=2 x DP=2: rank 3 (replica p1s0) dies in iteration 1, rank 0 (replica p0s0) in
+    iteration 2. Six ranks still live, two of them in stage 0, but neither stage-0 replica is whole:
+    the agent stops the job (exit code 3) and stage 1's surviving replica writes both of its
+    tensor-parallel shards in Megatron's layout."""
+    out = _stopped(tmp_path, first=3, second=0, args=TP2, nproc=8)
+    assert "stage 0 lost every replica" in out.stdout + out.stderr
+    manifest = json.loads((tmp_path / "checkpoints" / "global_step2" / "manifest.json").read_text())
+    assert manifest["stages_saved"] == [1] and manifest["stages_lost"] == [0]
+    shards = sorted(p.parent.name for p in (tmp_path / "checkpoints" / "global_step2").glob("iter_*/*/*.pt"))
+    assert shards == ["mp_rank_00_001", "mp_rank_01_001"]
+
+
+@pytest.mark.timeout(900)
+def test_beyond_tolerance_with_restarts_every_worker_restores_from_memory_and_the_run_ends_healthy(tmp_path):
+    """PP=2 x DP=2 with in-memory snapshots and one restart allowed: both replicas of stage 0 die
+    (rank 1 in iteration 1, rank 0 in iteration 2). The agent restarts all four workers; each
+    restores its stage's newest snapshot (weights, Adam moments, megatron-core's learning-rate
+    schedule) in `resume()`, and the iterations after the restart print the healthy run's losses:
+    a schedule restored one step off, or moments lost, would change them."""
+    _, healthy = _run(["--resilience"], tmp_path)
+    config = tmp_path / "restart.json"
+    config.write_text(json.dumps({"max_failures": 1, "checkpoint": {"max_restarts": 1}, "fault_injection": [
+        {"rank": 1, "step": 1, "point": "mid_backward", "kind": "sigkill"},
+        {"rank": 0, "step": 2, "point": "before_forward", "kind": "sigkill"}]}))
+    text, restarted = _run(["--resilience-config", str(config)], tmp_path)
+    assert "restarting all workers from the in-memory snapshots" in text
+    match = re.search(r"restart 1: restored step (\d+) from the in-memory snapshots", text)
+    assert match, text[-3000:]
+    step = int(match.group(1))
+    assert step in (1, 2)  # the newest step every rank's snapshot holds (rank 0's step 2 may not be committed)
+    after = {k: v for k, v in restarted.items() if k[0] > step}
+    assert set(after) == {(i, p) for i in range(step + 1, 5) for p in (0, 1)}
+    _assert_same_losses(after, {k: healthy[k] for k in after})

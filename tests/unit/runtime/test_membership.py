@@ -1,0 +1,233 @@
+"""Membership in one process: epoch records, store waits, the epoch watcher, heartbeats, the launch
+contract, the fault injector's bookkeeping and the agent's argument checks (the agent's runs are in
+tests/live/test_agent.py)."""
+
+from __future__ import annotations
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+import pytest
+import torch.distributed as dist
+from ds_resilience.config import FaultInjection
+from ds_resilience.errors import ConfigError, ResilienceError
+from ds_resilience.runtime import agent as agent_mod
+from ds_resilience.runtime import membership as mb
+from ds_resilience.runtime.agent import EXIT_STARTUP, EXIT_STOPPED, Agent, AgentError, main_run
+from ds_resilience.runtime.faults import EXIT_CODE, FaultInjector, FaultPointError, faults_from_env
+from test_agent import WORKER, _bare_coordinator, fault, store  # noqa: F401
+
+
+def test_epoch_record_round_trip_and_invariants():
+    rec = mb.EpochRecord(epoch=2, failed=(3, 1), alive=(0, 2), reason="r", detected_at=1.5, kind="crash")
+    assert rec.failed == (1, 3)
+    assert mb.EpochRecord.from_json(rec.to_json()) == rec
+    for bad in (dict(epoch=0, failed=(), alive=(0,)), dict(epoch=1, failed=(0,), alive=(0,)),
+                dict(epoch=1, failed=(), alive=(0,), joining=(1,)), dict(epoch=1, failed=(), alive=(), kind="x"),
+                dict(epoch=1, failed=(), alive=(), stop=True, kind="crash"), dict(epoch=1, failed=(-1,), alive=())):
+        with pytest.raises(mb.MembershipError):
+            mb.EpochRecord(**bad)
+    with pytest.raises(ResilienceError):
+        mb.EpochRecord.from_json('{"epoch": 1, "bogus": 2}')
+
+
+def test_publish_read_latest_wait(store):
+    assert mb.latest_epoch(store) == 0 and mb.read_epoch(store, 1) is None
+    assert mb.wait_epoch(store, 1, 0.05) is None
+    rec = mb.EpochRecord(epoch=1, failed=(), alive=(0, 1))
+    mb.publish_epoch(store, rec)
+    assert mb.latest_epoch(store) == 1 and mb.read_epoch(store, 1) == rec == mb.wait_epoch(store, 1, 1.0)
+    with pytest.raises(mb.MembershipError, match="expected 2"):
+        mb.publish_epoch(store, mb.EpochRecord(epoch=3, failed=(), alive=(0,)))
+    mb.register_worker(store, mb.WorkerInfo(rank=1, pipeline=1, stage=0, pid=42, incarnation=2))
+    assert mb.read_worker(store, 1) == mb.WorkerInfo(rank=1, pipeline=1, stage=0, pid=42, incarnation=2)
+    assert mb.read_worker(store, 0) is None and mb.read_status(store, 0) is None
+    mb.set_status(store, 0, "saved")
+    assert mb.read_status(store, 0) == "saved"
+
+
+def test_epoch_watcher_sees_epochs_in_order_and_survives_callback_errors(store):
+    seen: list[int] = []
+
+    def on_epoch(rec: mb.EpochRecord) -> None:
+        seen.append(rec.epoch)
+        if rec.epoch == 2:
+            raise RuntimeError("a buggy callback must not kill the watcher")
+
+    mb.publish_epoch(store, mb.EpochRecord(epoch=1, failed=(), alive=(0, 1, 2)))
+    watcher = mb.EpochWatcher(store, on_epoch)  # after = latest = 1
+    watcher.start()
+    for g in range(2, 7):  # published faster than the watcher polls
+        mb.publish_epoch(store, mb.EpochRecord(epoch=g, failed=(), alive=(0, 1, 2), kind="rejoin"))
+    deadline = time.monotonic() + 5
+    while len(seen) < 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    watcher.stop()
+    assert not watcher.is_alive()
+    assert seen == [2, 3, 4, 5, 6]
+
+
+def test_a_rejoin_epoch_does_not_interrupt_a_store_wait_but_a_failure_does(store):
+    """A re-join is applied at the next iteration boundary and poisons nothing, so a store wait in
+    the iteration must go on (giving up would leave peers blocked in a collective this worker
+    walked out of); a crash after it, or alone, interrupts the wait."""
+    from ds_resilience.runtime.coordinator import Reconfigure
+
+    c = _bare_coordinator(store)
+    rejoin = mb.EpochRecord(epoch=2, failed=(), alive=(0, 1), joining=(1,), stop=False, reason="r", detected_at=0.0,
+                            kind="rejoin")
+    c._latch(rejoin)
+    assert c.pending() is rejoin and c.interrupting() is None
+    threading.Timer(0.3, lambda: store.set("k/late", "v")).start()
+    assert c.wait_key("k/late") == b"v"  # waited through the latched re-join
+    with pytest.raises(Reconfigure):
+        c.check()  # the iteration boundary applies it
+    crash = mb.EpochRecord(epoch=3, failed=(1,), alive=(0,), joining=(), stop=False, reason="c", detected_at=0.0,
+                           kind="crash")
+    c._latch(crash)
+    with pytest.raises(Reconfigure) as err:
+        c.wait_key("k/never")
+    assert err.value.record is crash
+    c.applied = 3
+    c._latch(mb.EpochRecord(epoch=4, failed=(), alive=(0, 1), joining=(1,), stop=False, reason="r",
+                            detected_at=0.0, kind="rejoin"))
+    c.begin(c.pending())  # applying the re-join itself: a newer failure still interrupts its waits
+    c._latch(mb.EpochRecord(epoch=5, failed=(1,), alive=(0,), joining=(), stop=False, reason="c",
+                            detected_at=0.0, kind="crash"))
+    assert c.interrupting().epoch == 5
+
+
+def test_a_rejoin_a_peer_started_applying_interrupts_a_store_wait(store):
+    """Ranks reach their iteration boundaries at different times: once one rank applies the
+    re-join (announce_switch), a peer still inside the iteration must give up its store waits for
+    it (the switched rank will never post what they wait for), and only for that epoch."""
+    from ds_resilience.runtime.coordinator import Reconfigure
+
+    c, peer = _bare_coordinator(store), _bare_coordinator(store)
+    rejoin = mb.EpochRecord(epoch=2, failed=(), alive=(0, 1), joining=(1,), stop=False, reason="r", detected_at=0.0,
+                            kind="rejoin")
+    c._latch(rejoin)
+    assert c.interrupting() is None
+    threading.Timer(0.3, lambda: peer.announce_switch(rejoin)).start()
+    started = time.monotonic()
+    with pytest.raises(Reconfigure) as err:
+        c.wait_key("k/never-posted")
+    assert err.value.record is rejoin and time.monotonic() - started < 3.0
+    c.begin(rejoin)  # applying it: its own waits are not interrupted by its own switch
+    assert c.interrupting() is None
+    c.mark_applied(rejoin)
+    later = mb.EpochRecord(epoch=3, failed=(), alive=(0, 1), joining=(1,), stop=False, reason="r", detected_at=0.0,
+                           kind="rejoin")
+    c._latch(later)
+    assert c.interrupting() is None  # the switch of epoch 2 says nothing about epoch 3
+
+
+def test_heartbeat_bumps_counter_and_marks_a_deliberate_stop(store):
+    hb = mb.Heartbeat(store, 3, 0.02)
+    hb.start()
+    time.sleep(0.3)
+    assert mb.read_heartbeat(store, 3) >= 5
+    assert not store.check([mb.hb_stopped_key(3)])
+    hb.stop()
+    assert not hb.is_alive() and store.check([mb.hb_stopped_key(3)])
+    value = mb.read_heartbeat(store, 3)
+    time.sleep(0.1)
+    assert mb.read_heartbeat(store, 3) == value
+
+
+def test_agent_env(monkeypatch):
+    assert mb.agent_env({}) is None
+    monkeypatch.delenv("DSR_AGENT", raising=False)
+    assert mb.agent_store_from_env() is None
+    env = {"DSR_AGENT": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234", "RANK": "2", "WORLD_SIZE": "4",
+           "DSR_INCARNATION": "1", "DSR_REJOIN": "1", "DSR_HEARTBEAT_INTERVAL_S": "0.25", "DSR_AGENT_PID": "7"}
+    assert mb.agent_env(env) == mb.AgentEnv(host="127.0.0.1", port=1234, rank=2, world_size=4, incarnation=1,
+                                            rejoin=True, heartbeat_interval_s=0.25, agent_pid=7)
+    with pytest.raises(mb.MembershipError, match="incomplete"):
+        mb.agent_env({"DSR_AGENT": "1", "MASTER_ADDR": "x"})
+
+
+# --- fault injection ----------------------------------------------------------------------------
+def test_fault_injector_fires_once_at_its_rank_step_point():
+    calls: list[tuple[int, int]] = []
+    faults = [FaultInjection(rank=1, step=2, point="in_reduce", kind="hang"),
+              FaultInjection(rank=0, step=2, point="in_reduce", kind="exit")]
+    inj = FaultInjector(faults, 1, env={}, kill=lambda pid, sig: calls.append((pid, sig)))
+    for step in range(4):
+        for point in ("before_forward", "mid_backward", "in_reduce", "in_optimizer"):
+            inj.maybe_fire(point, step)
+            inj.maybe_fire(point, step)  # the same point again: already fired
+    assert calls == [(os.getpid(), signal.SIGSTOP)]
+    assert inj.fired == [faults[0]] and inj.pending == ()
+    with pytest.raises(FaultPointError, match="allowed"):
+        inj.maybe_fire("in_forward", 0)
+
+
+def test_fault_injector_env_override_and_relaunch_disarm():
+    env = {"DSR_FAULTS": json.dumps([fault(0, 1, "mid_backward", "exit")])}
+    inj = FaultInjector([FaultInjection(rank=0, step=5, point="in_reduce", kind="exit")], 0, env=env)
+    assert [(f.step, f.point) for f in inj.pending] == [(1, "mid_backward")]
+    assert not FaultInjector((), 0, env={**env, "DSR_INCARNATION": "1"}).armed
+    assert faults_from_env({}) is None
+    with pytest.raises(ConfigError, match=r"DSR_FAULTS\[0\]\.kind"):
+        faults_from_env({"DSR_FAULTS": json.dumps([fault(0, 1, kind="explode")])})
+    with pytest.raises(ConfigError, match="DSR_FAULTS"):
+        faults_from_env({"DSR_FAULTS": "[{"})
+
+
+def test_a_delay_fault_sleeps_its_seconds_then_returns_and_needs_them(monkeypatch):
+    """``delay`` (a straggler): the main thread sleeps the fault's seconds and goes on, once; the
+    kind needs ``seconds`` and no other kind takes them."""
+    from ds_resilience.runtime import faults as faults_module
+
+    slept: list[float] = []
+    monkeypatch.setattr(faults_module.time, "sleep", slept.append)
+    inj = FaultInjector([FaultInjection(rank=0, step=3, point="in_replan", kind="delay", seconds=25.0)], 0, env={},
+                        kill=lambda pid, sig: pytest.fail("a delay sends no signal"))
+    inj.maybe_fire("in_replan", 2)
+    assert slept == []
+    inj.maybe_fire("in_replan", 3)
+    inj.maybe_fire("in_replan", 3)
+    assert slept == [25.0] and inj.pending == ()
+    with pytest.raises(ConfigError, match="seconds.*required by kind 'delay'"):
+        FaultInjection(rank=0, step=3, point="in_replan", kind="delay")
+    with pytest.raises(ConfigError, match="kind 'sigkill'"):
+        faults_from_env({"DSR_FAULTS": json.dumps([{**fault(0, 1, kind="sigkill"), "seconds": 2}])})
+
+
+def test_only_a_joining_coordinator_gives_up_its_waits_when_training_is_over(store):
+    """The survivors' waits ignore the key (they finished or are finishing by themselves); a
+    re-joining worker's waits end with TrainingOver, its other waits are untouched until then."""
+    from ds_resilience.runtime.coordinator import TrainingOver
+
+    survivor, joiner = _bare_coordinator(store), _bare_coordinator(store)
+    joiner.joining = True
+    store.set("k/posted", "v")
+    assert joiner.wait_key("k/posted") == b"v"
+    threading.Timer(0.3, lambda: store.set(mb.TRAINING_OVER_KEY, "rank 0 finished training")).start()
+    started = time.monotonic()
+    with pytest.raises(TrainingOver, match="rank 0 finished training"):
+        joiner.wait_key("k/never", timeout_s=20.0)
+    assert time.monotonic() - started < 3.0
+    with pytest.raises(ResilienceError, match="timed out"):
+        survivor.wait_key("k/never", timeout_s=0.3)
+    joiner.rank, joiner.incarnation = 1, 2
+    joiner.admitted()  # a donor's state arrived: the survivors train on with it
+    assert not joiner.joining and mb.admitted(store, 1) == 2
+    with pytest.raises(ResilienceError, match="timed out"):
+        joiner.wait_key("k/never", timeout_s=0.3)
+
+
+def test_agent_rejects_bad_arguments(tmp_path):
+    with pytest.raises(AgentError, match="num_workers"):
+        Agent(WORKER, num_workers=0)
+    with pytest.raises(AgentError, match="heartbeat"):
+        Agent(WORKER, num_workers=1, heartbeat_interval_s=1.0, heartbeat_timeout_s=1.0)
+    with pytest.raises(AgentError, match="not found"):
+        Agent(tmp_path / "nope.py", num_workers=1)
