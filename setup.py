@@ -15,6 +15,7 @@ _CUDA = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), 
 TEST = [
     "pytest>=8",
     "pytest-timeout>=2.3",
+    "pytest-xdist>=3.5",  # tests/run.sh runs the unit and dist tiers on two workers
     "hypothesis>=6",
 ]
 DEEPSPEED = ["torch>=2.4", "deepspeed>=0.19.8,<0.20"]

@@ -1,7 +1,28 @@
 #!/usr/bin/env bash
-# Set up (idempotent) and run the whole test suite: bash tests/run.sh [pytest args]
-set -euo pipefail
+# Set up (idempotent) and run the tests.
+#   bash tests/run.sh                              the whole suite (CI): unit and dist on two
+#                                                  workers, then live alone (its detectors time
+#                                                  heartbeats: they get the machine to themselves)
+#   bash tests/run.sh -m "not dist and not live"   the contributor's loop (one process per test)
+#   bash tests/run.sh [pytest args]                anything else, as pytest takes it
+set -uo pipefail
 cd "$(dirname "$0")/.."
-bash .ci/setup_env.sh
+bash .ci/setup_env.sh || exit 1
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
-exec .venv/bin/python -m pytest -c tests/pytest.ini -q "$@"
+PYTEST=(.venv/bin/python -m pytest -c tests/pytest.ini -q)
+if [ $# -gt 0 ]; then
+  exec "${PYTEST[@]}" "$@"
+fi
+reports=$(mktemp -d)
+t0=$SECONDS
+"${PYTEST[@]}" -n 2 --dist loadfile -m "not live" --junitxml="$reports/unit_dist.xml"
+first=$?
+echo "unit and dist tiers: exit $first in $((SECONDS - t0)) s"
+t1=$SECONDS
+"${PYTEST[@]}" -m live --junitxml="$reports/live.xml"
+second=$?
+echo "live tier: exit $second in $((SECONDS - t1)) s"
+.venv/bin/python tests/tools/junit_total.py "$reports"/*.xml
+echo "whole suite: $((SECONDS - t0)) s"
+rm -rf "$reports"
+[ "$first" = 0 ] && [ "$second" = 0 ]
