@@ -48,6 +48,9 @@ def _child(fn: Callable[..., Any], rank: int, world: int, port: int, env: dict[s
     import faulthandler
 
     faulthandler.dump_traceback_later(dump_after, exit=False)  # a hang shows where each rank waits
+    from ds_resilience.runtime.spawn import freeze_preloaded_objects
+
+    freeze_preloaded_objects()  # the server's imports: out of the collector's way, as for the agent's workers
     os.environ.update(
         {
             "RANK": str(rank),

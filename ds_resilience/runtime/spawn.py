@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping, Protocol, Sequence
 
-__all__ = ["PRELOAD_VAR", "WorkerProcess", "preload_modules", "start_worker", "fork_context"]
+__all__ = ["PRELOAD_VAR", "WorkerProcess", "fork_context", "freeze_preloaded_objects", "preload_modules", "start_worker"]
 
 PRELOAD_VAR = "DSR_PRELOAD"
 
@@ -110,6 +110,16 @@ def _forget_the_agents_multiprocessing() -> None:
     multiprocessing.set_start_method(None, force=True)  # the platform's default again
 
 
+def freeze_preloaded_objects() -> None:
+    """Move every object the fork server imported out of the garbage collector's reach
+    (:func:`gc.freeze`): they live as long as the process, and a full collection would otherwise
+    walk all of them (DeepSpeed's ~200k objects: ~0.1 s; with megatron.core ~0.4 s, each time
+    training's garbage triggers one), and touching them copies the server's pages into the child."""
+    import gc
+
+    gc.freeze()
+
+
 def _run_script(script: str, args: list[str], env: dict[str, str], log: str | None) -> None:
     """In the forked child: become ``python -u script args`` with ``env`` and exit as it would."""
     import atexit
@@ -128,6 +138,7 @@ def _run_script(script: str, args: list[str], env: dict[str, str], log: str | No
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
     _forget_the_agents_multiprocessing()
+    freeze_preloaded_objects()
     os.environ.clear()
     os.environ.update(env)
     os.environ["DSR_AGENT_PID"] = str(os.getppid())  # the fork server: it dies with the agent
