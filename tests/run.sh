@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Set up (idempotent) and run the tests.
 #   bash tests/run.sh                              the whole suite (CI): unit and dist on two
-#                                                  workers, then live alone (its detectors time
-#                                                  heartbeats: they get the machine to themselves)
+#                                                  workers, then live on two workers (a test file
+#                                                  per worker: live jobs spend much of their time
+#                                                  in paced steps and detection waits)
 #   bash tests/run.sh -m "not dist and not live"   the contributor's loop (one process per test)
 #   bash tests/run.sh [pytest args]                anything else, as pytest takes it
 set -uo pipefail
@@ -19,10 +20,10 @@ t0=$SECONDS
 first=$?
 echo "unit and dist tiers: exit $first in $((SECONDS - t0)) s"
 t1=$SECONDS
-"${PYTEST[@]}" -m live --junitxml="$reports/live.xml"
+"${PYTEST[@]}" -n 2 --dist loadfile -m live --junitxml="$reports/live.xml"
 second=$?
 echo "live tier: exit $second in $((SECONDS - t1)) s"
 .venv/bin/python tests/tools/junit_total.py "$reports"/*.xml
 echo "whole suite: $((SECONDS - t0)) s"
-rm -rf "$reports"
+mkdir -p .test-reports && cp "$reports"/*.xml .test-reports/ && rm -rf "$reports"  # for tests/tools/durations.py
 [ "$first" = 0 ] && [ "$second" = 0 ]
