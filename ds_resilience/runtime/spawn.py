@@ -57,7 +57,7 @@ def fork_context(modules: Sequence[str]):
     import multiprocessing as mp
 
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(modules))
+    ctx.set_forkserver_preload(["ds_resilience.runtime.spawn_server", *modules])  # it dies with its starter
     return ctx
 
 
