@@ -1,6 +1,6 @@
 """The suite's time from a JUnit XML report (``pytest --junitxml=FILE``), as Markdown tables.
 
-    python tests/tools/durations.py FILE [--top 40]
+    python tests/tools/durations.py FILE [FILE ...] [--top 40]   # e.g. .test-reports/*.xml
 
 Prints the slowest tests (setup, call and teardown together: a module fixture's run is charged to
 the first test that uses it) and the time per file and per tier. Pure standard library.
@@ -15,12 +15,13 @@ import xml.etree.ElementTree as ET
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("junit")
+    p.add_argument("junit", nargs="+")
     p.add_argument("--top", type=int, default=40)
     args = p.parse_args(argv)
     tests, files, tiers = [], collections.Counter(), collections.Counter()
-    for case in ET.parse(args.junit).iter("testcase"):
-        path = case.get("classname", "").replace(".", "/") + ".py"
+    cases = [case for path in args.junit for case in ET.parse(path).iter("testcase")]
+    for case in cases:
+        path = case.get("classname", "").replace(".", "/") + ".py"  # relative to tests/
         seconds = float(case.get("time", 0))
         tests.append((seconds, f"{path}::{case.get('name')}"))
         files[path] += seconds
