@@ -46,6 +46,10 @@ if sys.path[0] != REPO:
     sys.path.insert(0, REPO)
 
 TIERS = {"dist": ("dist",), "live": ("dist", "live")}
+# run by tests/run.sh after the live tier, with the machine to themselves: the Megatron example's
+# TP=2 SIGKILL recovery fails now and then under a second job's load (ranks exit 1 after a store
+# wait for the agreement), a timing window left open (see tests/live/test_megatron_example.py)
+ALONE = ("live/test_megatron_example.py",)
 
 
 def _cuda_devices() -> int:
@@ -78,6 +82,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         for name in TIERS.get(tier(item.path), ()):
             item.add_marker(getattr(pytest.mark, name))
+        if os.path.relpath(str(item.path), TESTS).replace(os.sep, "/") in ALONE:
+            item.add_marker(pytest.mark.alone)
         if "gpu" in item.keywords or "multigpu" in item.keywords:
             if gpus is None:
                 gpus = _cuda_devices()
