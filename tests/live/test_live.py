@@ -69,10 +69,16 @@ def run_job(tmp: Path, *, world: int = 4, faults=(), name="job", rejoin_after=No
     return code, agent.events, dumps
 
 
-def logs(tmp: Path, name: str) -> str:
+def logs(tmp: Path, name: str, tail: int = 3000) -> str:
+    """Each rank's log: its error lines first (so a truncated report still names what every rank
+    waited for), then its last ``tail`` characters."""
     out = []
     for f in sorted((tmp / f"{name}-logs").glob("*.log")):
-        out.append(f"--- {f.name}\n{f.read_text()[-3000:]}")
+        text = f.read_text()
+        errors = [x for x in text.splitlines() if "Error:" in x or "[ds_resilience]" in x and "step" in x][-6:]
+        out.append(f"--- {f.name}: " + "\n    ".join(errors))
+    for f in sorted((tmp / f"{name}-logs").glob("*.log")):
+        out.append(f"--- {f.name}\n{f.read_text()[-tail:]}")
     return "\n".join(out)
 
 
@@ -83,13 +89,17 @@ def stage_params(dumps):
     return out
 
 
-def assert_equal_to_reference(dumps, reference, *, dead=(), steps=STEPS):
+def assert_equal_to_reference(dumps, reference, *, dead=(), steps=STEPS, atol=1e-6):
+    """Every survivor ran ``steps`` and its parameters equal the fault-free run's stage. ``atol``
+    is float noise: 1e-6 where both runs execute the same schedules; runs that choose their
+    schedules from measured (profiled) costs may sum the same gradients in another order, which
+    Adam amplifies on tiny elements to a few 1e-6 over 60 steps (CI saw 1.2e-6)."""
     ref = stage_params(reference)
     for rank, d in dumps.items():
         assert d["steps"] == steps, f"rank {rank} stopped at step {d['steps']}"
         for name, t in d["params"].items():
             r = ref[d["stage"]][name]
-            assert torch.allclose(t, r, rtol=1e-5, atol=1e-6), f"rank {rank} {name}: {(t - r).abs().max():.3e}"
+            assert torch.allclose(t, r, rtol=1e-5, atol=atol), f"rank {rank} {name}: {(t - r).abs().max():.3e}"
     assert set(dumps) == set(range(len(reference))) - set(dead)
 
 
@@ -389,7 +399,7 @@ def test_a_rejoined_worker_plans_with_the_survivors_profile_and_a_later_failure_
     assert "(build 1, profile" in line and line.endswith("variant auto)"), line  # not unit costs, not recycle
     crashes = [e for e in events if e.kind == "crash"]
     assert [e.rank for e in crashes] == [1, 3], [(e.kind, e.rank) for e in events]
-    assert_equal_to_reference({r: d for r, d in dumps.items() if r != 3}, reference, steps=steps, dead=(3,))
+    assert_equal_to_reference({r: d for r, d in dumps.items() if r != 3}, reference, steps=steps, dead=(3,), atol=1e-5)
 
 
 PROFILED = {"variant": None, "profile_steps": 1, "planner": {"solver": "heuristic"}}
