@@ -83,7 +83,7 @@ class DeepSpeedStage:
         self.engine.zero_grad()
         zero = getattr(self.engine.optimizer, "zero_grad", None)
         if zero is not None:
-            zero(set_to_none=True)
+            zero()  # as DeepSpeed calls it: FusedAdam's, FusedLion's and many a client's take no argument
 
 
 def activation_checkpointing(module: Any) -> tuple[Any, bool]:

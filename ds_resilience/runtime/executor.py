@@ -371,8 +371,12 @@ class Executor:
     def _load(self, pipeline: int, microbatch: int) -> tuple[Any, Any]:
         if self.batch_source is None:
             raise ResilienceError("this worker needs micro-batches but no batch_source was given")
-        inputs, labels = self.batch_source(pipeline, self.iteration, microbatch)
-        if self.spec.device != "cpu":  # a data loader yields host tensors; the stage computes on its device
+        return self._on_device(self.batch_source(pipeline, self.iteration, microbatch))
+
+    def _on_device(self, item: tuple[Any, Any]) -> tuple[Any, Any]:
+        """A data loader yields host tensors; the stage computes on its device."""
+        inputs, labels = item
+        if self.spec.device != "cpu":
             inputs, labels = _to_device(inputs, self.spec.device), _to_device(labels, self.spec.device)
         return inputs, labels
 
@@ -491,14 +495,20 @@ class Executor:
                 elif a.kind is ActionKind.F:
                     labels = None
                     if self.is_first:
-                        inputs, labels = load(a.pipeline, a.microbatch)
-                        inputs = _as_tuple(inputs)
+                        inputs, labels = self._on_device(load(a.pipeline, a.microbatch))
+                        # a copy, as DeepSpeed loads one: partitioned activation checkpointing
+                        # empties its input's storage, and an iterator may yield one tensor again
+                        inputs = tuple(t.clone() if torch.is_tensor(t) else t for t in _as_tuple(inputs))
                     else:
                         inputs = tuple(received.pop(key))
                     if self.is_last and labels is None:
-                        _, labels = load(a.pipeline, a.microbatch)
+                        _, labels = self._on_device(load(a.pipeline, a.microbatch))
                     self.current = (a.pipeline, self.iteration, a.microbatch)
-                    outputs = (self.forward_fn or self.module)(inputs[0] if len(inputs) == 1 else inputs)
+                    # without autograd a checkpoint saves nothing: the stage's forward without it
+                    # (DeepSpeed's partitioned, contiguous checkpoints would fill buffers sized for
+                    # one backward's worth of forwards: vanilla resets them after each)
+                    forward = self.recompute or self.forward_fn or self.module
+                    outputs = forward(inputs[0] if len(inputs) == 1 else inputs)
                     if not self.is_last:
                         outputs_of[key] = outputs
                         continue
