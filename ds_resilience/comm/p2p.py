@@ -34,7 +34,7 @@ DTYPES = (
 _HEADER = 64  # int64 slots: [count, (dtype, requires_grad, ndim, dims... up to 6) per tensor]
 _MAX_TENSORS = 6
 _MAX_DIMS = 6
-_CHANNELS = {"act": 0, "grad": 1, "ctl": 2, "eval": 3}
+_CHANNELS = {"act": 0, "grad": 1, "ctl": 2, "eval": 3, "data": 4, "evaldata": 5}  # data: a relayed micro-batch
 _EVAL_TAG_BASE = 1 << 25  # evaluation messages: far from any training tag
 _META_TAG_BASE = 1 << 28
 _META_TAG_SPAN = 1 << 20
@@ -43,7 +43,7 @@ _META_TAG_SPAN = 1 << 20
 def message_tag(channel: str, pipeline: int, microbatch: int, part: int, *, dp: int, microbatches: int) -> int:
     """A tag unique per (channel, pipeline, micro-batch, part) within an iteration."""
     base = (_CHANNELS[channel] * dp + pipeline) * microbatches + microbatch
-    offset = _EVAL_TAG_BASE if channel == "eval" else 0
+    offset = _EVAL_TAG_BASE if channel in ("eval", "evaldata") else 0
     return offset + base * (2 * _MAX_TENSORS + 2) + part
 
 

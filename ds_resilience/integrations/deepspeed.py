@@ -18,7 +18,7 @@ from ..launch import LaunchEnv, launch_env
 from ..runtime.coordinator import TrainingOver
 from ..runtime.executor import BatchSource
 from ..runtime.recovery import BeyondTolerance
-from .ds_data import DataIterFactory, reroute_data_error
+from .ds_data import DataIterFactory, reroute_data_error, unfed_reason
 from .ds_engine import ResilientPipelineEngine
 from .ds_instructions import ActionSchedule, IRAction
 
@@ -152,10 +152,12 @@ def initialize(
     if mesh_param is not None:
         raise ConfigError("mesh_param", "a sequence-parallel device mesh is not supported with pipeline parallelism")
     launch = launch_env()  # the agent's contract, read once
-    if launch is not None or resilience.simulate_failed:  # micro-batches may be re-routed: any pipeline's data
-        error = reroute_data_error(training_data, batch_source, data_iter_factory)
+    if launch is not None:  # a pipeline may lose both ends within the tolerance: its data must be addressable
+        tolerance = max(resilience.max_failures, 2) if resilience.planner.all_coverable else resilience.max_failures
+        error = reroute_data_error(training_data, batch_source, data_iter_factory,
+                                   unfed=unfed_reason(model.num_stages, tolerance))
         if error is not None:
-            raise error
+            raise error  # (simulated failures are checked by the engine, which knows the grid)
     ds_dist.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                              distributed_port=distributed_port, dist_init_required=dist_init_required)
     mpu = model.mpu()

@@ -39,7 +39,7 @@ from ..accelerator import device_count
 from ..errors import ConfigError, ResilienceError
 
 __all__ = ["DataIterFactory", "DatasetSource", "EngineData", "FactorySource", "IteratorSource", "LoaderSpec",
-           "engine_batch_source", "is_map_style", "reroute_data_error"]
+           "engine_batch_source", "is_map_style", "reroute_data_error", "unfed_reason"]
 
 DataIterFactory = Callable[[int, int], Iterator[Any]]
 """(pipeline, iteration) -> an iterator over that pipeline's micro-batches from that iteration on."""
@@ -53,26 +53,50 @@ def is_map_style(dataset: Any) -> bool:
     return hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")
 
 
-def reroute_data_error(training_data: Any, batch_source: Any, data_iter_factory: Any) -> ConfigError | None:
+def reroute_data_error(training_data: Any, batch_source: Any, data_iter_factory: Any, *,
+                       unfed: str | None = None) -> ConfigError | None:
     """The error for a data path that cannot serve a failed peer's micro-batches, or ``None``.
 
-    Re-routing needs any pipeline's micro-batch on demand: ``batch_source``, a map-style
-    ``training_data`` or ``data_iter_factory`` provides it; a data iterator alone or an
-    iterable-style dataset does not (``initialize`` raises this where re-routing can happen).
+    Re-routing runs a failed worker's micro-batches on its data-parallel peers. While either end
+    of the failed worker's pipeline survives, that end hands them over from its own ``data_iter``
+    (``planning/data_relay.py``), so a data iterator alone serves them. Only a pipeline that loses
+    both ends needs an addressable source: ``batch_source``, a map-style ``training_data`` or
+    ``data_iter_factory``. ``unfed`` says when that can happen (the failure sets the tolerance
+    plans for, or the simulated ones); ``None``: it cannot, and any data path serves.
     """
-    if batch_source is not None or data_iter_factory is not None:
+    if unfed is None or batch_source is not None or data_iter_factory is not None:
         return None
     if training_data is not None and is_map_style(training_data):
         return None
     how = ("pass training_data=<a map-style torch Dataset> (DeepSpeed's sampler, made addressable), "
            "batch_source=(pipeline, iteration, microbatch) -> (inputs, labels), or "
-           "data_iter_factory=(pipeline, iteration) -> iterator over that pipeline's micro-batches from that iteration")
+           "data_iter_factory=(pipeline, iteration) -> iterator over that pipeline's micro-batches from that "
+           "iteration; or lower resilience.max_failures")
     if training_data is not None:
-        return ConfigError("training_data", f"{type(training_data).__name__} is an iterable-style dataset: its "
-                           "samples cannot be addressed by (pipeline, iteration, micro-batch), so a failed worker's "
-                           f"micro-batches cannot be re-routed to its peers; {how}")
-    return ConfigError("batch_source", "re-routing a failed worker's micro-batches to its data-parallel peers needs "
-                       "every pipeline's data, which train_batch(data_iter) alone does not give; " + how)
+        return ConfigError("training_data", f"{type(training_data).__name__} is an iterable-style dataset and "
+                           f"{unfed}: then no worker reads that pipeline's data, and its samples cannot be addressed "
+                           f"by (pipeline, iteration, micro-batch); {how}")
+    return ConfigError("batch_source", f"{unfed}: then no worker reads that pipeline's data_iter (only a pipeline's "
+                       f"first and last stages read it) and its micro-batches cannot be re-routed; {how}")
+
+
+def unfed_reason(num_stages: int, tolerance: int, simulated: Any = None) -> str | None:
+    """Why a pipeline can lose both its ends (``reroute_data_error``'s ``unfed``), or ``None``.
+
+    ``simulated``: the ``simulate_failed`` grid (a Topology) if any; ``tolerance``: the largest
+    failure set the plans cover."""
+    from ..planning.data_relay import can_lose_both_ends, unfed_pipelines
+
+    if simulated is not None:
+        lost = unfed_pipelines(simulated)
+        return f"resilience.simulate_failed fails both ends of pipeline(s) {list(lost)}" if lost else None
+    if not can_lose_both_ends(num_stages, tolerance):
+        return None
+    if num_stages == 1:
+        return ("with one pipeline stage, a failure within the tolerance (resilience.max_failures "
+                f"{tolerance}) takes a pipeline's only worker")
+    return (f"a failure set within the tolerance (resilience.max_failures {tolerance}) can take both the first "
+            "and the last stage worker of one pipeline")
 
 
 # --- training_data --------------------------------------------------------------------------------
@@ -395,6 +419,14 @@ class EngineData:
         self.engine, self.dataset, self.factory = engine, dataset, factory
         self.loader = getattr(engine, "training_dataloader", None) if dataset is not None else None
         self.iterator = IteratorSource(engine, microbatches)
+        self.relayed: dict[tuple[int, int], Any] = {}  # (pipeline, microbatch) -> item, this iteration's
+        self.relayed_iteration: int | None = None
+
+    @property
+    def relays(self) -> bool:
+        """Whether other pipelines' micro-batches come from their pipelines' surviving ends
+        (``integrations/ds_relay.py``): no addressable source serves them."""
+        return not self.from_dataset and self.factory is None
 
     @property
     def from_dataset(self) -> bool:
@@ -404,9 +436,13 @@ class EngineData:
     def __call__(self, pipeline: int, iteration: int, microbatch: int) -> Any:
         if self.from_dataset:
             return self.dataset(pipeline, iteration, microbatch)
-        if pipeline == self.engine.me.pipeline or self.factory is None:
+        if pipeline == self.engine.me.pipeline:
             return self.iterator(pipeline, iteration, microbatch)
-        return self.factory(pipeline, iteration, microbatch)
+        if self.factory is not None:
+            return self.factory(pipeline, iteration, microbatch)
+        if self.relayed_iteration == iteration and (pipeline, microbatch) in self.relayed:
+            return self.relayed[(pipeline, microbatch)]
+        return self.iterator(pipeline, iteration, microbatch)  # its error names the sources
 
     def close(self) -> None:
         if self.dataset is not None:
@@ -414,26 +450,30 @@ class EngineData:
 
 
 def engine_batch_source(engine: Any, *, batch_source: Callable | None, data_iter_factory: DataIterFactory | None,
-                        rerouting: bool) -> Callable:
+                        rerouting: bool, unfed: str | None = None) -> Callable:
     """The batch source a :class:`~.ds_engine.ResilientPipelineEngine` gives its executor.
 
     ``rerouting``: the engine may run another pipeline's micro-batches (under the agent, or with
-    simulated failures); then a data path that cannot serve them is a :class:`ConfigError` (as
-    ``initialize`` checks too), and so is a ``training_data`` whose sampling cannot be addressed.
+    simulated failures); ``unfed``: why a pipeline may lose both its ends (:func:`unfed_reason`),
+    then a data path that cannot serve its micro-batches is a :class:`ConfigError`, and so is a
+    ``training_data`` whose sampling cannot be addressed.
     """
     if batch_source is not None:
         return batch_source
     dataset = getattr(engine, "training_data", None)
     if rerouting:
-        error = reroute_data_error(dataset, batch_source, data_iter_factory)
+        error = reroute_data_error(dataset, batch_source, data_iter_factory, unfed=unfed)
         if error is not None:
             raise error
     source = None
     if dataset is not None and is_map_style(dataset):
         if engine.curriculum_learning_enabled():
-            if rerouting and data_iter_factory is None:
-                raise ConfigError("data_efficiency", "curriculum learning samples training_data by difficulty, "
-                                  "which cannot be addressed per (pipeline, iteration, micro-batch): pass batch_source=")
+            # the loader's items are relayed by a pipeline's surviving end; with both ends lost
+            # nothing can give them: sampled by difficulty, they cannot be addressed
+            if rerouting and data_iter_factory is None and unfed is not None:
+                raise ConfigError("data_efficiency", f"curriculum learning samples training_data by difficulty, "
+                                  f"which cannot be addressed per (pipeline, iteration, micro-batch), and {unfed}: "
+                                  f"pass batch_source= or lower resilience.max_failures")
         else:
             source = DatasetSource.of_engine(engine, dataset)
             _stop_deepspeed_prefetch(engine)

@@ -43,6 +43,7 @@ from ..runtime.plan_agreement import (PublisherLost, adopt_published, announce, 
                                       publish)
 from ..runtime.progress import Progress
 from ..launch import LaunchEnv
+from ..planning.data_relay import relay_plan
 from ..planning.provider import ScheduleChoice, ScheduleProvider
 from ..planning.stage_mix import fused_in, split_margin
 from ..runtime.coordinator import Coordinator
@@ -60,7 +61,8 @@ from .ds_checkpoints import export_stage, save_on_survivors
 from .ds_evaluation import evaluate
 from .ds_profile import from_engine as profile_from_engine, requested as profile_requested
 from .ds_reporting import is_reporter, plan_line, report
-from .ds_data import DataIterFactory, engine_batch_source
+from .ds_data import DataIterFactory, EngineData, engine_batch_source, unfed_reason
+from .ds_relay import exchange, unserved_error
 from .ds_regrid import RegridContext, regrid, regrid_blocker, regrid_pays_for
 from .ds_stage import DeepSpeedStage, activation_checkpointing, tied_layout
 
@@ -168,7 +170,7 @@ class ResilientPipelineEngine(PipelineEngine):
                       device=str(self.device) if torch.device(self.device).type != "cpu" else "cpu"),
             module=self.module, parameters=self.stage_host.parameters, loss_fn=self.module.loss_fn,
             batch_source=engine_batch_source(self, batch_source=batch_source, data_iter_factory=data_iter_factory,
-                                             rerouting=live or bool(failed)),
+                                             rerouting=live or bool(failed), unfed=self._unfed(failed, live)),
             rank_of=lambda i: self.topology.rank(self.topology.worker(i)),
             step=self.stage_host.step, recompute=recompute, fault_hook=self.faults.maybe_fire, hooks=self.tier,
             tied=tied_params, counted_tied=[g for g, stages in enumerate(self.tied_groups) if stages[0] == self.stage_id],
@@ -507,6 +509,47 @@ class ResilientPipelineEngine(PipelineEngine):
             exclude=self.gone,
         )
 
+    def _unfed(self, failed: frozenset[Worker], live: bool) -> str | None:
+        """Why a pipeline may lose both its ends (then only an addressable source feeds it): the
+        simulated failure set, or under the agent any set within the tolerance (``None``: never)."""
+        if failed:
+            return unfed_reason(self.num_stages, 0, simulated=self.topology.without(failed))
+        if not live:
+            return None
+        planner = self.resilience.planner
+        tolerance = max(self.resilience.max_failures, 2) if planner.all_coverable else self.resilience.max_failures
+        return unfed_reason(self.num_stages, tolerance)
+
+    def _relay_data(self) -> None:
+        """Other pipelines' micro-batches this worker runs, from their pipelines' surviving ends
+        (``integrations/ds_relay.py``): at the start of the iteration, before any other message."""
+        source = self.executor.batch_source
+        if not isinstance(source, EngineData) or not source.relays:
+            return
+        generation = self.generation
+        cached = getattr(self, "_relay_for", None)
+        if cached is None or cached[0] is not generation.schedule or cached[1] is not generation.topology:
+            self._relay_for = (generation.schedule, generation.topology,
+                               relay_plan(generation.topology, generation.schedule.workers))
+        plan = self._relay_for[2]
+        source.relayed, source.relayed_iteration = {}, None
+        if not plan:
+            return
+        mine = [u for u in plan.unserved if any(a.kind is ActionKind.F and (a.pipeline, a.microbatch, a.stage) == u
+                                                for a in self.actions)]
+        if mine:
+            raise unserved_error(plan, what="micro-batches", how="pass batch_source=, a map-style training_data "
+                                 "or data_iter_factory= to ds_resilience.initialize")
+        step = self.global_steps
+        source.relayed = exchange(plan, self.my_index, group=generation.groups.world, rank_of=self._rank_of,
+                                  read=lambda p, m: source.iterator(p, step, m), channel="data",
+                                  dp=self.topology.dp, microbatches=self.micro_batches,
+                                  timeout_s=self.resilience.detector.pg_timeout_s)
+        source.relayed_iteration = step
+
+    def _rank_of(self, index: int) -> int:
+        return self.topology.rank(self.topology.worker(index))
+
     def _first_generation(self, failed: frozenset[Worker], *, live: bool, rejoin: bool) -> Generation:
         """The schedule and groups to start with.
 
@@ -645,6 +688,7 @@ class ResilientPipelineEngine(PipelineEngine):
         if self.profiler is not None:
             self.profiler.before()  # the profile's iterations run its own schedules
         self.executor.resolve()  # the previous step is validated before this iteration's forwards
+        self._relay_data()
         self.executor.begin_iteration(self.global_steps, self.actions, self._early_posts())
         self.tier.begin_iteration(self.schedule, self.my_index, self.provider.cost)
         if self.progress is None:

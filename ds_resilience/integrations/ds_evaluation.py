@@ -3,7 +3,9 @@
 Micro-batch m of pipeline p runs forward at each stage on the worker the re-routing assignment
 gives it (``planning/inference.py``): its own worker, or a surviving data-parallel peer of that
 stage. A worker reads its own pipeline's micro-batches from the ``data_iter`` it is given, as in
-DeepSpeed, and other pipelines' from ``eval_source(pipeline, step, microbatch)``. The last stage's
+DeepSpeed, and other pipelines' from ``eval_source(pipeline, step, microbatch)`` if given, else from
+the surviving end of their pipeline, which reads the same items from its own ``data_iter`` and
+hands them over before the forwards (``integrations/ds_relay.py``). The last stage's
 survivors sum their micro-batches' losses and divide by the global count, exactly vanilla's average
 over micro-batches and then over data-parallel ranks; the value travels to every survivor as
 vanilla's broadcast leaves it (0-dim on the last stage, shape (1,) elsewhere, float32).
@@ -16,7 +18,10 @@ from typing import Any
 import torch
 
 from ..errors import ResilienceError
+from ..ir import ActionKind
+from ..planning.data_relay import relay_plan
 from ..planning.inference import inference_actions
+from .ds_relay import exchange, unserved_error
 from .ds_reporting import is_reporter, write_monitor
 
 __all__ = ["evaluate"]
@@ -32,19 +37,33 @@ def evaluate(engine: Any, data_iter, micro_batches: int, return_logits: bool, co
     own: dict[int, Any] = {}
     step = engine.global_steps
 
+    relayed: dict[tuple[int, int], Any] = {}
+
     def load(pipeline: int, microbatch: int):
         if pipeline == engine.me.pipeline and data_iter is not None:
             while microbatch not in own:
                 own[len(own)] = next(data_iter)
             return own[microbatch]
+        if (pipeline, microbatch) in relayed:
+            return relayed[(pipeline, microbatch)]
         if engine.eval_source is None:
             raise ResilienceError(
                 f"evaluation micro-batch {microbatch} of pipeline {pipeline} runs on this worker (its own worker "
-                f"failed, or no data_iter was given): pass eval_source=(pipeline, step, microbatch) -> "
-                f"(inputs, labels) to ds_resilience.initialize")
+                f"failed, or no data_iter was given): pass data_iter to eval_batch on every first and last stage, "
+                f"or eval_source=(pipeline, step, microbatch) -> (inputs, labels) to ds_resilience.initialize")
         return engine.eval_source(pipeline, step, microbatch)
 
-    actions = inference_actions(engine.current, micro_batches)[engine.my_index]
+    every = inference_actions(engine.current, micro_batches)
+    actions = every[engine.my_index]
+    if engine.eval_source is None:
+        plan = relay_plan(engine.current, every)
+        if any((a.pipeline, a.microbatch, a.stage) in plan.unserved for a in actions if a.kind is ActionKind.F):
+            raise unserved_error(plan, what="evaluation micro-batches",
+                                 how="pass eval_source=(pipeline, step, microbatch) -> (inputs, labels) to "
+                                     "ds_resilience.initialize")
+        relayed.update(exchange(plan, engine.my_index, group=groups.world, rank_of=engine._rank_of, read=load,
+                                channel="evaldata", dp=engine.topology.dp, microbatches=micro_batches,
+                                timeout_s=engine.resilience.detector.pg_timeout_s))
     result = engine.executor.evaluate(actions, load=load, microbatches=micro_batches, compute_loss=compute_loss)
     last = engine.stage_id == engine.num_stages - 1
     eval_output = None

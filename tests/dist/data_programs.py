@@ -179,10 +179,13 @@ def train_scenarios(rank: int, world: int, scenarios: list[dict], steps: int) ->
             config["resilience"] = {"planner": {"solver": "heuristic"}, "simulate_failed": sc.get("failed", [])}
             if data == "data_iter":
                 kwargs["data_iter_factory"] = lambda p, i: pipeline_stream(dataset, p, dp, start=i * MICROBATCHES)
+            # "iter_only": train_batch(data_iter) and nothing else, as DeepSpeed users write it: a
+            # failed end's micro-batches come from the other end of its pipeline
             engine, *_ = ds_resilience.initialize(model=module, config=config, model_parameters=params, **kwargs)
         pipeline = engine.grid.data_parallel_id
         # a user's own DataLoader with worker processes, as DeepSpeed users feed train_batch(data_iter)
-        data_iter = pipeline_stream(dataset, pipeline, dp, num_workers=2) if data == "data_iter" else None
+        data_iter = (pipeline_stream(dataset, pipeline, dp, num_workers=2) if data in ("data_iter", "iter_only")
+                     else None)
         SEEN.clear()
         losses = []
         for _ in range(steps):
@@ -233,14 +236,16 @@ def rejections(rank: int, world: int) -> dict[str, Any]:
         out[name] = {"error": None, "loss": None if loss is None else float(loss)}
         del engine
 
-    simulated = {"simulate_failed": ["1:1"]}
-    attempt("simulated_iterator_only", simulated)
-    attempt("simulated_iterable_dataset", simulated, training_data=Stream())
+    both_ends = {"simulate_failed": ["1:0", "1:1"]}
+    attempt("simulated_iterator_only", both_ends)
+    attempt("simulated_one_end_iterator_only", {"simulate_failed": ["1:1"]})
     attempt("no_rerouting_iterator_only", {})
     saved = dsi.launch_env
     dsi.launch_env = lambda: object()  # as under `ds-resilience run`: the check comes before the launch is used
     try:
-        attempt("agent_iterator_only", {})
+        attempt("agent_iterator_only", {"max_failures": 2})
+        attempt("agent_iterable_dataset", {"planner": {"solver": "heuristic", "all_coverable": True}},
+                training_data=Stream())
     finally:
         dsi.launch_env = saved
     torch.distributed.barrier()

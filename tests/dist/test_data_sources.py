@@ -21,7 +21,7 @@ from data_programs import (MICROBATCHES, IndexedDataset, Stream, loader_streams,
 from dist_harness import run_workers
 from ds_resilience.errors import ConfigError, ResilienceError
 from ds_resilience.integrations.ds_data import (DatasetSource, FactorySource, IteratorSource, LoaderSpec,
-                                                reroute_data_error)
+                                                reroute_data_error, unfed_reason)
 
 
 def _same(a, b) -> bool:
@@ -68,15 +68,23 @@ def test_own_pipeline_streams_through_loader_workers_and_any_access_order_reads_
         source.close()
 
 
-def test_iterable_dataset_and_iterator_only_are_rejected_with_what_to_pass():
-    assert reroute_data_error(IndexedDataset(), None, None) is None
-    assert reroute_data_error(None, lambda *a: None, None) is None
-    assert reroute_data_error(Stream(), None, lambda p, i: iter(())) is None
-    err = reroute_data_error(Stream(), None, None)
+def test_iterable_dataset_and_iterator_only_are_rejected_only_where_a_pipeline_can_lose_both_ends():
+    """A pipeline's surviving end relays its data (planning/data_relay.py): only a tolerance that
+    lets a pipeline lose both ends (one failure with one stage, two otherwise) needs an
+    addressable source, and the error names what to pass."""
+    both = unfed_reason(2, 2)
+    assert unfed_reason(2, 1) is None and unfed_reason(4, 1) is None
+    assert unfed_reason(1, 1) and "only worker" in unfed_reason(1, 1) and "max_failures 2" in both
+    for unfed in (None, both):
+        assert reroute_data_error(IndexedDataset(), None, None, unfed=unfed) is None
+        assert reroute_data_error(None, lambda *a: None, None, unfed=unfed) is None
+        assert reroute_data_error(Stream(), None, lambda p, i: iter(()), unfed=unfed) is None
+    assert reroute_data_error(Stream(), None, None) is None and reroute_data_error(None, None, None) is None
+    err = reroute_data_error(Stream(), None, None, unfed=both)
     assert isinstance(err, ConfigError) and err.path == "training_data" and "iterable-style" in str(err)
-    err = reroute_data_error(None, None, None)
-    assert isinstance(err, ConfigError) and err.path == "batch_source"
-    for name in ("training_data=", "batch_source=", "data_iter_factory="):
+    err = reroute_data_error(None, None, None, unfed=both)
+    assert isinstance(err, ConfigError) and err.path == "batch_source" and "both the first and the last" in str(err)
+    for name in ("training_data=", "batch_source=", "data_iter_factory=", "max_failures"):
         assert name in str(err)
 
 
@@ -180,6 +188,8 @@ SCENARIOS = [
     {"name": "it", "engine": "resilient", "data": "data_iter"},
     {"name": "it_first", "engine": "resilient", "data": "data_iter", "failed": ["1:0"]},
     {"name": "it_last", "engine": "resilient", "data": "data_iter", "failed": ["0:1"]},
+    {"name": "relay_first", "engine": "resilient", "data": "iter_only", "failed": ["1:0"]},
+    {"name": "relay_last", "engine": "resilient", "data": "iter_only", "failed": ["0:1"]},
 ]
 
 
@@ -190,9 +200,11 @@ def trained():
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("name", ["td", "td_first", "td_last", "it", "it_first", "it_last"])
+@pytest.mark.parametrize("name", ["td", "td_first", "td_last", "it", "it_first", "it_last", "relay_first",
+                                  "relay_last"])
 def test_rerouted_microbatches_train_on_the_failed_workers_samples_and_match_fault_free(trained, name):
-    """(b) training_data and (c) train_batch(data_iter) + data_iter_factory: in every step, the
+    """(b) training_data, (c) train_batch(data_iter) + data_iter_factory and (e) train_batch(data_iter)
+    alone, the failed end's micro-batches relayed by its pipeline's other end: in every step, the
     micro-batches run on the survivors (first-stage inputs and last-stage labels) are exactly every
     pipeline's, the failed worker's included, and the parameters equal vanilla DeepSpeed's."""
     steps, results = trained
@@ -225,9 +237,10 @@ def test_rerouted_microbatches_train_on_the_failed_workers_samples_and_match_fau
 
 @pytest.mark.timeout(200)
 def test_initialize_rejects_a_data_path_that_cannot_reroute():
-    """(d) Under the agent or with simulated failures, train_batch(data_iter) alone or an
-    iterable-style training_data is a ConfigError at initialize naming what to pass; without
-    either, train_batch(data_iter) alone works as in DeepSpeed."""
+    """(d) Where a pipeline can lose both ends (a simulated failure set, or under the agent a
+    tolerance of two), train_batch(data_iter) alone or an iterable-style training_data is a
+    ConfigError at initialize naming what to pass; with one end left, or without re-routing,
+    train_batch(data_iter) alone works as in DeepSpeed."""
     results = run_workers(rejections, 4, timeout_s=180)
     for r in results:
         for name in ("simulated_iterator_only", "agent_iterator_only"):
@@ -235,7 +248,11 @@ def test_initialize_rejects_a_data_path_that_cannot_reroute():
             assert r[name]["error"] and r[name]["path"] == "batch_source", r[name]
             for what in ("training_data=", "batch_source=", "data_iter_factory="):
                 assert what in err, err
-        err = r["simulated_iterable_dataset"]
+        assert "pipeline(s) [1]" in r["simulated_iterator_only"]["error"]
+        assert "max_failures 2" in r["agent_iterator_only"]["error"]
+        err = r["agent_iterable_dataset"]  # (DeepSpeed's own loader cannot sample one at all)
         assert err["path"] == "training_data" and "iterable-style" in err["error"], err
         assert r["no_rerouting_iterator_only"]["error"] is None
+        assert r["simulated_one_end_iterator_only"]["error"] is None  # the other end relays its data
     assert any(r["no_rerouting_iterator_only"]["loss"] is not None for r in results)
+    assert any(r["simulated_one_end_iterator_only"]["loss"] is not None for r in results)
