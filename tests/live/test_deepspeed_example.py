@@ -1,0 +1,78 @@
+"""examples/deepspeed_pipe/train.py: DeepSpeed's own pipeline example as its users write it (a CNN
+with a lambda layer and dropout, ``training_data``, ``deepspeed.add_config_arguments``, the
+example's ``"type": "Adam"`` config with DeepSpeed's default clipping), with only
+``ds_resilience.initialize`` swapped in, under ``ds-resilience run``.
+
+Its ``--eval`` loop is the one users write: ``eval_batch(data_iter)`` after every step with no
+``eval_source`` and ``save_checkpoint`` every other step. Through a SIGKILL mid-backward, every
+survivor prints the fault-free run's training and evaluation losses at every step: the dead
+worker's training micro-batches come from ``training_data`` (addressable), its evaluation
+micro-batches from the other end of its pipeline, which reads the same ``data_iter`` items.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "deepspeed_pipe"
+STEPS = 6
+LINE = re.compile(r"^\[rank (\d+)\] step (\d+) loss (\S+) eval_loss (\S+)$", re.M)
+
+
+def _run(tmp: Path, name: str, faults=()) -> tuple[int, str, dict[int, dict[int, tuple[str, str]]]]:
+    config = json.loads((EXAMPLE / "ds_config.json").read_text())
+    # the user's config, plus what a test needs: its failure, and a detector fast enough for CI
+    config["resilience"] = {"fault_injection": list(faults),
+                            "detector": {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 2.0}}
+    path = tmp / f"{name}.json"
+    path.write_text(json.dumps(config))
+    cmd = [sys.executable, "-m", "ds_resilience.cli", "run", "--num_workers", "4", "--log_dir", str(tmp / f"{name}-logs"),
+           str(EXAMPLE / "train.py"), "--deepspeed_config", str(path), "-p", "2", "--steps", str(STEPS), "--eval",
+           "--save-dir", str(tmp / f"{name}-ckpt")]
+    out = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=400,
+                         env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    text = out.stdout + out.stderr
+    for log in sorted((tmp / f"{name}-logs").glob("*.log")):
+        text += f"\n--- {log.name}\n" + log.read_text()
+    lines: dict[int, dict[int, tuple[str, str]]] = {}
+    for rank, step, loss, eval_loss in LINE.findall(text):
+        lines.setdefault(int(rank), {})[int(step)] = (loss, eval_loss)
+    return out.returncode, text, lines
+
+
+@pytest.fixture(scope="module")
+def fault_free(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ref")
+    code, text, lines = _run(tmp, "ref")
+    assert code == 0, text[-4000:]
+    assert set(lines) == {0, 1, 2, 3} and all(len(v) == STEPS for v in lines.values()), text[-4000:]
+    per_step = {s: {lines[r][s] for r in lines} for s in range(1, STEPS + 1)}
+    assert all(len(v) == 1 for v in per_step.values()), per_step  # every rank prints the global losses
+    return {s: v.pop() for s, v in per_step.items()}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("rank, step", [(1, 2), (2, 3)])
+def test_the_deepspeed_example_prints_the_fault_free_losses_through_a_sigkill(tmp_path, fault_free, rank, step):
+    """Rank 1 is pipeline 1's first stage (its evaluation inputs come from rank 3, that pipeline's
+    last stage), rank 2 pipeline 0's last stage (its labels come from rank 0)."""
+    faults = [{"rank": rank, "step": step, "point": "mid_backward", "kind": "sigkill"}]
+    code, text, lines = _run(tmp_path, "job", faults)
+    assert code == 0, text[-6000:]
+    assert re.search(rf"rank {rank} crashed \(killed by SIGKILL\)", text), text[-3000:]
+    survivors = sorted(set(range(4)) - {rank})
+    for r in survivors:
+        assert lines.get(r) == fault_free, (r, lines.get(r), fault_free)
+    # (the fault's step counts iterations from 0: the rank printed steps 1..step before it died)
+    assert set(lines.get(rank, {})) == set(range(1, step + 1)), sorted(lines.get(rank, {}))
+    # save_checkpoint every other step went on after the failure: the last tag is the last even step
+    latest = (tmp_path / "job-ckpt" / "latest").read_text().strip()
+    assert latest == f"global_step{STEPS}", latest
