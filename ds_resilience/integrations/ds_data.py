@@ -328,11 +328,15 @@ class IteratorSource:
 
     KEEP_ITERATIONS = 2
 
-    def __init__(self, engine: Any, microbatches: int) -> None:
+    def __init__(self, engine: Any, microbatches: int, *, catch_up: bool = False) -> None:
         self.engine = engine
         self.microbatches = microbatches
         self.items: dict[int, dict[int, Any]] = {}
         self._order: list[int] = []  # iterations in the order they were first read
+        # a relaunched worker (re-join, restart) builds its data_iter as at the job's start: its
+        # first read skips the items of the iterations its pipeline ran before (the others read them)
+        self.catch_up = catch_up
+        self.skipped = 0
 
     @property
     def iteration(self) -> int | None:
@@ -359,8 +363,22 @@ class IteratorSource:
             if self.engine.data_iterator is None:
                 raise ResilienceError("train_batch() needs data: pass data_iter=..., training_data= to initialize, "
                                       "or batch_source= to ds_resilience.initialize")
+            if self.catch_up:
+                self.catch_up = False
+                self._skip(iteration * self.microbatches)
             items[len(items)] = next(self.engine.data_iterator)
         return items[microbatch]
+
+    def _skip(self, count: int) -> None:
+        for _ in range(count):
+            next(self.engine.data_iterator)
+        self.skipped = count
+        if count:
+            import sys
+
+            print(f"[ds_resilience] rank {getattr(self.engine, 'rank', '?')}: relaunched at iteration "
+                  f"{count // self.microbatches}: skipped the first {count} items of its data_iter (its pipeline "
+                  f"ran them before; the iterator is taken as built at the job's start)", file=sys.stderr, flush=True)
 
 
 class FactorySource:
@@ -418,7 +436,9 @@ class EngineData:
                  factory: FactorySource | None = None) -> None:
         self.engine, self.dataset, self.factory = engine, dataset, factory
         self.loader = getattr(engine, "training_dataloader", None) if dataset is not None else None
-        self.iterator = IteratorSource(engine, microbatches)
+        launch = getattr(engine, "launch", None)
+        relaunched = launch is not None and bool(launch.rejoin or launch.restart)
+        self.iterator = IteratorSource(engine, microbatches, catch_up=relaunched)
         self.relayed: dict[tuple[int, int], Any] = {}  # (pipeline, microbatch) -> item, this iteration's
         self.relayed_iteration: int | None = None
 

@@ -150,6 +150,9 @@ def _run_script(script: str, args: list[str], env: dict[str, str], log: str | No
         sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
     code: int = 0
     try:
+        from .rejoin_boot import stand_in_default_group
+
+        stand_in_default_group(env)
         runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
         if exc.code is None:
@@ -195,7 +198,8 @@ def start_worker(script: str, args: Sequence[str], *, env: Mapping[str, str], lo
         Path(log).parent.mkdir(parents=True, exist_ok=True)
         out = open(log, "wb")  # noqa: SIM115 - the child keeps it
     try:
-        return subprocess.Popen([sys.executable, "-u", str(script), *args], env=dict(env), stdin=subprocess.DEVNULL,
+        boot = ["-m", "ds_resilience.runtime.rejoin_boot"] if env.get("DSR_REJOIN") == "1" else []
+        return subprocess.Popen([sys.executable, "-u", *boot, str(script), *args], env=dict(env), stdin=subprocess.DEVNULL,
                                 stdout=out, stderr=subprocess.STDOUT if out else None)
     finally:
         if out is not None:

@@ -13,15 +13,18 @@ separable). Run it under the agent::
         --deepspeed_config examples/deepspeed_pipe/ds_config.json -p 2 --steps 20
 
 ``--eval`` also runs the evaluation loop users write: ``eval_batch(data_iter)`` after every step on
-a held-out set (DeepSpeed's loader for this data-parallel rank, as ``engine.deepspeed_io`` builds
-it) and ``save_checkpoint`` every other step. Every rank prints ``step N loss X`` (and
-``eval_loss Y``) after each step.
+a held-out set (a fresh iterator over DeepSpeed's loader for this data-parallel rank, as
+``engine.deepspeed_io`` builds it) and ``save_checkpoint`` every other step. Every rank prints ``step N loss X`` (and
+``eval_loss Y``) after each step. ``--data-iter`` feeds ``train_batch(data_iter)`` from this rank's
+DeepSpeed loader instead of ``training_data``; a relaunched worker (``--rejoin_after``) builds it
+again from the start, and the engine skips the items its pipeline ran before.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import time
 
 import deepspeed
 import torch
@@ -87,6 +90,10 @@ def get_args():
     parser.add_argument("--eval", action="store_true", help="eval_batch(data_iter) every step, save_checkpoint "
                         "every other step")
     parser.add_argument("--save-dir", default=None, help="where --eval saves checkpoints (default: ./checkpoints)")
+    parser.add_argument("--data-iter", action="store_true", help="train_batch(data_iter) with this rank's "
+                        "DeepSpeed loader (engine.deepspeed_io) instead of training_data")
+    parser.add_argument("--min-step-seconds", type=float, default=0.0, help="pace the loop (demos, tests: a "
+                        "relaunched worker has time to join before the end)")
     parser.add_argument("--vanilla", action="store_true", help="deepspeed.initialize instead of ds_resilience's")
     parser = deepspeed.add_config_arguments(parser)
     return parser.parse_args()
@@ -100,21 +107,25 @@ def train_pipe(args) -> None:
     trainset = SyntheticImages(args.dataset_size, args.seed)
     init = deepspeed.initialize if args.vanilla else ds_resilience.initialize
     engine, _, _, _ = init(args=args, model=net, model_parameters=[p for p in net.parameters() if p.requires_grad],
-                           training_data=trainset)
-    eval_iter = None
-    if args.eval:
-        evalset = SyntheticImages(engine.train_batch_size() * 2, args.seed + 1)
-        eval_iter = iter(RepeatingLoader(engine.deepspeed_io(evalset)))
+                           training_data=None if args.data_iter else trainset)
+    train_iter = iter(RepeatingLoader(engine.deepspeed_io(trainset))) if args.data_iter else None
+    eval_loader = None
+    if args.eval:  # a held-out set: each evaluation reads its first batches (as many as a step has)
+        eval_loader = engine.deepspeed_io(SyntheticImages(engine.train_batch_size(), args.seed + 1))
     rank = dist.get_rank()
-    for step in range(args.steps):
-        loss = engine.train_batch()
+    # from the engine's step, as a loop that resumes from a checkpoint is written: a worker the agent
+    # relaunched (--rejoin_after) joins the survivors at their step
+    for step in range(engine.global_steps, args.steps):
+        started = time.monotonic()
+        loss = engine.train_batch(data_iter=train_iter)
         line = f"[rank {rank}] step {step + 1} loss {float(loss):.6f}"
-        if eval_iter is not None:
-            eval_loss = engine.eval_batch(data_iter=eval_iter)
+        if eval_loader is not None:
+            eval_loss = engine.eval_batch(data_iter=iter(eval_loader))
             line += f" eval_loss {float(eval_loss):.6f}"
             if (step + 1) % 2 == 0:
                 engine.save_checkpoint(args.save_dir or os.path.join(os.getcwd(), "checkpoints"))
         print(line, flush=True)
+        time.sleep(max(0.0, args.min_step_seconds - (time.monotonic() - started)))
 
 
 if __name__ == "__main__":

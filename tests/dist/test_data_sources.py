@@ -96,6 +96,16 @@ class _Engine:
         self.data_iterator = iterator
 
 
+def test_a_relaunched_worker_skips_the_items_its_pipeline_ran_before():
+    """A re-joined (or restarted) worker's script builds its data_iter as at the job's start; the
+    iteration it resumes at reads the items DeepSpeed's order gives that iteration."""
+    source = IteratorSource(_Engine(0, iter(range(100))), 3, catch_up=True)
+    assert [source(0, 4, 0), source(0, 4, 2), source(0, 5, 0)] == [12, 14, 15]
+    assert source.skipped == 12
+    fresh = IteratorSource(_Engine(0, iter(range(100))), 3)  # a fresh job: positional, as DeepSpeed
+    assert fresh(0, 4, 0) == 0 and fresh.skipped == 0
+
+
 def test_iterator_source_replays_the_current_and_the_previous_iteration():
     """A stage that stepped ahead into iteration 3 and is rolled back to 2 replays 2 from what it
     kept; an iteration it has not read reads on (a load went back), as DeepSpeed does."""

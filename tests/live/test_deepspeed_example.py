@@ -27,7 +27,8 @@ STEPS = 6
 LINE = re.compile(r"^\[rank (\d+)\] step (\d+) loss (\S+) eval_loss (\S+)$", re.M)
 
 
-def _run(tmp: Path, name: str, faults=()) -> tuple[int, str, dict[int, dict[int, tuple[str, str]]]]:
+def _run(tmp: Path, name: str, faults=(), *, extra=(), agent=(), steps=STEPS
+         ) -> tuple[int, str, dict[int, dict[int, tuple[str, str]]]]:
     config = json.loads((EXAMPLE / "ds_config.json").read_text())
     # the user's config, plus what a test needs: its failure, and a detector fast enough for CI
     config["resilience"] = {"fault_injection": list(faults),
@@ -35,8 +36,8 @@ def _run(tmp: Path, name: str, faults=()) -> tuple[int, str, dict[int, dict[int,
     path = tmp / f"{name}.json"
     path.write_text(json.dumps(config))
     cmd = [sys.executable, "-m", "ds_resilience.cli", "run", "--num_workers", "4", "--log_dir", str(tmp / f"{name}-logs"),
-           str(EXAMPLE / "train.py"), "--deepspeed_config", str(path), "-p", "2", "--steps", str(STEPS), "--eval",
-           "--save-dir", str(tmp / f"{name}-ckpt")]
+           *agent, str(EXAMPLE / "train.py"), "--deepspeed_config", str(path), "-p", "2", "--steps", str(steps),
+           "--eval", "--save-dir", str(tmp / f"{name}-ckpt"), *extra]
     out = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=400,
                          env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
     text = out.stdout + out.stderr
@@ -44,19 +45,22 @@ def _run(tmp: Path, name: str, faults=()) -> tuple[int, str, dict[int, dict[int,
         text += f"\n--- {log.name}\n" + log.read_text()
     lines: dict[int, dict[int, tuple[str, str]]] = {}
     for rank, step, loss, eval_loss in LINE.findall(text):
-        lines.setdefault(int(rank), {})[int(step)] = (loss, eval_loss)
+        assert lines.setdefault(int(rank), {}).setdefault(int(step), (loss, eval_loss)) == (loss, eval_loss)
     return out.returncode, text, lines
+
+
+def _fault_free(tmp, extra=(), steps=STEPS):
+    code, text, lines = _run(tmp, "ref", extra=extra, steps=steps)
+    assert code == 0, text[-4000:]
+    assert set(lines) == {0, 1, 2, 3} and all(len(v) == steps for v in lines.values()), text[-4000:]
+    per_step = {s: {lines[r][s] for r in lines} for s in range(1, steps + 1)}
+    assert all(len(v) == 1 for v in per_step.values()), per_step  # every rank prints the global losses
+    return {s: v.pop() for s, v in per_step.items()}
 
 
 @pytest.fixture(scope="module")
 def fault_free(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ref")
-    code, text, lines = _run(tmp, "ref")
-    assert code == 0, text[-4000:]
-    assert set(lines) == {0, 1, 2, 3} and all(len(v) == STEPS for v in lines.values()), text[-4000:]
-    per_step = {s: {lines[r][s] for r in lines} for s in range(1, STEPS + 1)}
-    assert all(len(v) == 1 for v in per_step.values()), per_step  # every rank prints the global losses
-    return {s: v.pop() for s, v in per_step.items()}
+    return _fault_free(tmp_path_factory.mktemp("ref"))
 
 
 @pytest.mark.timeout(600)
@@ -76,3 +80,24 @@ def test_the_deepspeed_example_prints_the_fault_free_losses_through_a_sigkill(tm
     # save_checkpoint every other step went on after the failure: the last tag is the last even step
     latest = (tmp_path / "job-ckpt" / "latest").read_text().strip()
     assert latest == f"global_step{STEPS}", latest
+
+
+@pytest.mark.timeout(600)
+def test_its_own_data_iter_through_a_sigkill_and_a_rejoin(tmp_path):
+    """``train_batch(data_iter)`` from each rank's own DeepSpeed loader, nothing addressable: rank 1
+    (pipeline 1's first stage) is SIGKILLed, rank 3 (that pipeline's last stage) hands its training
+    and evaluation items to rank 0 while it is gone, and the agent relaunches it: its script builds
+    its iterator from the start, and the engine skips the items its pipeline ran meanwhile. Every
+    rank prints the fault-free losses at every step, the relaunched one from its join on."""
+    steps = 24  # paced: the relaunched process joins seconds after its death, the job must still be running
+    reference = _fault_free(tmp_path, ["--data-iter"], steps=steps)
+    faults = [{"rank": 1, "step": 2, "point": "mid_backward", "kind": "sigkill"}]
+    code, text, lines = _run(tmp_path, "job", faults, extra=["--data-iter", "--min-step-seconds", "0.6"],
+                             agent=["--rejoin_after", "0.5"], steps=steps)
+    assert code == 0, text[-6000:]
+    assert "rank 1 re-joins" in text, text[-3000:]
+    for r in (0, 2, 3):
+        assert lines.get(r) == reference, (r, lines.get(r), reference)
+    assert lines[1] == {s: reference[s] for s in lines[1]} and steps in lines[1], lines[1]
+    skipped = re.search(r"relaunched at iteration (\d+): skipped the first (\d+) items", text)
+    assert skipped and int(skipped.group(2)) == int(skipped.group(1)) * 4 > 0, text[-3000:]  # 4 micro-batches a step

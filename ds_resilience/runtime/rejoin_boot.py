@@ -1,0 +1,49 @@
+"""A relaunched worker's start: its default process group is a local stand-in.
+
+A worker the agent relaunches to re-join the survivors (``DSR_REJOIN=1``) cannot enter the
+original world's rendezvous: the survivors will never meet it there. Before the user's script runs,
+its default group is made torch's no-op "fake" backend of the launch's rank and world size, so the
+script's own ``deepspeed.init_distributed()`` (which keeps an initialized default group) or
+``ds_resilience.init_distributed()`` goes on at once; DeepSpeed builds its engine locally, and all
+real communication goes through ds_resilience's groups on the agent's store. The agent runs a
+fresh-interpreter re-join as ``python -u -m ds_resilience.runtime.rejoin_boot script args``; a
+forked one calls :func:`stand_in_default_group` before the script.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from typing import Mapping
+
+__all__ = ["stand_in_default_group"]
+
+
+def stand_in_default_group(env: Mapping[str, str] | None = None) -> bool:
+    """Under ``DSR_REJOIN=1``: initialize the default group as a local "fake" one (returns whether
+    it did; a default group already there is kept)."""
+    env = os.environ if env is None else env
+    if env.get("DSR_REJOIN") != "1":
+        return False
+    import torch.distributed as dist
+    import torch.testing._internal.distributed.fake_pg as fake_pg
+
+    if dist.is_initialized():
+        return False
+    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]))
+    return True
+
+
+def main() -> None:
+    if len(sys.argv) < 2:
+        raise SystemExit("usage: python -m ds_resilience.runtime.rejoin_boot SCRIPT [ARGS...]")
+    script = sys.argv[1]
+    sys.argv = sys.argv[1:]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    stand_in_default_group()
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
