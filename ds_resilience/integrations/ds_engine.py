@@ -43,7 +43,7 @@ from ..runtime.plan_agreement import (PublisherLost, adopt_published, announce, 
                                       publish)
 from ..runtime.progress import Progress
 from ..launch import LaunchEnv
-from ..planning.data_relay import relay_plan
+from ..planning.data_relay import relay_plan, unfed_pipelines
 from ..planning.provider import ScheduleChoice, ScheduleProvider
 from ..planning.stage_mix import fused_in, split_margin
 from ..runtime.coordinator import Coordinator
@@ -196,6 +196,7 @@ class ResilientPipelineEngine(PipelineEngine):
                 view=SurvivorView(self.topology, self.me) if regrid_from is not None else None,
                 regrid=(lambda record, plan: regrid(self, record, plan)) if resilience.regrid else None,
                 prefer_regrid=(lambda failed: regrid_pays_for(self, failed)) if resilience.regrid else None,
+                unfed=self._starved,
             )
             self.recovery.log = self.recovery_log
             blocker = regrid_blocker(self, rebuild) if resilience.regrid else None
@@ -519,6 +520,19 @@ class ResilientPipelineEngine(PipelineEngine):
         planner = self.resilience.planner
         tolerance = max(self.resilience.max_failures, 2) if planner.all_coverable else self.resilience.max_failures
         return unfed_reason(self.num_stages, tolerance)
+
+    def _starved(self, failed: frozenset[Worker]) -> str | None:
+        """Why a failed set leaves micro-batches no worker can load (``planning/recovery.py``'s
+        ``unfed``): a pipeline lost both ends while its data comes from ``data_iter`` alone."""
+        source = self.executor.batch_source
+        if not isinstance(source, EngineData) or not source.relays:
+            return None
+        lost = unfed_pipelines(self.topology.without(failed))
+        if not lost:
+            return None
+        return (f"pipeline(s) {list(lost)} lost both their first and last stage workers, the only readers of their "
+                f"data_iter, and no addressable source (batch_source, a map-style training_data, "
+                f"data_iter_factory) can give their micro-batches")
 
     def _relay_data(self) -> None:
         """Other pipelines' micro-batches this worker runs, from their pipelines' surviving ends

@@ -106,7 +106,8 @@ class RecoveryPlan:
 def plan_recovery(record: EpochRecord, topology: Topology, steps: Mapping[int, int], *,
                   covered: Callable[[frozenset[Worker]], bool] | None = None,
                   tied: Sequence[Sequence[int]] = (), regrid: bool = False,
-                  prefer_regrid: Callable[[frozenset[Worker]], bool] | None = None) -> RecoveryPlan:
+                  prefer_regrid: Callable[[frozenset[Worker]], bool] | None = None,
+                  unfed: Callable[[frozenset[Worker]], str | None] | None = None) -> RecoveryPlan:
     """Turn an epoch record, the job's topology and the survivors' step counts into a plan.
 
     Args:
@@ -120,6 +121,10 @@ def plan_recovery(record: EpochRecord, topology: Topology, steps: Mapping[int, i
         prefer_regrid: with ``regrid``, whether re-forming the grid beats re-routing around a
             failed set re-routing could cover (failures piled up); the same answer on every
             survivor (a function of the set and the plans every survivor holds).
+        unfed: why the failed set leaves micro-batches no worker can load (a pipeline lost both
+            ends and its data has no addressable source), or ``None``; then the job stops with a
+            checkpoint of every stage (the agent, which does not know the data path, published
+            the set as one re-routing covers, so it is no restart).
 
     Raises:
         PlanningError: a voter's count is missing, or a survivor is more than one step ahead
@@ -139,8 +144,12 @@ def plan_recovery(record: EpochRecord, topology: Topology, steps: Mapping[int, i
     lost = lost_stages(stage_of, record.failed)
     piled = (regrid and not lost and not record.stop and not record.joining and bool(failed_workers)
              and prefer_regrid is not None and prefer_regrid(failed_workers))
-    if lost or record.stop or piled:
-        action = "regrid" if regrid and not record.stop else "restart" if record.restart else "stop"
+    starved = None if lost or record.stop or unfed is None or not failed_workers else unfed(failed_workers)
+    reason = record.reason if starved is None else f"{record.reason}; {starved}".lstrip("; ")
+    if lost or record.stop or piled or starved:
+        # a re-formed grid would still need the starved pipeline's data: restart or stop instead
+        action = ("regrid" if regrid and not record.stop and not starved else "restart" if record.restart
+                  else "stop")
         source = None
         groups: dict[str, tuple[int, ...]] = {}
         handovers: tuple[tuple[int, int], ...] = ()
@@ -167,5 +176,5 @@ def plan_recovery(record: EpochRecord, topology: Topology, steps: Mapping[int, i
         epoch=record.epoch, kind=record.kind, action=action, failed=tuple(record.failed),
         failed_workers=tuple(format_worker(w) for w in sorted(failed_workers)), resume_step=resume,
         rollbacks=tuple(sorted(ahead)), lost_stages=lost, schedule_source=source, groups=groups,
-        handovers=handovers, reason=record.reason,
+        handovers=handovers, reason=reason,
     )

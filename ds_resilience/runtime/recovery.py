@@ -196,13 +196,15 @@ class LiveRecovery:
                  view: RankView | None = None,
                  groups_for: Callable[[Topology, int], GenerationGroups] | None = None,
                  regrid: Callable[[EpochRecord, RecoveryPlan], None] | None = None,
-                 prefer_regrid: Callable[[frozenset[Worker]], bool] | None = None) -> None:
+                 prefer_regrid: Callable[[frozenset[Worker]], bool] | None = None,
+                 unfed: Callable[[frozenset[Worker]], str | None] | None = None) -> None:
         self.topology, self.me = topology, me
         self.view = view or RankView(topology, me)
         self.rank = self.view.rank
         self.groups_for = groups_for
         self.regrid = regrid
         self.prefer_regrid = prefer_regrid
+        self.unfed = unfed
         self.retired = False  # this rank's replica failed while it lives on (tensor parallelism): it idles
         self._steps: dict[int, int] = {}  # the step counts of the last plan
         self.coordinator = coordinator
@@ -286,7 +288,7 @@ class LiveRecovery:
                                                     self.view.ranks(voters(workers)))
         return plan_recovery(workers, self.topology, self.view.worker_steps(self._steps),
                              covered=self.provider.covers, tied=self.provider.tied, regrid=self.regrid is not None,
-                             prefer_regrid=self.prefer_regrid)
+                             prefer_regrid=self.prefer_regrid, unfed=self.unfed)
 
     def apply(self, record: EpochRecord) -> None:
         started = time.perf_counter()
@@ -404,7 +406,7 @@ class LiveRecovery:
             self.log.append({"epoch": record.epoch, "kind": "restart", "resume_step": step, "plan": plan.to_dict(),
                              **ready})
             raise BeyondTolerance(
-                f"stage(s) {lost} lost every replica (failed ranks {list(record.failed)}); the agent restarts all "
+                f"{_beyond(plan)} (failed ranks {list(record.failed)}); the agent restarts all "
                 f"workers from the in-memory snapshots (this worker's step {step} is committed: "
                 f"{ready['committed']}, replicated: {ready['replicated']})",
                 checkpoint_dir=None, step=step, lost_stages=lost, restart=True,
@@ -427,7 +429,7 @@ class LiveRecovery:
                 "step": step,
                 "stages_saved": sorted(writers),
                 "stages_lost": lost,
-                "reason": record.reason or f"stage {lost} lost every replica",
+                "reason": plan.reason or _beyond(plan),
                 "dp": self.topology.dp,
                 "pp": self.topology.pp,
                 "format": self.export_format,
@@ -443,11 +445,18 @@ class LiveRecovery:
         self.log.append({"epoch": record.epoch, "kind": "stop", "resume_step": step, "plan": plan.to_dict(),
                          "checkpoint_dir": ckpt_dir})
         raise BeyondTolerance(
-            f"stage(s) {lost} lost every replica (failed ranks {list(record.failed)}): re-routing cannot cover this; "
-            f"stopped cleanly after step {step}, surviving stages saved to {ckpt_dir} "
-            f"(the lost stages must come from an earlier checkpoint)",
+            f"{_beyond(plan)} (failed ranks {list(record.failed)}): re-routing cannot cover this; "
+            f"stopped cleanly after step {step}, surviving stages saved to {ckpt_dir}"
+            + (" (the lost stages must come from an earlier checkpoint)" if lost else " (every stage)"),
             checkpoint_dir=ckpt_dir, step=step, lost_stages=lost,
         )
+
+
+def _beyond(plan: RecoveryPlan) -> str:
+    """What put a plan beyond tolerance, for its messages."""
+    if plan.lost_stages:
+        return f"stage(s) {list(plan.lost_stages)} lost every replica"
+    return plan.reason or "beyond tolerance"
 
 
 def release_on_epoch(record: EpochRecord, groups: Any, tier: CheckpointTier | None) -> None:

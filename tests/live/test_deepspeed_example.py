@@ -27,12 +27,13 @@ STEPS = 6
 LINE = re.compile(r"^\[rank (\d+)\] step (\d+) loss (\S+) eval_loss (\S+)$", re.M)
 
 
-def _run(tmp: Path, name: str, faults=(), *, extra=(), agent=(), steps=STEPS
+def _run(tmp: Path, name: str, faults=(), *, extra=(), agent=(), steps=STEPS, config=None
          ) -> tuple[int, str, dict[int, dict[int, tuple[str, str]]]]:
+    resilience = config or {}
     config = json.loads((EXAMPLE / "ds_config.json").read_text())
     # the user's config, plus what a test needs: its failure, and a detector fast enough for CI
     config["resilience"] = {"fault_injection": list(faults),
-                            "detector": {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 2.0}}
+                            "detector": {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 2.0}, **resilience}
     path = tmp / f"{name}.json"
     path.write_text(json.dumps(config))
     cmd = [sys.executable, "-m", "ds_resilience.cli", "run", "--num_workers", "4", "--log_dir", str(tmp / f"{name}-logs"),
@@ -63,6 +64,14 @@ def fault_free(tmp_path_factory):
     return _fault_free(tmp_path_factory.mktemp("ref"))
 
 
+REJOIN_STEPS = 24  # paced: a relaunched process joins seconds after its death, the job must still be running
+
+
+@pytest.fixture(scope="module")
+def data_iter_fault_free(tmp_path_factory):
+    return _fault_free(tmp_path_factory.mktemp("ref_it"), ["--data-iter"], steps=REJOIN_STEPS)
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("rank, step", [(1, 2), (2, 3)])
 def test_the_deepspeed_example_prints_the_fault_free_losses_through_a_sigkill(tmp_path, fault_free, rank, step):
@@ -83,14 +92,13 @@ def test_the_deepspeed_example_prints_the_fault_free_losses_through_a_sigkill(tm
 
 
 @pytest.mark.timeout(600)
-def test_its_own_data_iter_through_a_sigkill_and_a_rejoin(tmp_path):
+def test_its_own_data_iter_through_a_sigkill_and_a_rejoin(tmp_path, data_iter_fault_free):
     """``train_batch(data_iter)`` from each rank's own DeepSpeed loader, nothing addressable: rank 1
     (pipeline 1's first stage) is SIGKILLed, rank 3 (that pipeline's last stage) hands its training
     and evaluation items to rank 0 while it is gone, and the agent relaunches it: its script builds
     its iterator from the start, and the engine skips the items its pipeline ran meanwhile. Every
     rank prints the fault-free losses at every step, the relaunched one from its join on."""
-    steps = 24  # paced: the relaunched process joins seconds after its death, the job must still be running
-    reference = _fault_free(tmp_path, ["--data-iter"], steps=steps)
+    steps, reference = REJOIN_STEPS, data_iter_fault_free
     faults = [{"rank": 1, "step": 2, "point": "mid_backward", "kind": "sigkill"}]
     code, text, lines = _run(tmp_path, "job", faults, extra=["--data-iter", "--min-step-seconds", "0.6"],
                              agent=["--rejoin_after", "0.5"], steps=steps)
@@ -101,3 +109,28 @@ def test_its_own_data_iter_through_a_sigkill_and_a_rejoin(tmp_path):
     assert lines[1] == {s: reference[s] for s in lines[1]} and steps in lines[1], lines[1]
     skipped = re.search(r"relaunched at iteration (\d+): skipped the first (\d+) items", text)
     assert skipped and int(skipped.group(2)) == int(skipped.group(1)) * 4 > 0, text[-3000:]  # 4 micro-batches a step
+
+
+@pytest.mark.timeout(600)
+def test_a_pipeline_losing_both_ends_of_its_data_iter_stops_with_every_stage_saved_and_restarts(tmp_path,
+                                                                                                data_iter_fault_free):
+    """``train_batch(data_iter)`` alone, and pipeline 1 loses rank 1 (its first stage), then rank 3
+    (its last): nobody reads its data any more. The survivors do not crash on a missing
+    micro-batch: they stop cleanly with every stage saved, naming why, and the agent restarts all
+    workers from the in-memory snapshots (each relaunched script's data_iter skips what the job
+    ran). Every step's loss is the fault-free run's."""
+    steps = 8
+    faults = [{"rank": 1, "step": 2, "point": "mid_backward", "kind": "sigkill"},
+              {"rank": 3, "step": 4, "point": "before_forward", "kind": "sigkill"}]
+    code, text, lines = _run(tmp_path, "job", faults, extra=["--data-iter"], steps=steps,
+                             config={"checkpoint": {"persistent_dir": str(tmp_path / "ck")}})
+    assert code == 0, text[-6000:]
+    assert "pipeline(s) [1] lost both their first and last stage workers" in text, text[-4000:]
+    saved = re.search(r"stopped cleanly after step (\d+), surviving stages saved to (\S+) \(every stage\)", text)
+    assert saved, text[-4000:]
+    files = {p.name for p in Path(saved.group(2)).iterdir()}
+    # the whole model: all 15 layers but the lambda (layer 9), and both stages' optimizer states
+    assert files >= {f"layer_{i:02d}-model_states.pt" for i in range(15) if i != 9} | \
+           {"stage0-optim_states.pt", "stage1-optim_states.pt", "manifest.json"}, sorted(files)
+    assert "restart 1 from the in-memory snapshots" in text, text[-3000:]
+    assert lines[0] == {s: data_iter_fault_free[s] for s in range(1, steps + 1)}, lines[0]

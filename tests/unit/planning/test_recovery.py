@@ -56,6 +56,26 @@ def test_a_stage_without_replicas_is_beyond_tolerance(restart, action):
     assert plan_recovery(record(failed=(3, 4, 5)), GRID, {0: 4, 1: 4, 2: 4}).action == "stop"
 
 
+@pytest.mark.parametrize("regrid", [False, True])
+def test_a_pipeline_that_lost_both_ends_without_an_addressable_source_is_beyond_tolerance(regrid):
+    """Pipeline 1 lost stage 0 and stage 1 (ranks 1 and 4): each stage keeps replicas, but with
+    data from data_iter alone nobody can read pipeline 1's micro-batches (``unfed``): the job
+    stops with every stage saved; a re-formed grid would need the same data, so it is not chosen."""
+    from ds_resilience.planning.data_relay import unfed_pipelines
+
+    def unfed(failed):
+        lost = unfed_pipelines(GRID.without(failed))
+        return f"pipeline(s) {list(lost)} starved" if lost else None
+
+    steps = {0: 4, 2: 4, 3: 4, 5: 4}
+    plan = plan_recovery(record(failed=(1, 4)), GRID, steps, unfed=unfed, regrid=regrid)
+    assert plan.action == "stop" and plan.lost_stages == () and plan.groups == {}
+    assert plan.reason == "test; pipeline(s) [1] starved"
+    # one end left: re-routing continues (the other end relays its data)
+    plan = plan_recovery(record(failed=(1, 3)), GRID, steps | {4: 4}, unfed=unfed, regrid=regrid)
+    assert plan.action == "continue" and plan.reason == "test"
+
+
 def test_a_rejoin_names_the_donor_and_excludes_the_joiner_from_the_vote():
     rec = record(epoch=5, failed=(1,), joining=(4,), kind="rejoin")
     assert voters(rec) == (0, 2, 3, 5)
