@@ -266,3 +266,17 @@ def test_initialize_rejects_a_data_path_that_cannot_reroute():
         assert r["simulated_one_end_iterator_only"]["error"] is None  # the other end relays its data
     assert any(r["no_rerouting_iterator_only"]["loss"] is not None for r in results)
     assert any(r["simulated_one_end_iterator_only"]["loss"] is not None for r in results)
+
+
+@pytest.mark.timeout(400)
+def test_relayed_micro_batches_under_nccl_matching():
+    """Under NCCL's matching (tags ignored, a pair's messages matched in posting order), the relay's
+    messages come first on their pair in both directions' order: the relayed runs equal vanilla."""
+    scenarios = [sc for sc in SCENARIOS if sc["name"] in ("vanilla", "relay_first", "relay_last")]
+    results = run_workers(train_scenarios, 4, args=(scenarios, 3), timeout_s=380, env={"DSR_P2P_MATCHING": "fifo"})
+    ref = _by_stage(results, "vanilla")
+    for name in ("relay_first", "relay_last"):
+        got = _by_stage(results, name)
+        for stage in ref:
+            for n, t in ref[stage].items():
+                assert torch.allclose(got[stage][n], t, rtol=1e-5, atol=1e-6), (name, stage, n)
