@@ -3,6 +3,9 @@
 * the example GPT (``examples/gpt_model.py``), optionally with activation checkpointing;
 * a GPT whose token embedding (first stage) is tied to its output projection (last stage) through
   DeepSpeed's ``TiedLayerSpec``, as every GPT pipeline written for DeepSpeed does;
+* a plain ``nn.Sequential`` of ``Linear(32, 32)`` layers and a ``Linear(32, 1)`` head given to
+  ``PipelineModule`` as it is (``"seq"``; DeepSpeed's own pipeline-module tests build one), with an
+  MSE loss or none (``eval_batch`` then returns the outputs);
 * data addressed by (pipeline, iteration, micro-batch), optionally of varying sequence length (for
   ``PipelineModule(dynamic_shape=True)``), served as DeepSpeed iterators or as ``batch_source``.
 """
@@ -59,14 +62,26 @@ def config(**overrides) -> gpt_model.GPTConfig:
     return gpt_model.GPTConfig(**base)
 
 
-def build(model: str, *, num_stages: int, seed: int = 5, **kwargs):
-    """A ``PipelineModule``: ``model`` is ``"gpt"`` or ``"tied"``; ``kwargs`` go to PipelineModule
-    (``activation_checkpoint_interval``, ``dynamic_shape``, ...)."""
+HIDDEN, SEQ_LAYERS = 32, 8
+
+
+def sequential(seed: int) -> nn.Sequential:
+    """``SEQ_LAYERS`` x ``Linear(HIDDEN, HIDDEN)`` and a ``Linear(HIDDEN, 1)`` head, the same weights on every rank."""
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Linear(HIDDEN, HIDDEN) for _ in range(SEQ_LAYERS)], nn.Linear(HIDDEN, 1))
+
+
+def build(model: str, *, num_stages: int, seed: int = 5, loss: str | None = "mse", **kwargs):
+    """A ``PipelineModule``: ``model`` is ``"gpt"``, ``"tied"`` or ``"seq"`` (``loss``: ``"mse"`` or
+    ``None``); ``kwargs`` go to PipelineModule (``activation_checkpoint_interval``, ``dynamic_shape``, ...)."""
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
     cfg = config()
     if model == "gpt":
         return gpt_model.build_pipeline_module(cfg, num_stages=num_stages, seed=seed, **kwargs)
+    if model == "seq":  # the nn.Sequential itself, as DeepSpeed's tests pass one
+        return PipelineModule(layers=sequential(seed), num_stages=num_stages,
+                              loss_fn=nn.MSELoss() if loss == "mse" else None, **kwargs)
     if model != "tied":
         raise ValueError(model)
     torch.manual_seed(seed)
@@ -84,11 +99,17 @@ _CORPUS: dict[int, gpt_model.SyntheticCorpus] = {}
 
 
 def micro_batch(pipeline: int, iteration: int, microbatch: int, *, dp: int, microbatches: int, dynamic: bool = False,
-                split: str = "train", mbs: int = MBS) -> tuple[torch.Tensor, torch.Tensor]:
+                split: str = "train", mbs: int = MBS, model: str = "gpt") -> tuple[torch.Tensor, torch.Tensor]:
     """Micro-batch ``microbatch`` of ``pipeline`` at ``iteration`` (the same samples wherever it
     runs); ``dynamic`` cuts it to a length that varies with the micro-batch; ``split`` "eval" reads
-    other samples."""
+    other samples; ``model`` "seq": float vectors and targets instead of tokens."""
     seed = 11 if split == "train" else 97
+    if model == "seq":
+        start = gpt_model.sample_index(pipeline=pipeline, iteration=iteration, microbatch=microbatch, dp=dp,
+                                       microbatches=microbatches, micro_batch_size=mbs)
+        gens = [torch.Generator().manual_seed(seed * 1_000_003 + i) for i in range(start, start + mbs)]
+        return (torch.stack([torch.randn(HIDDEN, generator=g) for g in gens]),
+                torch.stack([torch.randn(1, generator=g) for g in gens]))
     corpus = _CORPUS.setdefault(seed, gpt_model.SyntheticCorpus(config(), seed=seed))
     x, y = gpt_model.micro_batch(corpus, pipeline=pipeline, iteration=iteration, microbatch=microbatch, dp=dp,
                                  microbatches=microbatches, micro_batch_size=mbs)

@@ -1,11 +1,14 @@
 """Programs of the conformance suite: one case, run by vanilla DeepSpeed and by ds_resilience in the
 same processes, exactly as a DeepSpeed user would drive each (``engine.train_batch(data_iter)``).
 
-A case is a dict: ``model`` ("gpt" or "tied"), ``pp``, ``microbatches``, ``steps``, ``module``
+A case is a dict: ``model`` ("gpt", "tied" or "seq"), ``pp``, ``microbatches``, ``steps``, ``module``
 (PipelineModule kwargs), ``pipeline`` (the DeepSpeed config's ``pipeline`` section), ``dynamic``
 (variable sequence lengths), ``mbs``, ``eval`` (also run ``eval_batch``), ``failed`` (ds_resilience
 only: ``simulate_failed``, with ``batch_source``), ``resilience`` (extra section keys), ``zero``
-(``zero_optimization.stage``), ``clip``, ``precision`` ("bf16", "fp16").
+(``zero_optimization.stage``), ``clip``, ``precision`` ("bf16", "fp16"), ``optimizer`` (a name of
+:data:`OPTIMIZERS` for the config's section, or of :data:`CLIENT_OPTIMIZERS` for ``optimizer=``),
+``loss`` ("mse" or None, model "seq"), ``ds_checkpointing`` (``deepspeed.checkpointing.configure``
+keywords, applied after initialize), ``eval_data`` ("repeat": one item yielded again, label 0).
 """
 
 from __future__ import annotations
@@ -14,8 +17,61 @@ import os
 from typing import Any
 
 import conformance_models as cm
+import torch
 
 ENGINES = ("vanilla", "resilient")
+
+# the config's "optimizer" section by name. "ds_adam" is DeepSpeed's own pipeline tests' section:
+# "Adam" without torch_adam is DeepSpeed's FusedAdam (AdamW mode, weight_decay given), as is "adamw"
+OPTIMIZERS: dict[str, dict] = {
+    "adam": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+    "ds_adam": {"type": "Adam", "params": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 3e-7}},
+    "adamw": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+    "sgd": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}},
+    "adagrad": {"type": "Adagrad", "params": {"lr": 0.05}},
+}
+
+
+class BareMomentum(torch.optim.Optimizer):
+    """A client's ``torch.optim.Optimizer`` subclass with its own signatures: ``step(self)`` without
+    a closure and ``zero_grad(self)`` without ``set_to_none``, as DeepSpeed's FusedLion and
+    FusedLamb (which do not run on CPU) declare theirs. SGD with heavy-ball momentum."""
+
+    def __init__(self, params, lr=0.05, momentum=0.9):
+        super().__init__(params, {"lr": lr, "momentum": momentum})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "buf" not in state:
+                    state["buf"] = p.grad.detach().clone()
+                else:
+                    state["buf"].mul_(group["momentum"]).add_(p.grad)
+                p.add_(state["buf"], alpha=-group["lr"])
+
+    def zero_grad(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
+
+
+def _client_optimizer(name: str, params):
+    """What a user passes as ``deepspeed.initialize(optimizer=...)``: an optimizer object, or a
+    callable DeepSpeed calls with the model parameters."""
+    if name == "client_object":
+        return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+    if name == "client_callable":
+        return lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.5)
+    if name == "client_bare":
+        return BareMomentum(params)
+    raise ValueError(name)
+
+
+CLIENT_OPTIMIZERS = ("client_object", "client_callable", "client_bare")
 
 
 def ds_config(case: dict, dp: int) -> dict[str, Any]:
@@ -24,13 +80,14 @@ def ds_config(case: dict, dp: int) -> dict[str, Any]:
         "train_micro_batch_size_per_gpu": mbs,
         "gradient_accumulation_steps": m,
         "train_batch_size": mbs * m * dp,
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}
-        if case.get("optimizer", "adam") == "adam" else {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 3}},
         "gradient_clipping": 0.0,
         "steps_per_print": 10**6,
         "zero_optimization": {"stage": case.get("zero", 0)},
     }
+    name = case.get("optimizer", "adam")
+    if name not in CLIENT_OPTIMIZERS:  # a client's optimizer: no section (DeepSpeed takes one or the other)
+        cfg["optimizer"] = OPTIMIZERS[name]
     if case.get("pipeline"):
         cfg["pipeline"] = dict(case["pipeline"])
     if case.get("clip"):
@@ -57,27 +114,52 @@ def make_engine(kind: str, case: dict, world: int):
 
     pp = case["pp"]
     dp = world // pp
-    module = cm.build(case["model"], num_stages=pp, **case.get("module", {}))
+    module = cm.build(case["model"], num_stages=pp, loss=case.get("loss", "mse"), **case.get("module", {}))
     config = ds_config(case, dp)
     params = [p for p in module.parameters() if p.requires_grad]
+    name = case.get("optimizer", "adam")
+    optimizer = _client_optimizer(name, params) if name in CLIENT_OPTIMIZERS else None
     if kind == "vanilla":
-        engine, *_ = deepspeed.initialize(model=module, config=config, model_parameters=params)
-        return engine
+        engine, *_ = deepspeed.initialize(model=module, config=config, model_parameters=params, optimizer=optimizer)
+        return _configure_checkpointing(engine, case)
     m = case.get("microbatches", 4)
     config["resilience"] = {"planner": {"solver": "heuristic"}, "simulate_failed": case.get("failed", []),
                             **case.get("resilience", {})}
-    dynamic = case.get("dynamic", False)
-    mbs = case.get("mbs", cm.MBS)
+    kw = _data_kw(case)
 
     def source(p, i, mb):
-        return cm.micro_batch(p, i, mb, dp=dp, microbatches=m, dynamic=dynamic, mbs=mbs)
+        return cm.micro_batch(p, i, mb, dp=dp, microbatches=m, **kw)
 
     def eval_source(p, step, mb):
-        return cm.micro_batch(p, step, mb, dp=dp, microbatches=m, dynamic=dynamic, split="eval", mbs=mbs)
+        return cm.micro_batch(p, step, mb, dp=dp, microbatches=m, split="eval", **kw)
 
     kwargs = {"batch_source": source, "eval_source": eval_source} if case.get("failed") else {}
-    engine, *_ = ds_resilience.initialize(model=module, config=config, model_parameters=params, **kwargs)
+    engine, *_ = ds_resilience.initialize(model=module, config=config, model_parameters=params, optimizer=optimizer,
+                                          **kwargs)
+    return _configure_checkpointing(engine, case)
+
+
+def _data_kw(case: dict) -> dict:
+    return {"dynamic": case.get("dynamic", False), "mbs": case.get("mbs", cm.MBS), "model": case["model"]}
+
+
+def _configure_checkpointing(engine, case: dict):
+    """DeepSpeed's activation checkpointing configured after initialize, as its own pipeline-module
+    test does (e.g. partitioned, contiguous activations); a process-wide setting."""
+    if case.get("ds_checkpointing"):
+        import deepspeed
+
+        deepspeed.checkpointing.configure(None, deepspeed_config=engine.config, **case["ds_checkpointing"])
     return engine
+
+
+def _unconfigure_checkpointing(case: dict) -> None:
+    """Back to DeepSpeed's defaults (the next engine in these processes starts from them)."""
+    if case.get("ds_checkpointing"):
+        import deepspeed
+
+        deepspeed.checkpointing.configure(None, partition_activations=False, contiguous_checkpointing=False)
+        deepspeed.checkpointing.reset()
 
 
 def _describe(t) -> dict:
@@ -104,7 +186,7 @@ def train(kind: str, case: dict, world: int, *, start: int = 0, steps: int | Non
     if load_from is not None:
         engine.load_checkpoint(load_from)
     pipeline = engine.grid.data_parallel_id
-    kw = {"dynamic": case.get("dynamic", False), "mbs": case.get("mbs", cm.MBS)}
+    kw = _data_kw(case)
     data = cm.iterator(pipeline, dp=dp, microbatches=m, start=start, **kw)
     losses, returned = [], None
     for step in range(steps):
@@ -118,15 +200,29 @@ def train(kind: str, case: dict, world: int, *, start: int = 0, steps: int | Non
            "global_steps": engine.global_steps, "global_samples": engine.global_samples, "lr": engine.get_lr(),
            "alive": getattr(engine, "alive", True)}
     if case.get("eval"):
-        eval_data = cm.iterator(pipeline, dp=dp, microbatches=m, start=engine.global_steps, split="eval", **kw)
-        value = engine.eval_batch(eval_data)
+        def eval_data():
+            if case.get("eval_data") != "repeat":
+                return cm.iterator(pipeline, dp=dp, microbatches=m, start=engine.global_steps, split="eval", **kw)
+            # as DeepSpeed's pipeline-module test: one item, yielded again for every micro-batch, an
+            # integer label; an iterator on the first and last stages only
+            if not (engine.is_first_stage() or engine.is_last_stage()):
+                return None
+            from deepspeed.utils import RepeatingLoader
+
+            return iter(RepeatingLoader([(cm.micro_batch(pipeline, 0, 0, dp=dp, microbatches=m, split="eval",
+                                                         **kw)[0], 0)]))
+
+        value = engine.eval_batch(eval_data())
         out["eval"] = _describe(value)
-        logits = engine.eval_batch(cm.iterator(pipeline, dp=dp, microbatches=m, start=engine.global_steps,
-                                               split="eval", **kw), return_logits=True)
+        out["eval_value"] = value.detach().clone().float() if torch.is_tensor(value) else None
+        logits = engine.eval_batch(eval_data(), return_logits=True)
         out["eval_logits"] = _describe(logits[1]) if isinstance(logits, tuple) else None
+        out["eval_logits_value"] = (logits[1].detach().clone().float()
+                                    if isinstance(logits, tuple) and torch.is_tensor(logits[1]) else None)
     out["param_dtype"] = str(next(engine.module.parameters()).dtype)
     out["params"] = {n: p.detach().clone().float() for n, p in engine.module.named_parameters()}
     opt = engine.optimizer
+    out["optimizer"] = type(getattr(engine, "basic_optimizer", None) or opt).__name__
     out["loss_scale"] = float(getattr(opt, "cur_scale", getattr(opt, "loss_scale", 1.0)) or 1.0)
     out["skipped_steps"] = int(getattr(engine, "skipped_steps", 0))
     validator = getattr(engine, "validator", None)
@@ -141,6 +237,7 @@ def train(kind: str, case: dict, world: int, *, start: int = 0, steps: int | Non
         out["masters"] = [m.detach().clone() for m in opt.masters]
     if getattr(engine, "persistent_engine", None) is not None:
         engine.persistent_engine.flush()  # what the end of a job does (atexit): its saves are complete
+    _unconfigure_checkpointing(case)
     del engine
     torch.distributed.barrier()
     return out
