@@ -9,6 +9,10 @@
 #    worker, the GPU hidden (benchmarks/engine.py --world 4 and --world 2): the fidelity figures
 #    that a 2-core machine cannot give. It needs deepspeed, its pydantic and hjson, and ortools on
 #    PYTHONPATH (carried as wheels to a lent machine: see BENCHMARKS.md, "A core per worker").
+# 6. the DeepSpeed engine on the one GPU (benchmarks/gpu_engine_check.py --device cuda): 4 ranks on cuda:0
+#    (gloo stages the CUDA tensors), FusedAdam (JIT-built here: needs nvcc and ninja), bf16, in-memory
+#    snapshots through the CUDA path, rank 1 SIGKILLed mid-backward; the survivors' fp32 masters must
+#    equal the fault-free run's. Needs deepspeed importable (as step 5); GPU_ENGINE_ONLY=1 runs it alone.
 # Each step has its own time limit, so one hang cannot eat the others; logs and JSON go to OUT_DIR.
 set -u -o pipefail
 out=${1:-${OUT:-/tmp/gpu_checks}}
@@ -21,6 +25,12 @@ rc=0
 step() { local name=$1 limit=$2; shift 2; echo "=== $name (limit ${limit}s)"; local t0=$SECONDS
   timeout "$limit" "$@" 2>&1 | tee "$out/$name.log"; local r=${PIPESTATUS[0]}
   echo "=== $name: rc=$r in $((SECONDS - t0))s"; [ "$r" = 0 ] || rc=1; }
+engine_one_gpu() {
+  if ! $py -c "import deepspeed" > /dev/null 2>&1; then
+    echo "=== engine_one_gpu: deepspeed not importable (PYTHONPATH=${PYTHONPATH:-}): skipped"; rc=1; return; fi
+  step engine_one_gpu 300 $py benchmarks/gpu_engine_check.py --device cuda --steps 12 --json "$out/engine_one_gpu.json"
+}
+if [ "${GPU_ENGINE_ONLY:-0}" = 1 ]; then engine_one_gpu; exit $rc; fi
 step bw_split 120 $py benchmarks/bw_split.py --json "$out/bw_split.json"
 arch=$($py -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
 step build_ext 180 env DSR_BUILD_CUDA=1 TORCH_CUDA_ARCH_LIST="$arch" MAX_JOBS=8 $py setup.py -q build_ext --inplace
@@ -35,4 +45,5 @@ if [ "${DEVICE_ENGINE:-0}" = 1 ]; then
     step engine_world2 120 env CUDA_VISIBLE_DEVICES= $py benchmarks/engine.py --world 2 --json "$out/engine_world2.json"
   fi
 fi
+engine_one_gpu
 exit $rc
