@@ -145,11 +145,13 @@ def _data_kw(case: dict) -> dict:
 
 def _configure_checkpointing(engine, case: dict):
     """DeepSpeed's activation checkpointing configured after initialize, as its own pipeline-module
-    test does (e.g. partitioned, contiguous activations); a process-wide setting."""
+    test does (e.g. partitioned, contiguous activations); a process-wide setting. (The engine's
+    config without its batch sizes: read without the engine's topology, they would not add up.)"""
     if case.get("ds_checkpointing"):
         import deepspeed
 
-        deepspeed.checkpointing.configure(None, deepspeed_config=engine.config, **case["ds_checkpointing"])
+        config = {k: v for k, v in engine.config.items() if k not in ("train_batch_size", "gradient_accumulation_steps")}
+        deepspeed.checkpointing.configure(None, deepspeed_config=config, **case["ds_checkpointing"])
     return engine
 
 

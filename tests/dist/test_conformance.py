@@ -50,8 +50,8 @@ def assert_same_training(results, a, b, *, rtol=1e-5, atol=1e-7, returned=True):
         assert rb["global_steps"] == ra["global_steps"] and rb["global_samples"] == ra["global_samples"]
         assert rb["lr"] == pytest.approx(ra["lr"])
         if returned:
-            assert {k: v for k, v in rb["returned"].items() if k != "value"} == \
-                   {k: v for k, v in ra["returned"].items() if k != "value"}, (a, b, "train_batch return")
+            assert {k: v for k, v in (rb["returned"] or {}).items() if k != "value"} == \
+                   {k: v for k, v in (ra["returned"] or {}).items() if k != "value"}, (a, b, "train_batch return")
     assert_same_params(results, a, b, rtol=rtol, atol=atol)
 
 
@@ -65,6 +65,11 @@ def assert_same_eval(results, a, b, *, rel=1e-5):
         la, lb = r[a]["eval_logits"], r[b]["eval_logits"]
         assert {k: v for k, v in (lb or {}).items() if k != "value"} == {k: v for k, v in (la or {}).items()
                                                                           if k != "value"}
+        for key in ("eval_value", "eval_logits_value"):  # the whole tensors returned
+            va, vb = r[a].get(key), r[b].get(key)
+            assert (va is None) == (vb is None), (a, b, key)
+            if va is not None:
+                assert torch.allclose(vb, va, rtol=rel, atol=1e-6), (a, b, key, (va - vb).abs().max().item())
 
 
 def case_run(case, timeout_s=300):
@@ -110,20 +115,43 @@ def test_gradient_accumulation_scaling_and_pipeline_against_data_parallel():
         assert pp2[0][f"base/{kind}"]["losses"] == pytest.approx(pp1[0][f"base/{kind}"]["losses"], rel=1e-4)
 
 
+# DeepSpeed's activation checkpointing configured after initialize as its pipeline-module test does
+PARTITIONED = {"partition_activations": True, "contiguous_checkpointing": True, "num_checkpoints": 9}
+
+
 @pytest.mark.timeout(500)
 @pytest.mark.parametrize("pp", [1, 2, 4])
-def test_activation_checkpointing_reentrant_and_not_trains_as_vanilla(pp):
+def test_activation_checkpointing_reentrant_and_not_trains_and_evaluates_as_vanilla(pp):
+    """Training, then eval_batch, and eval_batch alone (no train_batch before it), with activation
+    checkpointing: reentrant and not on the GPT; and on a plain nn.Sequential given to
+    PipelineModule, with DeepSpeed's partitioned, contiguous checkpoints configured (alone, as
+    DeepSpeed's own test: no loss function, so eval_batch returns the outputs, one input yielded
+    again for every micro-batch, an integer label) and without any checkpointing."""
     # as GPT pipelines do (DeepSpeed's GPT2ModelPipe): the transformer blocks are checkpointed, not
     # the embedding, whose integer inputs reentrant checkpointing cannot differentiate through
-    case = {"model": "gpt", "pp": pp, "module": {"checkpointable_layers": ["Block"]}, "variants": {
-        "reentrant": {"pipeline": {"activation_checkpoint_interval": 1, "use_reentrant": True}},
-        "non-reentrant": {"pipeline": {"activation_checkpoint_interval": 1, "use_reentrant": False}}}}
-    results = case_run(case, timeout_s=450)
-    for v in ("reentrant", "non-reentrant"):
+    gpt = {"model": "gpt", "module": {"checkpointable_layers": ["Block"]}}
+    seq = {"model": "seq", "pipeline": {"activation_checkpoint_interval": 1}, "ds_checkpointing": PARTITIONED}
+    variants = {}
+    for v, reentrant in (("reentrant", True), ("non-reentrant", False)):
+        ckpt = {**gpt, "pipeline": {"activation_checkpoint_interval": 1, "use_reentrant": reentrant}}
+        variants[v] = ckpt
+        variants[f"{v}-eval-alone"] = {**ckpt, "steps": 0}
+    variants["partitioned"] = seq
+    variants["partitioned-eval-alone"] = {**seq, "loss": None, "mbs": 1, "steps": 0, "eval_data": "repeat"}
+    variants["sequential"] = {"model": "seq"}
+    results = case_run({"pp": pp, "optimizer": "ds_adam", "eval": True, "variants": variants}, timeout_s=450)
+    for v in variants:
         assert_same_training(results, f"{v}/vanilla", f"{v}/resilient")
-        assert any(r[f"{v}/resilient"]["losses"][0] != r[f"{v}/resilient"]["losses"][-1] for r in results)
+        assert_same_eval(results, f"{v}/vanilla", f"{v}/resilient")
+        if variants[v].get("steps") != 0:
+            assert any(r[f"{v}/resilient"]["losses"][0] != r[f"{v}/resilient"]["losses"][-1] for r in results)
+    # eval_batch alone returns what it returns after training (the same shapes), from the initial weights
+    for r in results:
+        assert r["reentrant-eval-alone/resilient"]["eval"]["value"] != r["reentrant/resilient"]["eval"]["value"]
+        out = r["partitioned-eval-alone/resilient"]
+        assert out["eval_value"] is not None and out["eval_value"].numel() == 1  # the outputs of Linear(32, 1)
     if pp == 1:  # the case that once trained nothing at all: parameters must move
-        before = by_stage(case_run({"model": "gpt", "pp": 1, "steps": 0, "engines": ["resilient"]}), "base/resilient")
+        before = by_stage(results, "reentrant-eval-alone/resilient")
         after = by_stage(results, "reentrant/resilient")
         assert any(not torch.equal(before[0][n], after[0][n]) for n in after[0])
 
