@@ -263,9 +263,10 @@ def run_case(rank: int, world: int, case: dict) -> dict:
 
 
 def round_trip(rank: int, world: int, case: dict, root: str) -> dict:
-    """For every (saver, loader) pair of engines: the saver trains ``steps`` steps saving after
-    ``save_after``; a fresh loader loads that checkpoint and trains the remaining steps with the
-    iterator restarted there. The loader must end where the saver did."""
+    """For every (saver, loader) pair of engines (``cross`` false: each engine loads its own only):
+    the saver trains ``steps`` steps saving after ``save_after``; a fresh loader loads that
+    checkpoint and trains the remaining steps with the iterator restarted there. The loader must
+    end where the saver did."""
     import deepspeed
     import torch
 
@@ -277,7 +278,7 @@ def round_trip(rank: int, world: int, case: dict, root: str) -> dict:
         save_dir = os.path.join(root, saver)
         full = train(saver, case, world, steps=steps, save_to=save_dir, save_after=save_after)
         out[f"{saver}-uninterrupted"] = full
-        for loader in engines:
+        for loader in engines if case.get("cross", True) else [saver]:
             engine = make_engine(loader, case, world)
             out[f"{saver}->{loader}"] = train(loader, case, world, start=save_after, steps=steps - save_after,
                                                engine=engine, load_from=save_dir)
