@@ -23,6 +23,12 @@ SGD for gradient-accumulation scaling):
 * bf16 / fp16, fp16 overflow skips, and clipping without a barrier.
 
 ``test_conformance_optimizers.py`` holds every optimizer DeepSpeed gives a pipeline engine.
+
+Regressions these cases caught (before 5d30b83): every case with DeepSpeed's Adam section failed in
+the first optimizer step (``FusedAdam.zero_grad()`` called with ``set_to_none``); with that alone
+fixed, the partitioned, contiguous checkpoints failed in ``eval_batch``: after training, DeepSpeed's
+contiguous buffers overflowed (``IndexError``), and alone, the re-yielded input had been emptied by
+partitioning (``linear`` on a 0-d tensor).
 """
 
 from __future__ import annotations
