@@ -3,9 +3,9 @@
 Nothing here is shaped for ds_resilience: a ``PipelineModule`` of stock torch layers
 (``nn.Linear``, ``nn.ReLU``, ``nn.LayerNorm``, ``nn.Dropout`` in training mode) with
 ``nn.CrossEntropyLoss``, a ``TensorDataset`` passed as ``training_data``, and DeepSpeed's default
-configuration (``configs/default_resilience.json``: Adam, ``gradient_clipping`` 1.0). Each engine
-trains in the same processes: vanilla DeepSpeed and ds_resilience, fault-free and with a simulated
-failure, clipping on and off.
+configuration (``configs/default_resilience.json``: ``"Adam"``, which is DeepSpeed's FusedAdam, and
+``gradient_clipping`` 1.0), in fp32. Each engine trains in the same processes: vanilla DeepSpeed and
+ds_resilience, fault-free and with a simulated failure, clipping on and off.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ def config(*, clip: float | None, failed=()) -> dict[str, Any]:
     cfg["gradient_accumulation_steps"] = 4
     cfg["train_batch_size"] = 16  # DP=2
     cfg["steps_per_print"] = 10**6
+    cfg["bf16"] = {"enabled": False}  # fp32 (the template says bf16): parameters are compared to 1e-6 and to vanilla's
     if clip is not None:
         cfg["gradient_clipping"] = clip
     cfg["resilience"] = {"simulate_failed": list(failed), "planner": {"solver": "heuristic"}}

@@ -255,9 +255,11 @@ def test_cpu_config_is_accepted():
     with open(CONFIG, encoding="utf-8") as fh:
         config = json.load(fh)
     assert config["train_micro_batch_size_per_gpu"] == 2 and config["gradient_accumulation_steps"] == 4
-    assert config["optimizer"]["params"]["torch_adam"] is True
-    ds = DeepSpeedConfig(config)  # DeepSpeed 0.19.8 ignores the unknown "resilience" key
+    # DeepSpeed's defaults, as a user's config has them: "Adam" is DeepSpeed's FusedAdam, clipping 1.0
+    assert config["optimizer"]["type"] == "Adam" and "torch_adam" not in config["optimizer"]["params"]
+    ds = DeepSpeedConfig(config)  # DeepSpeed 0.19.8 ignores the unknown "resilience" and "_comment" keys
     assert ds.gradient_accumulation_steps == 4 and ds.train_micro_batch_size_per_gpu == 2
+    assert ds.gradient_clipping == 1.0 and not ds.bfloat16_config.enabled  # fp32: see the file's "_comment"
 
 
 # --- (e) the vanilla DeepSpeed run ----------------------------------------------------------------
@@ -265,9 +267,15 @@ def test_cpu_config_is_accepted():
 @pytest.mark.timeout(240)
 def test_vanilla_deepspeed_pipeline_run(tmp_path):
     dump = tmp_path / "dump.pt"
+    with open(CONFIG, encoding="utf-8") as fh:
+        config = json.load(fh)
+    # compared below with unclipped torch.optim.Adam in one process: clipping off (vanilla clips a
+    # pipeline by its first stage's norm); "Adam" stays DeepSpeed's FusedAdam (weight_decay 0: Adam)
+    config["gradient_clipping"] = 0.0
+    (tmp_path / "config.json").write_text(json.dumps(config))
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "4",
            "--master_port", str(_free_port()), os.path.join("examples", "vanilla_train.py"),
-           "--deepspeed_config", CONFIG, "--steps", "3", "--dump", str(dump)]
+           "--deepspeed_config", str(tmp_path / "config.json"), "--steps", "3", "--dump", str(dump)]
     proc = subprocess.Popen(cmd, cwd=REPO, env=_child_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:

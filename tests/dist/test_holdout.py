@@ -2,8 +2,9 @@
 
 The program (``holdout_programs.py``) is written as DeepSpeed's documentation writes a pipeline:
 stock torch layers (dropout in training mode), ``nn.CrossEntropyLoss``, a ``TensorDataset`` passed
-as ``training_data``, Adam and ``gradient_clipping`` 1.0 from ``configs/default_resilience.json``.
-Nothing in it is shaped for ds_resilience. PP=2 x DP=2, 4 processes on gloo.
+as ``training_data``, ``"Adam"`` (DeepSpeed's FusedAdam) and ``gradient_clipping`` 1.0 from
+``configs/default_resilience.json``, in fp32 (the template's bf16 turned off: parameters are compared
+to 1e-6). Nothing in it is shaped for ds_resilience. PP=2 x DP=2, 4 processes on gloo.
 
 * With clipping 1.0 (speculative clipping, validated, rolled back when wrong), a simulated failure
   of worker p1s1 ends with the survivors' parameters equal to our fault-free run.

@@ -127,6 +127,61 @@ def test_default_json_file_is_a_valid_deepspeed_config():
     assert ds.train_batch_size == ds.train_micro_batch_size_per_gpu * ds.gradient_accumulation_steps
 
 
+def _shipped_deepspeed_configs():
+    """The DeepSpeed configs a user copies: configs/*.json and the examples' JSON files that hold a
+    batch size (cost models, model profiles and traces are not DeepSpeed configs)."""
+    files = sorted((REPO / "configs").glob("*.json")) + sorted((REPO / "examples").rglob("*.json"))
+    out = []
+    for f in files:
+        data = json.loads(f.read_text())
+        if isinstance(data, dict) and {"train_batch_size", "train_micro_batch_size_per_gpu"} & data.keys():
+            out.append(f)
+    return out
+
+
+SHIPPED = _shipped_deepspeed_configs()
+
+
+def test_the_shipped_configs_are_found():
+    names = {f.relative_to(REPO).as_posix() for f in SHIPPED}
+    assert {"configs/default_resilience.json", "configs/gpt_cpu_pp2_dp2.json", "configs/gpt_cpu_pp2_dp2_failed.json",
+            "examples/deepspeed_pipe/ds_config.json"} <= names
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda f: f.relative_to(REPO).as_posix())
+def test_a_shipped_config_uses_deepspeeds_defaults_unless_its_comment_says_why(path):
+    """Issue 41 item 7: the configs users copy run the path users run. "Adam" without
+    ``torch_adam`` (DeepSpeed's FusedAdam) and ``gradient_clipping`` at DeepSpeed's default 1.0, unless
+    the file's top-level ``"_comment"`` names the key and says why; both DeepSpeed and our parser
+    accept the config with that key (DeepSpeed ignores unknown top-level keys; ours reads the
+    ``"resilience"`` section alone, where an unknown key is an error)."""
+    DeepSpeedConfig = pytest.importorskip("deepspeed.runtime.config").DeepSpeedConfig
+    data = json.loads(path.read_text())
+    comment = data.get("_comment", "")
+    assert isinstance(comment, str)
+    ds = DeepSpeedConfig(dict(data))
+    load_resilience_config(path)  # the "resilience" section, if any, parses
+    optimizer = data.get("optimizer")
+    if optimizer is not None and "torch_adam" in optimizer.get("params", {}):
+        assert "torch_adam" in comment, f"{path.name}: torch_adam without a reason in its _comment"
+    if ds.gradient_clipping != 1.0:
+        assert "gradient_clipping" in comment, f"{path.name}: gradient_clipping {ds.gradient_clipping} without a reason"
+    if data.get("bf16", {}).get("enabled") is False:  # written off: a template otherwise says bf16
+        assert "bf16" in comment, f"{path.name}: fp32 without a reason in its _comment"
+
+
+def test_the_user_template_is_deepspeeds_defaults_in_bf16():
+    data = json.loads(DEFAULT_JSON.read_text())
+    assert data["optimizer"]["type"] == "Adam" and "torch_adam" not in data["optimizer"]["params"]
+    assert data["gradient_clipping"] == 1.0 and data["bf16"] == {"enabled": True}
+
+
+def test_a_comment_belongs_at_the_top_level_not_in_the_resilience_section():
+    load_resilience_config({"_comment": "why", "resilience": {}})
+    with pytest.raises(ConfigError, match="resilience._comment"):
+        load_resilience_config({"resilience": {"_comment": "why"}})
+
+
 def test_docstring_table_lists_every_key():
     doc = config_module.__doc__
     for path in leaf_paths(ResilienceConfig().to_dict()):
