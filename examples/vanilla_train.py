@@ -11,6 +11,11 @@ start 4 local ranks whatever the CPU accelerator's device count (one per NUMA no
 ``--force_multi`` is NOT wanted (it takes the multi-node ssh path). Pick a free ``--master_port``
 when several runs share the machine. ``--pp`` sets the pipeline stages (world size / pp pipelines).
 
+The shipped config takes DeepSpeed's defaults: ``"Adam"`` is DeepSpeed's FusedAdam and
+``gradient_clipping`` is 1.0, which DeepSpeed's pipeline engine applies by the first stage's norm
+alone (ds_resilience clips by the global norm). To compare this run with ``train_gpt.py``'s, or with
+a one-process reference, set ``"gradient_clipping": 0.0`` (``tests/dist/test_gpt_example.py`` does).
+
 The first launch on a fresh machine JIT-builds DeepSpeed's CPU shm comm op (about a minute, then
 cached under ~/.cache/torch_extensions); after that a 20-step run takes 12-20 s wall, of which
 training is 1-2 s and the rest process start-up and teardown. Besides DeepSpeed's own logging, rank 0 prints one line per step::
