@@ -11,8 +11,12 @@
 #    PYTHONPATH (carried as wheels to a lent machine: see BENCHMARKS.md, "A core per worker").
 # 6. the DeepSpeed engine on the one GPU (benchmarks/gpu_engine_check.py --device cuda): 4 ranks on cuda:0
 #    (gloo stages the CUDA tensors), FusedAdam (JIT-built here: needs nvcc and ninja), bf16, in-memory
-#    snapshots through the CUDA path, rank 1 SIGKILLed mid-backward; the survivors' fp32 masters must
-#    equal the fault-free run's. Needs deepspeed importable (as step 5); GPU_ENGINE_ONLY=1 runs it alone.
+#    snapshots every step through the CUDA path (checked per rank) and replicated, rank 1 SIGKILLed
+#    mid-backward; the survivors' fp32 masters must equal the fault-free run's. Prints a verdict line
+#    (gpu_engine_check: PASS|FAIL), the op build, both runs' wall times and the recovery latencies.
+#    Needs deepspeed importable (as step 5). Expected 2-3 min (most of it the FusedAdam JIT build; not yet
+#    timed on a GPU), limit 300 s:
+#    GPU_ENGINE_ONLY=1 runs it alone, as one device call (the other steps' limits add up to 630 s).
 # Each step has its own time limit, so one hang cannot eat the others; logs and JSON go to OUT_DIR.
 set -u -o pipefail
 out=${1:-${OUT:-/tmp/gpu_checks}}
