@@ -18,7 +18,7 @@ from ..launch import LaunchEnv, launch_env
 from ..runtime.coordinator import TrainingOver
 from ..runtime.executor import BatchSource
 from ..runtime.recovery import BeyondTolerance
-from .ds_data import DataIterFactory, reroute_data_error, unfed_reason
+from .ds_data import DataIterFactory, planned_tolerance, reroute_data_error, unfed_reason
 from .ds_engine import ResilientPipelineEngine
 from .ds_instructions import ActionSchedule, IRAction
 
@@ -35,13 +35,12 @@ def init_distributed(launch: LaunchEnv | None = None) -> None:
     agent's store.
     """
     import deepspeed
-    import torch.distributed as tdist
+
+    from ..runtime.rejoin_boot import stand_in_default_group
 
     launch = launch if launch is not None else launch_env()
-    if launch is not None and launch.rejoin and not tdist.is_initialized():
-        import torch.testing._internal.distributed.fake_pg as fake_pg
-
-        tdist.init_process_group("fake", store=fake_pg.FakeStore(), rank=launch.rank, world_size=launch.world_size)
+    if launch is not None and launch.rejoin:
+        stand_in_default_group(launch.rank, launch.world_size)
     deepspeed.init_distributed(dist_backend="gloo")
 
 
@@ -153,9 +152,8 @@ def initialize(
         raise ConfigError("mesh_param", "a sequence-parallel device mesh is not supported with pipeline parallelism")
     launch = launch_env()  # the agent's contract, read once
     if launch is not None:  # a pipeline may lose both ends within the tolerance: its data must be addressable
-        tolerance = max(resilience.max_failures, 2) if resilience.planner.all_coverable else resilience.max_failures
         error = reroute_data_error(training_data, batch_source, data_iter_factory,
-                                   unfed=unfed_reason(model.num_stages, tolerance))
+                                   unfed=unfed_reason(model.num_stages, planned_tolerance(resilience)))
         if error is not None:
             raise error  # (simulated failures are checked by the engine, which knows the grid)
     ds_dist.init_distributed(dist_backend=get_accelerator().communication_backend_name(),

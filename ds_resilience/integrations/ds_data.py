@@ -39,7 +39,7 @@ from ..accelerator import device_count
 from ..errors import ConfigError, ResilienceError
 
 __all__ = ["DataIterFactory", "DatasetSource", "EngineData", "FactorySource", "IteratorSource", "LoaderSpec",
-           "engine_batch_source", "is_map_style", "reroute_data_error", "unfed_reason"]
+           "engine_batch_source", "is_map_style", "planned_tolerance", "reroute_data_error", "unfed_reason"]
 
 DataIterFactory = Callable[[int, int], Iterator[Any]]
 """(pipeline, iteration) -> an iterator over that pipeline's micro-batches from that iteration on."""
@@ -71,13 +71,19 @@ def reroute_data_error(training_data: Any, batch_source: Any, data_iter_factory:
     how = ("pass training_data=<a map-style torch Dataset> (DeepSpeed's sampler, made addressable), "
            "batch_source=(pipeline, iteration, microbatch) -> (inputs, labels), or "
            "data_iter_factory=(pipeline, iteration) -> iterator over that pipeline's micro-batches from that "
-           "iteration; or lower resilience.max_failures")
+           "iteration")
     if training_data is not None:
         return ConfigError("training_data", f"{type(training_data).__name__} is an iterable-style dataset and "
                            f"{unfed}: then no worker reads that pipeline's data, and its samples cannot be addressed "
                            f"by (pipeline, iteration, micro-batch); {how}")
     return ConfigError("batch_source", f"{unfed}: then no worker reads that pipeline's data_iter (only a pipeline's "
                        f"first and last stages read it) and its micro-batches cannot be re-routed; {how}")
+
+
+def planned_tolerance(resilience: Any) -> int:
+    """The largest failure set the plans cover, for :func:`unfed_reason`: ``max_failures``, and
+    with ``planner.all_coverable`` any set (2 is enough to lose both ends of a pipeline)."""
+    return max(resilience.max_failures, 2) if resilience.planner.all_coverable else resilience.max_failures
 
 
 def unfed_reason(num_stages: int, tolerance: int, simulated: Any = None) -> str | None:
@@ -92,11 +98,12 @@ def unfed_reason(num_stages: int, tolerance: int, simulated: Any = None) -> str 
         return f"resilience.simulate_failed fails both ends of pipeline(s) {list(lost)}" if lost else None
     if not can_lose_both_ends(num_stages, tolerance):
         return None
+    # the tolerance is the user's to lower: the reason says so (a simulated set's is not)
     if num_stages == 1:
         return ("with one pipeline stage, a failure within the tolerance (resilience.max_failures "
-                f"{tolerance}) takes a pipeline's only worker")
-    return (f"a failure set within the tolerance (resilience.max_failures {tolerance}) can take both the first "
-            "and the last stage worker of one pipeline")
+                f"{tolerance}, which you may lower) takes a pipeline's only worker")
+    return (f"a failure set within the tolerance (resilience.max_failures {tolerance}, which you may lower) can take "
+            "both the first and the last stage worker of one pipeline")
 
 
 # --- training_data --------------------------------------------------------------------------------
@@ -493,7 +500,7 @@ def engine_batch_source(engine: Any, *, batch_source: Callable | None, data_iter
             if rerouting and data_iter_factory is None and unfed is not None:
                 raise ConfigError("data_efficiency", f"curriculum learning samples training_data by difficulty, "
                                   f"which cannot be addressed per (pipeline, iteration, micro-batch), and {unfed}: "
-                                  f"pass batch_source= or lower resilience.max_failures")
+                                  f"pass batch_source=")
         else:
             source = DatasetSource.of_engine(engine, dataset)
             _stop_deepspeed_prefetch(engine)

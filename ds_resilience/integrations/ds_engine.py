@@ -61,7 +61,7 @@ from .ds_checkpoints import export_stage, save_on_survivors
 from .ds_evaluation import evaluate
 from .ds_profile import from_engine as profile_from_engine, requested as profile_requested
 from .ds_reporting import is_reporter, plan_line, report
-from .ds_data import DataIterFactory, EngineData, engine_batch_source, unfed_reason
+from .ds_data import DataIterFactory, EngineData, engine_batch_source, planned_tolerance, unfed_reason
 from .ds_relay import exchange, unserved_error
 from .ds_regrid import RegridContext, regrid, regrid_blocker, regrid_pays_for
 from .ds_stage import DeepSpeedStage, activation_checkpointing, tied_layout
@@ -171,7 +171,7 @@ class ResilientPipelineEngine(PipelineEngine):
             module=self.module, parameters=self.stage_host.parameters, loss_fn=self.module.loss_fn,
             batch_source=engine_batch_source(self, batch_source=batch_source, data_iter_factory=data_iter_factory,
                                              rerouting=live or bool(failed), unfed=self._unfed(failed, live)),
-            rank_of=lambda i: self.topology.rank(self.topology.worker(i)),
+            rank_of=self._rank_of,
             step=self.stage_host.step, recompute=recompute, fault_hook=self.faults.maybe_fire, hooks=self.tier,
             tied=tied_params, counted_tied=[g for g, stages in enumerate(self.tied_groups) if stages[0] == self.stage_id],
             precision=self.optimizer if isinstance(self.optimizer, MixedPrecisionOptimizer) else None,
@@ -517,9 +517,7 @@ class ResilientPipelineEngine(PipelineEngine):
             return unfed_reason(self.num_stages, 0, simulated=self.topology.without(failed))
         if not live:
             return None
-        planner = self.resilience.planner
-        tolerance = max(self.resilience.max_failures, 2) if planner.all_coverable else self.resilience.max_failures
-        return unfed_reason(self.num_stages, tolerance)
+        return unfed_reason(self.num_stages, planned_tolerance(self.resilience))
 
     def _starved(self, failed: frozenset[Worker]) -> str | None:
         """Why a failed set leaves micro-batches no worker can load (``planning/recovery.py``'s
@@ -549,9 +547,7 @@ class ResilientPipelineEngine(PipelineEngine):
         source.relayed, source.relayed_iteration = {}, None
         if not plan:
             return
-        mine = [u for u in plan.unserved if any(a.kind is ActionKind.F and (a.pipeline, a.microbatch, a.stage) == u
-                                                for a in self.actions)]
-        if mine:
+        if plan.starves(self.actions):
             raise unserved_error(plan, what="micro-batches", how="pass batch_source=, a map-style training_data "
                                  "or data_iter_factory= to ds_resilience.initialize")
         step = self.global_steps

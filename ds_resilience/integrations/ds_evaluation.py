@@ -18,7 +18,6 @@ from typing import Any
 import torch
 
 from ..errors import ResilienceError
-from ..ir import ActionKind
 from ..planning.data_relay import relay_plan
 from ..planning.inference import inference_actions
 from .ds_relay import exchange, unserved_error
@@ -57,7 +56,7 @@ def evaluate(engine: Any, data_iter, micro_batches: int, return_logits: bool, co
     actions = every[engine.my_index]
     if engine.eval_source is None:
         plan = relay_plan(engine.current, every)
-        if any((a.pipeline, a.microbatch, a.stage) in plan.unserved for a in actions if a.kind is ActionKind.F):
+        if plan.starves(actions):
             raise unserved_error(plan, what="evaluation micro-batches",
                                  how="pass eval_source=(pipeline, step, microbatch) -> (inputs, labels) to "
                                      "ds_resilience.initialize")

@@ -50,6 +50,11 @@ class RelayPlan:
     def receives(self, index: int) -> tuple[Transfer, ...]:
         return tuple(t for t in self.transfers if t.runner == index)
 
+    def starves(self, actions: Sequence[Action]) -> bool:
+        """Whether ``actions`` (one worker's) run a micro-batch in :attr:`unserved`."""
+        unserved = set(self.unserved)
+        return any(a.kind is ActionKind.F and (a.pipeline, a.microbatch, a.stage) in unserved for a in actions)
+
     def __bool__(self) -> bool:
         return bool(self.transfers or self.unserved)
 

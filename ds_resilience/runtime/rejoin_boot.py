@@ -7,7 +7,7 @@ script's own ``deepspeed.init_distributed()`` (which keeps an initialized defaul
 ``ds_resilience.init_distributed()`` goes on at once; DeepSpeed builds its engine locally, and all
 real communication goes through ds_resilience's groups on the agent's store. The agent runs a
 fresh-interpreter re-join as ``python -u -m ds_resilience.runtime.rejoin_boot script args``; a
-forked one calls :func:`stand_in_default_group` before the script.
+forked one calls :func:`stand_in_if_rejoining` before the script.
 """
 
 from __future__ import annotations
@@ -17,22 +17,27 @@ import runpy
 import sys
 from typing import Mapping
 
-__all__ = ["stand_in_default_group"]
+__all__ = ["stand_in_default_group", "stand_in_if_rejoining"]
 
 
-def stand_in_default_group(env: Mapping[str, str] | None = None) -> bool:
-    """Under ``DSR_REJOIN=1``: initialize the default group as a local "fake" one (returns whether
-    it did; a default group already there is kept)."""
-    env = os.environ if env is None else env
-    if env.get("DSR_REJOIN") != "1":
-        return False
+def stand_in_default_group(rank: int, world_size: int) -> bool:
+    """Initialize the default group as a local "fake" one of ``rank`` in ``world_size`` (returns
+    whether it did; a default group already there is kept)."""
     import torch.distributed as dist
     import torch.testing._internal.distributed.fake_pg as fake_pg
 
     if dist.is_initialized():
         return False
-    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]))
+    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=rank, world_size=world_size)
     return True
+
+
+def stand_in_if_rejoining(env: Mapping[str, str] | None = None) -> bool:
+    """:func:`stand_in_default_group` for the launch ``env`` describes, under ``DSR_REJOIN=1`` only."""
+    env = os.environ if env is None else env
+    if env.get("DSR_REJOIN") != "1":
+        return False
+    return stand_in_default_group(int(env["RANK"]), int(env["WORLD_SIZE"]))
 
 
 def main() -> None:
@@ -41,7 +46,7 @@ def main() -> None:
     script = sys.argv[1]
     sys.argv = sys.argv[1:]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    stand_in_default_group()
+    stand_in_if_rejoining()
     runpy.run_path(script, run_name="__main__")
 
 

@@ -150,9 +150,9 @@ def _run_script(script: str, args: list[str], env: dict[str, str], log: str | No
         sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
     code: int = 0
     try:
-        from .rejoin_boot import stand_in_default_group
+        from .rejoin_boot import stand_in_if_rejoining
 
-        stand_in_default_group(env)
+        stand_in_if_rejoining(env)
         runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
         if exc.code is None:
