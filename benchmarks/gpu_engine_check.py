@@ -214,8 +214,11 @@ def check_snapshots(name: str, run: dict, *, device: str, fault_step: int, dead:
         want = ["cuda:0"] if device == "cuda" else []
         if snap["staging_devices"] != want:
             problems.append(f"{name} rank {rank}: snapshots staged through {snap['staging_devices']}, expected {want}")
-        # a replica the killed rank was sending when it died is lost (the survivor keeps the older ones)
-        errors = [e for e in snap["replication_errors"] or [] if not (dead and e.startswith(f"recv rank{FAULT_RANK}@"))]
+        # a replica in flight between a survivor and the killed rank when it died is lost, in either
+        # direction (each side keeps its older ones): the killed rank's own, or one sent to it
+        errors = [e for e in snap["replication_errors"] or []
+                  if not (dead and (e.startswith(f"recv rank{FAULT_RANK}@")
+                                    or (e.startswith("send ") and f"with rank {FAULT_RANK}:" in e)))]
         if errors:
             problems.append(f"{name} rank {rank}: replication errors {errors[:2]}")
     return problems
