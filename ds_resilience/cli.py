@@ -263,6 +263,45 @@ def _profile(argv: list[str]) -> int:
     return code
 
 
+def subcommand_parsers() -> dict[str, argparse.ArgumentParser]:
+    """The full parser of every subcommand, by name, in ``ds-resilience --help``'s order (the
+    documentation's CLI reference is rendered from it, so it cannot drift from the code).
+
+    ``run``, ``profile`` and ``demo`` are registered on the main parser without arguments and parse
+    their own argv: ``run``'s parser is the agent's ``_parser()``; ``profile``'s and ``demo``'s are
+    built inside the function that parses with them, so they are caught at their ``parse_args``
+    call (which raises before anything runs) and returned. Imports nothing heavy (no torch).
+    """
+    from typing import Any
+
+    from . import demo
+    from .runtime import agent
+
+    class _Caught(Exception):
+        def __init__(self, parser: argparse.ArgumentParser) -> None:
+            super().__init__(parser.prog)
+            self.parser = parser
+
+    def catch(entry: Any, argv: list[str]) -> argparse.ArgumentParser:
+        original = argparse.ArgumentParser.parse_args
+
+        def raise_parser(self: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> Any:
+            raise _Caught(self)
+
+        argparse.ArgumentParser.parse_args = raise_parser  # type: ignore[method-assign]
+        try:
+            entry(argv)
+        except _Caught as caught:
+            return caught.parser
+        finally:
+            argparse.ArgumentParser.parse_args = original  # type: ignore[method-assign]
+        raise RuntimeError(f"{entry!r} returned without parsing its arguments")
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    own = {"run": agent._parser, "profile": lambda: catch(_profile, []), "demo": lambda: catch(demo.main, [])}
+    return {name: own[name]() if name in own else parser for name, parser in sub.choices.items()}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``ds-resilience``; returns the process exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
