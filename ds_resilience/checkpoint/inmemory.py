@@ -36,6 +36,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from .. import store_keys
 from ..comm.groups import Group, world_group
 from ..comm.transport import recv_header, recv_payload, send_message
 from ..config import CheckpointConfig
@@ -136,7 +137,7 @@ class InMemoryCheckpointer:
                                          timeout_s=timeout_s, gate=self.gate, group_store=group_store,
                                          interface=cfg.interface)
         # one schedule for every rank of the attempt: grows when captures exceed the budget
-        self.schedule = SnapshotInterval(cfg.interval, store=group_store, key=f"dsr/snapshot-interval/{name}", rank=rank)
+        self.schedule = SnapshotInterval(cfg.interval, store=group_store, key=store_keys.snapshot_interval(name), rank=rank)
         self._noted_step = 0
         # the newest captures: step, stall_s (the training thread's wait), copy_s (the background copy)
         self.captures: deque[dict[str, float]] = deque(maxlen=64)

@@ -29,6 +29,8 @@ import json
 import logging
 from typing import Any
 
+from .. import store_keys
+
 __all__ = ["LEAD", "SnapshotInterval"]
 
 LEAD = 4
@@ -48,7 +50,7 @@ class SnapshotInterval:
         rank: this rank (its need is posted under it).
     """
 
-    def __init__(self, base: int, *, store: Any = None, key: str = "dsr/snapshot-interval", rank: int = 0) -> None:
+    def __init__(self, base: int, *, store: Any = None, key: str = store_keys.snapshot_interval(), rank: int = 0) -> None:
         if base < 1:
             raise ValueError(f"the snapshot interval must be >= 1, got {base}")
         self.base, self.store, self.key, self.rank = base, store, key, rank

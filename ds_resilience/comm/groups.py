@@ -33,6 +33,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from .. import store_keys
 from ..errors import ResilienceError
 from ..topology import Topology, Worker
 
@@ -252,7 +253,7 @@ def new_group(ranks: Sequence[int], *, name: str, timeout_s: float, store: dist.
     if me not in ranks:
         raise ValueError(f"rank {me} is not a member of group {name} {ranks}")
     base = store if store is not None else dist.distributed_c10d._get_default_store()
-    prefix = f"dsr/{name}/{'-'.join(map(str, ranks))}"
+    prefix = store_keys.group(name, ranks)
     store = dist.PrefixStore(prefix, base)
     device = torch.device(device) if device is not None else None
     if device is not None and device.type == "cuda":

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
+from .. import store_keys
 from ..checkpoint.fetch import fetch_versions
 from ..checkpoint.inmemory import InMemoryCheckpointer
 from ..checkpoint.tier import CheckpointTier
@@ -363,7 +364,7 @@ class ResilientPipelineEngine(PipelineEngine):
             return self._wait_store(key, self.resilience.detector.store_timeout_s, "the other stages' gradient norms")
 
         return StepValidator(clip=clip, check_overflow=fp16, num_stages=self.num_stages,
-                             key=lambda iteration, stage: f"dsr/{self.session}/val/{iteration}/{stage}",
+                             key=functools.partial(store_keys.validation, self.session),
                              publish=lambda key, value: self._store().set(key, value), wait=wait,
                              delete=lambda key: self._store().delete_key(key), peek=self._peek_store)
 
@@ -874,7 +875,7 @@ class ResilientPipelineEngine(PipelineEngine):
 
     def _loss_key(self, step: int) -> str:
         epoch = self.coordinator.applied if self.coordinator is not None else 0
-        return f"dsr/{self.session}/loss/{epoch}/{step}"
+        return store_keys.loss(self.session, epoch, step)
 
     def _aggregate_loss(self, local_sum: float) -> torch.Tensor:
         """Global mean loss of the iteration, without a barrier over all stages.
@@ -930,4 +931,4 @@ class ResilientPipelineEngine(PipelineEngine):
     def _idle_key(self, step: int) -> str:
         """Set once per iteration while workers are simulated-failed; never deleted (a parked
         worker may be late), one tiny key per iteration."""
-        return f"dsr/{self.session}/idle/{step}"
+        return store_keys.idle(self.session, step)

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .. import store_keys
 from ..errors import ResilienceError
 from ..topology import Worker
 
@@ -101,7 +102,7 @@ def save_checkpoint(forward_backward: Any, directory: str | os.PathLike[str], it
         model = model[0]
     me, tp_rank = grid.coord(dist.get_rank())
     store = dist.distributed_c10d._get_default_store()
-    key = f"dsr/megatron/ckpt{_SAVES[0]}"
+    key = store_keys.megatron_save(_SAVES[0])
     _SAVES[0] += 1
     alive = [w for w in topology.alive_workers()]
     if me not in alive:

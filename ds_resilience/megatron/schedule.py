@@ -63,6 +63,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from .. import store_keys
 from ..comm.groups import GenerationGroups, new_group
 from ..costs import CostModel
 from ..errors import ConfigError, ResilienceError
@@ -519,7 +520,7 @@ def _agree_session(timeout_s: float) -> str:
     """A name every rank gives this job's groups: rank 0 draws it and publishes it in the default
     store (any backend: no collective on the default group, which may be NCCL)."""
     store = dist.distributed_c10d._get_default_store()
-    key = f"dsr/megatron/session{_SESSIONS[0]}"
+    key = store_keys.megatron_session(_SESSIONS[0])
     _SESSIONS[0] += 1
     if dist.get_rank() == 0:
         store.set(key, f"megatron-{uuid.uuid4().hex[:10]}")

@@ -23,6 +23,7 @@ import threading
 import time
 from typing import Callable, Iterable
 
+from .. import store_keys as keys
 from ..comm.groups import poison
 from ..errors import ResilienceError
 from ..launch import LaunchEnv
@@ -212,11 +213,11 @@ class Coordinator:
         A rank posts once per epoch: a rank that applies an epoch again (interrupted by a newer
         one) keeps its first value, which every survivor has planned with, even if it has rolled
         back since."""
-        key = f"dsr/agree/{epoch}/{self.rank}"
+        key = keys.agree(epoch, self.rank)
         if not self.store.check([key]):
             self.store.set(key, str(value))
-        return {r: int(self.wait_key(f"dsr/agree/{epoch}/{r}")) for r in ranks}
+        return {r: int(self.wait_key(keys.agree(epoch, r))) for r in ranks}
 
 
 def _switch_key(epoch: int) -> str:
-    return f"dsr/switch/{epoch}"
+    return keys.switch(epoch)

@@ -1,7 +1,7 @@
 """The protocol between the agent and its workers, through the agent's TCPStore.
 
 The agent (:mod:`ds_resilience.runtime.agent`) hosts the store and is the one authority on
-membership; workers never decide it locally. All keys live under ``dsr/``:
+membership; workers never decide it locally. All keys live under ``dsr/`` (spelled in :mod:`ds_resilience.store_keys`):
 
 ``dsr/hb/{rank}``
     A counter the worker bumps with ``store.add(key, 1)`` every heartbeat interval. The agent
@@ -35,6 +35,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from ..epochs import EPOCH_KINDS, EpochRecord, MembershipError, WorkerInfo
+from .. import store_keys as keys
 from ..launch import LaunchEnv, launch_env
 
 __all__ = [
@@ -48,33 +49,33 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 EXIT_ORPHANED = 75  # a worker's exit code when its agent died
-LATEST_KEY = "dsr/epoch/latest"
+LATEST_KEY = keys.LATEST_EPOCH
 _POLL_S = 0.01
 
 
 def hb_key(rank: int) -> str:
     """Heartbeat counter of global rank ``rank``."""
-    return f"dsr/hb/{rank}"
+    return keys.hb(rank)
 
 
 def hb_stopped_key(rank: int) -> str:
     """Set when ``rank`` stopped its heartbeat on purpose (it is exiting): silence is no hang."""
-    return f"dsr/hb/{rank}/stopped"
+    return keys.hb_stopped(rank)
 
 
 def worker_key(rank: int) -> str:
     """Registration of global rank ``rank``."""
-    return f"dsr/worker/{rank}"
+    return keys.worker(rank)
 
 
 def epoch_key(epoch: int) -> str:
     """Record of membership epoch ``epoch``."""
-    return f"dsr/epoch/{epoch}"
+    return keys.epoch(epoch)
 
 
 def status_key(rank: int) -> str:
     """Status string of global rank ``rank``."""
-    return f"dsr/status/{rank}"
+    return keys.status(rank)
 
 
 def _get(store: dist.Store, key: str) -> bytes | None:
@@ -130,16 +131,16 @@ def wait_epoch(store: dist.Store, epoch: int, timeout_s: float, poll_s: float = 
         time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
 
 
-REGRID_FAILED_KEY = "dsr/regrid_failed"
+REGRID_FAILED_KEY = keys.REGRID_FAILED
 """Set by a survivor that cannot re-form the grid (why, as text): the agent then stops the job with
 a restart from the in-memory snapshots, the tier below the re-grid."""
 
-REGRIDDED_KEY = "dsr/regridded"
+REGRIDDED_KEY = keys.REGRIDDED
 """Set by the survivors as they start to re-form the grid (the epoch and the ranks of the old grid,
 as text): the agent then relaunches no worker any more (a relaunched worker would join the first
 grid, which is gone)."""
 
-TRAINING_OVER_KEY = "dsr/training_over"
+TRAINING_OVER_KEY = keys.TRAINING_OVER
 """Set by the agent when a member finished training (who, as text): a relaunched worker that has
 registered but was not admitted yet gives up its re-join and exits 0 (the survivors ran their last
 step without it and will not come back to its epoch)."""
@@ -153,7 +154,7 @@ def training_over(store: dist.Store) -> str | None:
 
 def admitted_key(rank: int) -> str:
     """Set by a relaunched worker once the survivors admitted it (its incarnation, as text)."""
-    return f"dsr/admitted/{rank}"
+    return keys.admitted(rank)
 
 
 def mark_admitted(store: dist.Store, rank: int, incarnation: int) -> None:

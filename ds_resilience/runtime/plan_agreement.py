@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from .. import store_keys as keys
 from ..costs import CostModel
 from ..errors import ResilienceError
 from ..planning.provider import ScheduleProvider
@@ -39,7 +40,7 @@ from ..planning.table import PlanTable
 __all__ = ["PublisherLost", "announce", "publish", "await_published", "latest", "newest", "adopt_published",
            "check_joined"]
 
-PREFIX = "dsr/plans"
+PREFIX = keys.PLANS
 
 
 class PublisherLost(ResilienceError):
@@ -47,15 +48,15 @@ class PublisherLost(ResilienceError):
 
 
 def _key(scope: str, build: int, what: str) -> str:
-    return f"{PREFIX}/{scope}/{build}/{what}"
+    return keys.plans(scope, build, what)
 
 
 def _building_key(scope: str) -> str:  # "<build> <publisher> <epoch>" of the build under way
-    return f"{PREFIX}/{scope}/building"
+    return keys.plans_building(scope)
 
 
 def _latest_key(scope: str) -> str:  # the newest published build
-    return f"{PREFIX}/{scope}/latest"
+    return keys.plans_latest(scope)
 
 
 def _published(store: Any, scope: str, record: dict[str, Any], publisher: int) -> PlanTable:

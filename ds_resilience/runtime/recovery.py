@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from .. import store_keys as keys
 from ..checkpoint.handover import recv_state, send_state
 from ..checkpoint.state import apply
 from ..checkpoint.tier import CheckpointTier
@@ -249,9 +250,9 @@ class LiveRecovery:
         member that dies now releases the wait (a new epoch), where gloo's group construction would
         wait out its whole timeout."""
         store = self.coordinator.store
-        store.set(f"dsr/arrive/{epoch}/{self.rank}", "1")
+        store.set(keys.arrive(epoch, self.rank), "1")
         for r in members:
-            self.coordinator.wait_key(f"dsr/arrive/{epoch}/{r}", timeout_s=timeout_s)
+            self.coordinator.wait_key(keys.arrive(epoch, r), timeout_s=timeout_s)
 
     # --- recovery ----------------------------------------------------------------------------------
     def recover(self, exc: BaseException) -> None:
@@ -419,12 +420,12 @@ class LiveRecovery:
         store = self.coordinator.store
         if writers.get(self.me.stage) == self.me:
             self.export(ckpt_dir, step)
-            store.set(f"dsr/saved/{record.epoch}/r{self.rank}", "1")
+            store.set(keys.saved(record.epoch, self.rank), "1")
         elif self.me.stage not in lost:
             self.export(ckpt_dir, step, writer=False)  # ZeRO-1: every replica's optimizer shard
         if self.me == min(target.alive_workers()) and self.view.leader:
             for r in self.view.ranks(self.topology.rank(w) for w in writers.values()):  # every shard of each
-                self.coordinator.wait_key(f"dsr/saved/{record.epoch}/r{r}")
+                self.coordinator.wait_key(keys.saved(record.epoch, r))
             manifest = {
                 "step": step,
                 "stages_saved": sorted(writers),
@@ -438,9 +439,9 @@ class LiveRecovery:
             tmp = Path(ckpt_dir) / "manifest.json.tmp"
             tmp.write_text(json.dumps(manifest, indent=1))
             os.replace(tmp, Path(ckpt_dir) / "manifest.json")
-            store.set(f"dsr/saved/{record.epoch}/manifest", "1")
+            store.set(keys.saved_manifest(record.epoch), "1")
         else:
-            self.coordinator.wait_key(f"dsr/saved/{record.epoch}/manifest")
+            self.coordinator.wait_key(keys.saved_manifest(record.epoch))
         self.coordinator.mark_applied(record)
         self.log.append({"epoch": record.epoch, "kind": "stop", "resume_step": step, "plan": plan.to_dict(),
                          "checkpoint_dir": ckpt_dir})

@@ -1,0 +1,158 @@
+"""Every key ds_resilience writes in a job's TCPStore, in one place (like the launch contract).
+
+The agent hosts the store; workers and the agent talk through these keys only. All live under
+``dsr/``. Pure Python: every layer may import it.
+
+Membership (agent and workers, :mod:`ds_resilience.runtime.membership`):
+
+``dsr/hb/{rank}``, ``dsr/hb/{rank}/stopped``
+    a worker's heartbeat counter, and the mark it stopped on purpose.
+``dsr/worker/{rank}``
+    a worker's registration (:class:`~ds_resilience.epochs.WorkerInfo` as JSON).
+``dsr/epoch/{g}``, ``dsr/epoch/latest``
+    membership epochs; the record is written before the pointer.
+``dsr/status/{rank}``, ``dsr/admitted/{rank}``
+    a worker's status text; a relaunched worker's admission.
+``dsr/regrid_failed``, ``dsr/regridded``, ``dsr/training_over``
+    the job-wide marks of a failed re-grid, a re-grid under way, and the end of training.
+
+Recovery (workers, :mod:`ds_resilience.runtime.recovery` and ``coordinator``):
+``dsr/agree/{epoch}/{rank}`` (step counts), ``dsr/switch/{epoch}`` (a re-join is being applied),
+``dsr/arrive/{epoch}/{rank}`` (arrival before the new groups), ``dsr/saved/{epoch}/...`` (the
+saves beyond tolerance).
+
+Plans (:mod:`ds_resilience.runtime.plan_agreement`): ``dsr/plans/{scope}/{build}/{record|table}``,
+``dsr/plans/{scope}/latest``, ``dsr/plans/{scope}/building``.
+
+Nodes (the leader's store, :mod:`ds_resilience.runtime.nodes`): ``dsr/nodes/launches/{node}``,
+``dsr/nodes/launch/{node}/{i}``, ``dsr/nodes/exit/{rank}/{incarnation}``,
+``dsr/nodes/kill/{rank}/{incarnation}``, ``dsr/nodes/done``.
+
+Per session (a live stage's generation of groups): ``dsr/{session}/val/{iteration}/{stage}``
+(gradient norms for validation), ``dsr/{session}/loss/{epoch}/{step}``,
+``dsr/{session}/idle/{step}``, ``dsr/{name}/{ranks}`` (a group's own prefix), and the snapshot
+interval ``dsr/snapshot-interval[/{name}]``.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+ROOT = "dsr"
+
+# --- membership ------------------------------------------------------------------------------------
+LATEST_EPOCH = f"{ROOT}/epoch/latest"
+REGRID_FAILED = f"{ROOT}/regrid_failed"
+REGRIDDED = f"{ROOT}/regridded"
+TRAINING_OVER = f"{ROOT}/training_over"
+
+
+def hb(rank: int) -> str:
+    return f"{ROOT}/hb/{rank}"
+
+
+def hb_stopped(rank: int) -> str:
+    return f"{ROOT}/hb/{rank}/stopped"
+
+
+def worker(rank: int) -> str:
+    return f"{ROOT}/worker/{rank}"
+
+
+def epoch(g: int) -> str:
+    return f"{ROOT}/epoch/{g}"
+
+
+def status(rank: int) -> str:
+    return f"{ROOT}/status/{rank}"
+
+
+def admitted(rank: int) -> str:
+    return f"{ROOT}/admitted/{rank}"
+
+
+# --- recovery --------------------------------------------------------------------------------------
+def agree(epoch_: int, rank: int) -> str:
+    return f"{ROOT}/agree/{epoch_}/{rank}"
+
+
+def switch(epoch_: int) -> str:
+    return f"{ROOT}/switch/{epoch_}"
+
+
+def arrive(epoch_: int, rank: int) -> str:
+    return f"{ROOT}/arrive/{epoch_}/{rank}"
+
+
+def saved(epoch_: int, rank: int) -> str:
+    return f"{ROOT}/saved/{epoch_}/r{rank}"
+
+
+def saved_manifest(epoch_: int) -> str:
+    return f"{ROOT}/saved/{epoch_}/manifest"
+
+
+# --- plans -----------------------------------------------------------------------------------------
+PLANS = f"{ROOT}/plans"
+
+
+def plans(scope: str, build: int, what: str) -> str:
+    return f"{PLANS}/{scope}/{build}/{what}"
+
+
+def plans_latest(scope: str) -> str:
+    return f"{PLANS}/{scope}/latest"
+
+
+def plans_building(scope: str) -> str:
+    return f"{PLANS}/{scope}/building"
+
+
+# --- nodes (the leader's store) --------------------------------------------------------------------
+NODES = f"{ROOT}/nodes/"
+NODES_DONE = NODES + "done"
+
+
+def node_launches(node: int) -> str:
+    return f"{NODES}launches/{node}"
+
+
+def node_launch(node: int, i: int) -> str:
+    return f"{NODES}launch/{node}/{i}"
+
+
+def node_exit(rank: int, incarnation: int) -> str:
+    return f"{NODES}exit/{rank}/{incarnation}"
+
+
+def node_kill(rank: int, incarnation: int) -> str:
+    return f"{NODES}kill/{rank}/{incarnation}"
+
+
+# --- per session and group -------------------------------------------------------------------------
+def validation(session: str, iteration: int, stage: int) -> str:
+    return f"{ROOT}/{session}/val/{iteration}/{stage}"
+
+
+def loss(session: str, epoch_: int, step: int) -> str:
+    return f"{ROOT}/{session}/loss/{epoch_}/{step}"
+
+
+def idle(session: str, step: int) -> str:
+    return f"{ROOT}/{session}/idle/{step}"
+
+
+def group(name: str, ranks: Iterable[int]) -> str:
+    return f"{ROOT}/{name}/{'-'.join(map(str, ranks))}"
+
+
+def snapshot_interval(name: str | None = None) -> str:
+    return f"{ROOT}/snapshot-interval" if name is None else f"{ROOT}/snapshot-interval/{name}"
+
+
+def megatron_session(counter: int) -> str:
+    return f"{ROOT}/megatron/session{counter}"
+
+
+def megatron_save(counter: int) -> str:
+    return f"{ROOT}/megatron/ckpt{counter}"
