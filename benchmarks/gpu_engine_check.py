@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_engine_check.py [--device cpu|cuda] [--steps N] [--fault-step S] [--json PATH]
 
-``examples/train_gpt.py`` PP=2 x DP=2 (4 worker processes) under :class:`ds_resilience.runtime.agent.Agent`,
+``examples/train_gpt.py`` PP=2 x DP=2 (4 worker processes) under :class:`ds_resilience.supervisor.agent.Agent`,
 as ``tests/live/test_live.py``'s ``run_job`` runs it, twice: fault-free, then with rank 1 SIGKILLed
 mid-backward at step ``--fault-step`` (default: half-way, after that many in-memory snapshots). The
 config is the DeepSpeed user's: ``"optimizer": {"type": "Adam"}`` without ``torch_adam`` (DeepSpeed's
@@ -165,7 +165,7 @@ def build_fused_adam(device: str) -> tuple[float, str | None]:
 def run_job(tmp: Path, name: str, *, device: str, steps: int, cfg: dict, faults: list[dict]) -> dict:
     import torch
 
-    from ds_resilience.runtime.agent import Agent
+    from ds_resilience.supervisor.agent import Agent
 
     cfg = json.loads(json.dumps(cfg))
     cfg["resilience"]["fault_injection"] = faults

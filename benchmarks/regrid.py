@@ -33,7 +33,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ds_resilience.runtime.agent import Agent  # noqa: E402
+from ds_resilience.supervisor.agent import Agent  # noqa: E402
 
 PACE = 0.0  # --pace: pad each step to this long
 

@@ -251,7 +251,7 @@ def _profile(argv: list[str]) -> int:
     out = Path(args.out).resolve()
     steps = args.profile_steps
     os.environ.update({"DSR_PROFILE_OUT": str(out), "DSR_PROFILE_STEPS": str(steps), "DSR_PROFILE_EXIT": "1"})
-    from .runtime.agent import main_run
+    from .supervisor.cli import main_run
 
     code = main_run(argv)
     if code == 0 and not out.exists():
@@ -268,14 +268,15 @@ def subcommand_parsers() -> dict[str, argparse.ArgumentParser]:
     documentation's CLI reference is rendered from it, so it cannot drift from the code).
 
     ``run``, ``profile`` and ``demo`` are registered on the main parser without arguments and parse
-    their own argv: ``run``'s parser is the agent's ``_parser()``; ``profile``'s and ``demo``'s are
-    built inside the function that parses with them, so they are caught at their ``parse_args``
-    call (which raises before anything runs) and returned. Imports nothing heavy (no torch).
+    their own argv: ``run``'s parser is ``supervisor.cli.build_parser()``; ``profile``'s and
+    ``demo``'s are built inside the function that parses with them, so they are caught at their
+    ``parse_args`` call (which raises before anything runs) and returned. Imports nothing heavy
+    (no torch).
     """
     from typing import Any
 
     from . import demo
-    from .runtime import agent
+    from .supervisor import cli as run_cli
 
     class _Caught(Exception):
         def __init__(self, parser: argparse.ArgumentParser) -> None:
@@ -298,7 +299,7 @@ def subcommand_parsers() -> dict[str, argparse.ArgumentParser]:
         raise RuntimeError(f"{entry!r} returned without parsing its arguments")
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    own = {"run": agent._parser, "profile": lambda: catch(_profile, []), "demo": lambda: catch(demo.main, [])}
+    own = {"run": run_cli.build_parser, "profile": lambda: catch(_profile, []), "demo": lambda: catch(demo.main, [])}
     return {name: own[name]() if name in own else parser for name, parser in sub.choices.items()}
 
 
@@ -306,7 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``ds-resilience``; returns the process exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "run":  # the launcher parses its own (deepspeed-style) arguments
-        from .runtime.agent import main_run
+        from .supervisor.cli import main_run
 
         return main_run(argv[1:])
     if argv and argv[0] == "demo":

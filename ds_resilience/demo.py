@@ -32,7 +32,7 @@ _STEP = re.compile(r"^step\s+(\d+) loss ([\d.]+) samples/s\s+([\d.]+)")
 def _job(out: Path, name: str, *, steps: int, faults: list[dict[str, Any]], echo,
          checkpoint: dict[str, Any] | None = None, max_restarts: int = 0):
     """Start the agent on a thread; returns (thread, agent, log dir, dump prefix, result holder)."""
-    from .runtime.agent import Agent
+    from .supervisor.agent import Agent
 
     base = json.loads((REPO / "configs" / "gpt_cpu_pp2_dp2.json").read_text())
     base["resilience"] = {

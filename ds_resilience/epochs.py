@@ -1,6 +1,6 @@
 """Membership records: the agent's epochs and the workers' registrations, as JSON values.
 
-The agent (``runtime/agent.py``) publishes one :class:`EpochRecord` per membership change; each
+The agent (``supervisor/agent.py``) publishes one :class:`EpochRecord` per membership change; each
 worker publishes one :class:`WorkerInfo` when it starts. Both are frozen values that check
 themselves on construction and travel through the store as JSON (never pickled). Pure Python:
 the recovery planner (``planning/recovery.py``) reads them without torch.

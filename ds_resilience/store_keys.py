@@ -24,7 +24,7 @@ saves beyond tolerance).
 Plans (:mod:`ds_resilience.runtime.plan_agreement`): ``dsr/plans/{scope}/{build}/{record|table}``,
 ``dsr/plans/{scope}/latest``, ``dsr/plans/{scope}/building``.
 
-Nodes (the leader's store, :mod:`ds_resilience.runtime.nodes`): ``dsr/nodes/launches/{node}``,
+Nodes (the leader's store, :mod:`ds_resilience.supervisor.nodes`): ``dsr/nodes/launches/{node}``,
 ``dsr/nodes/launch/{node}/{i}``, ``dsr/nodes/exit/{rank}/{incarnation}``,
 ``dsr/nodes/kill/{rank}/{incarnation}``, ``dsr/nodes/done``.
 

@@ -27,7 +27,7 @@ os.environ.setdefault("DSR_SELF_PROFILE", "0")
 # so the whole suite runs under NCCL's rules on gloo; tests/dist/test_engine.py also runs gloo's tags.
 os.environ.setdefault("DSR_P2P_MATCHING", "fifo")
 # Start-up is paid once: agents fork their workers from a server that imported these modules
-# (ds_resilience/runtime/spawn.py), and tests/dist_harness.py forks its ranks from the same list.
+# (ds_resilience/supervisor/spawn.py), and tests/dist_harness.py forks its ranks from the same list.
 # A 4-rank job under the agent starts in ~1 s instead of 5-15 s of imports per process. Tests of
 # the default path (a fresh interpreter per worker) set DSR_PRELOAD="" for their agent.
 os.environ.setdefault(

@@ -36,7 +36,7 @@ def free_port() -> int:
 def _context():
     global _CTX
     if _CTX is None:
-        from ds_resilience.runtime.spawn import fork_context, preload_modules
+        from ds_resilience.supervisor.spawn import fork_context, preload_modules
 
         # the agent's list (conftest sets DSR_PRELOAD): one fork server per process serves both
         _CTX = fork_context(preload_modules() or ("torch", "torch.distributed", "deepspeed", "ds_resilience"))
@@ -48,7 +48,7 @@ def _child(fn: Callable[..., Any], rank: int, world: int, port: int, env: dict[s
     import faulthandler
 
     faulthandler.dump_traceback_later(dump_after, exit=False)  # a hang shows where each rank waits
-    from ds_resilience.runtime.spawn import freeze_preloaded_objects
+    from ds_resilience.runtime.fork_boot import freeze_preloaded_objects
 
     freeze_preloaded_objects()  # the server's imports: out of the collector's way, as for the agent's workers
     os.environ.update(

@@ -1,6 +1,6 @@
 """A worker's side of live membership: heartbeats, the epoch watcher, agreement on where to resume.
 
-The agent (``runtime/agent.py``, never inside a worker) owns membership: it detects crashes and
+The agent (``supervisor/agent.py``, never inside a worker) owns membership: it detects crashes and
 hangs and publishes numbered epoch records in its store. In each worker:
 
 * a heartbeat thread bumps ``dsr/hb/{rank}`` (a hung process stops bumping it), at the agent's

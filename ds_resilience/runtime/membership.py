@@ -1,6 +1,6 @@
 """The protocol between the agent and its workers, through the agent's TCPStore.
 
-The agent (:mod:`ds_resilience.runtime.agent`) hosts the store and is the one authority on
+The agent (:mod:`ds_resilience.supervisor.agent`) hosts the store and is the one authority on
 membership; workers never decide it locally. All keys live under ``dsr/`` (spelled in :mod:`ds_resilience.store_keys`):
 
 ``dsr/hb/{rank}``

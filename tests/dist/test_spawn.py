@@ -1,4 +1,4 @@
-"""How the agent starts a worker (ds_resilience/runtime/spawn.py): a fresh interpreter, or a fork of
+"""How the agent starts a worker (ds_resilience/supervisor/spawn.py): a fresh interpreter, or a fork of
 the pre-imported server. Both must look the same to the script and to the agent: arguments,
 environment, ``__main__``, ``sys.path[0]``, output file, exit code (a negative code for a signal),
 ``atexit`` handlers, non-daemon threads joined, and a forked worker that does not keep the fork
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_resilience.runtime.spawn import preload_modules, start_worker
+from ds_resilience.supervisor.spawn import preload_modules, start_worker
 
 PRELOADED = ("json", "torch")  # a fork server of its own list would clash with the suite's: use DSR_PRELOAD's
 SCRIPT = '''
@@ -106,7 +106,7 @@ def test_a_forked_worker_does_not_keep_its_dead_agents_fork_server_alive(tmp_pat
     fork server must exit (so the worker's parent changes and its orphan check fires)."""
     code = f'''
 import os, sys, time
-from ds_resilience.runtime.spawn import start_worker
+from ds_resilience.supervisor.spawn import start_worker
 p = start_worker(sys.argv[1], ["sleep"], env={{**os.environ, "SPAWN_OUT": sys.argv[2]}}, log=sys.argv[2] + ".log",
                  preload={list(_modules())!r})
 print("PID", p.pid, flush=True)

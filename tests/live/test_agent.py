@@ -25,9 +25,11 @@ import torch.distributed as dist
 
 from ds_resilience.config import FaultInjection
 from ds_resilience.errors import ConfigError, ResilienceError
-from ds_resilience.runtime import agent as agent_mod
+from ds_resilience.supervisor import agent as agent_mod
+from ds_resilience.supervisor import cli as agent_cli
 from ds_resilience.runtime import membership as mb
-from ds_resilience.runtime.agent import EXIT_STARTUP, EXIT_STOPPED, Agent, AgentError, main_run
+from ds_resilience.supervisor.agent import EXIT_STARTUP, EXIT_STOPPED, Agent, AgentError
+from ds_resilience.supervisor.cli import main_run
 from ds_resilience.runtime.faults import EXIT_CODE, FaultInjector, FaultPointError, faults_from_env
 
 WORKERS = Path(__file__).parent / "agent_workers"
@@ -346,7 +348,7 @@ def _free_port() -> int:
 
 def _cli_agent(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
     """`ds-resilience run` in a subprocess with 2 long-running workers; returns it and their pids."""
-    code = "import sys; from ds_resilience.runtime.agent import main_run; sys.exit(main_run(sys.argv[1:]))"
+    code = "import sys; from ds_resilience.supervisor.cli import main_run; sys.exit(main_run(sys.argv[1:]))"
     env = {**os.environ, "DSR_TEST_OUT": str(tmp_path)}
     proc = subprocess.Popen([sys.executable, "-c", code, "--num_gpus", "2", "--master_port", str(_free_port()),
                              "--heartbeat_interval", "0.1", "--heartbeat_timeout", "2", str(WORKER), "--steps", "2000"],
@@ -416,7 +418,7 @@ def test_the_agent_reads_a_megatron_scripts_resilience_config(tmp_path):
     alone.write_text(json.dumps({"checkpoint": {"max_restarts": 0}, "detector": {"heartbeat_interval_s": 0.2}}))
     wrapped = tmp_path / "ds.json"
     wrapped.write_text(json.dumps({"train_batch_size": 8, "resilience": {"checkpoint": {"max_restarts": 2}}}))
-    read = agent_mod._script_resilience
+    read = agent_cli._script_resilience
     assert read(["--num-layers", "4", "--resilience-config", str(alone)]).checkpoint.max_restarts == 0
     assert read([f"--resilience-config={alone}"]).detector.heartbeat_interval_s == 0.2
     assert read(["--resilience-config", str(wrapped)]).checkpoint.max_restarts == 2

@@ -1,6 +1,6 @@
 """Live failures end to end: the agent runs the example GPT on the real engine and a worker dies.
 
-Each test starts ``examples/train_gpt.py`` under :class:`ds_resilience.runtime.agent.Agent` (4 or
+Each test starts ``examples/train_gpt.py`` under :class:`ds_resilience.supervisor.agent.Agent` (4 or
 6 CPU processes on gloo, process-group timeout 60 s so passing proves recovery never waits for
 it), injects a failure by killing or stopping a process at a named point, and compares every
 survivor's final parameters with a fault-free run of the same steps.
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds_resilience.runtime.agent import Agent
+from ds_resilience.supervisor.agent import Agent
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "train_gpt.py"
@@ -511,7 +511,7 @@ def test_a_loop_that_evaluates_and_saves_survives_a_failure_and_its_checkpoint_r
 def test_the_cli_heartbeat_interval_reaches_the_workers(tmp_path):
     """``ds-resilience run --heartbeat_interval`` is what the workers beat at (the config says 0.2 s):
     the agent judges silence by its own interval, so the workers must use it too."""
-    from ds_resilience.runtime.agent import main_run
+    from ds_resilience.supervisor.cli import main_run
 
     cfg = _config(tmp_path, dp=2)
     dump = tmp_path / "hb"

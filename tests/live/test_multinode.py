@@ -1,5 +1,5 @@
 """Two nodes on loopback: node 0's agent leads (store, membership), node 1's follower launches its
-ranks on request (runtime/nodes.py). Two `ds-resilience run` processes, the example GPT with
+ranks on request (supervisor/nodes.py). Two `ds-resilience run` processes, the example GPT with
 PP=2 x DP=2 (2 ranks per node), and failures on node 1 that only the leader can see."""
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ def test_a_failure_on_another_node_is_handled_through_its_follower(tmp_path, ref
 
 
 def test_node_arguments_are_checked(tmp_path):
-    from ds_resilience.runtime.agent import Agent, AgentError, main_run
+    from ds_resilience.supervisor.agent import Agent, AgentError
+    from ds_resilience.supervisor.cli import main_run
 
     with pytest.raises(AgentError, match="nnodes > 1 the store needs a fixed --master_port"):
         Agent(SCRIPT, num_workers=2, nnodes=2)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ds_resilience.runtime import membership as mb
-from ds_resilience.runtime.agent import Agent
+from ds_resilience.supervisor.agent import Agent
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "train_gpt.py"

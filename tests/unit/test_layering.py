@@ -41,9 +41,11 @@ LAYERS: dict[str, int] = {
     "ds_resilience.comm": 4,
     # L5: checkpoint tiers
     "ds_resilience.checkpoint": 5,
-    # L6: the runtime (executor, recovery, coordinator, membership, agent)
+    # L6: the runtime, the workers' side (executor, recovery, coordinator, membership, a worker's boot)
     "ds_resilience.runtime": 6,
-    # L7: framework integrations, the command line, the demo, and the package root (its __init__)
+    # L7: the supervisor (the agent's process: agent, nodes, spawning, `run`'s CLI; no worker imports
+    # it, see SUPERVISOR), framework integrations, the command line, the demo, and the package root
+    "ds_resilience.supervisor": 7,
     "ds_resilience.integrations": 7,
     "ds_resilience.megatron": 7,
     "ds_resilience.cli": 7,
@@ -51,6 +53,11 @@ LAYERS: dict[str, int] = {
     "ds_resilience": 7,
 }
 """Layer of each module, by longest prefix (dotted components); the root matches only itself."""
+
+SUPERVISOR = "ds_resilience.supervisor"
+"""Runs in the agent process only: worker code never imports it, whatever its layer."""
+IMPORT_SUPERVISOR = ("ds_resilience.supervisor", "ds_resilience.cli", "ds_resilience.demo")
+"""The modules that may import the supervisor (itself, and the command line and demo that start it)."""
 
 
 
@@ -160,6 +167,17 @@ def upward_imports(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
     return out
 
 
+def _within(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def supervisor_imports(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    """Edges into the supervisor from a module that may run in a worker (any outside
+    :data:`IMPORT_SUPERVISOR`: runtime, integrations, megatron, checkpoint, comm, the root, ...)."""
+    return {(src, dst) for src, targets in graph.items() for dst in targets
+            if _within(dst, SUPERVISOR) and not any(_within(src, p) for p in IMPORT_SUPERVISOR)}
+
+
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     """One import cycle as ``[a, b, ..., a]``, or ``None`` if the graph has none."""
     WHITE, GREY, BLACK = 0, 1, 2
@@ -211,6 +229,13 @@ def test_no_import_cycle(graph):
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
+def test_worker_code_never_imports_the_supervisor(graph):
+    assert any(_within(m, SUPERVISOR) for m in graph), "no supervisor modules found"
+    found = supervisor_imports(graph)
+    assert not found, "worker code imports the supervisor (the agent's process):\n" + "\n".join(
+        f"  {a} -> {b}" for a, b in sorted(found))
+
+
 # ------------------------------------------------------------------------- the checker checked
 def test_checker_reports_a_synthetic_upward_import(graph):
     edge = ("ds_resilience.ir.schedule", "ds_resilience.planning.planner")
@@ -218,6 +243,19 @@ def test_checker_reports_a_synthetic_upward_import(graph):
     bad = {k: set(v) for k, v in graph.items()}
     bad[edge[0]].add(edge[1])
     assert upward_imports(bad) - upward_imports(graph) == {edge}
+
+
+def test_checker_reports_a_synthetic_supervisor_import(graph):
+    edges = {("ds_resilience.runtime.membership", "ds_resilience.supervisor.agent"),
+             ("ds_resilience.integrations.deepspeed", "ds_resilience.supervisor"),
+             ("ds_resilience", "ds_resilience.supervisor.cli")}
+    allowed = {("ds_resilience.cli", "ds_resilience.supervisor.cli"),
+               ("ds_resilience.demo", "ds_resilience.supervisor.agent"),
+               ("ds_resilience.supervisor.cli", "ds_resilience.supervisor.agent")}
+    bad = {k: set(v) for k, v in graph.items()}
+    for src, dst in edges | allowed:
+        bad.setdefault(src, set()).add(dst)
+    assert supervisor_imports(bad) - supervisor_imports(graph) == edges
 
 
 def test_checker_reports_a_synthetic_cycle(graph):
@@ -282,6 +320,7 @@ PURE = [
     "ds_resilience.costs",
     "ds_resilience.errors",
     "ds_resilience.cli",
+    "ds_resilience.supervisor.cli",  # `run`'s parser: the CLI reference is rendered from it
     "ds_resilience.megatron",  # the argument hooks run inside Megatron's parser, before anything is built
 ]
 HEAVY = ["torch", "deepspeed", "megatron", "triton", "matplotlib"]

@@ -17,9 +17,10 @@ import pytest
 import torch.distributed as dist
 from ds_resilience.config import FaultInjection
 from ds_resilience.errors import ConfigError, ResilienceError
-from ds_resilience.runtime import agent as agent_mod
+from ds_resilience.supervisor import agent as agent_mod
 from ds_resilience.runtime import membership as mb
-from ds_resilience.runtime.agent import EXIT_STARTUP, EXIT_STOPPED, Agent, AgentError, main_run
+from ds_resilience.supervisor.agent import EXIT_STARTUP, EXIT_STOPPED, Agent, AgentError
+from ds_resilience.supervisor.cli import main_run
 from ds_resilience.runtime.faults import EXIT_CODE, FaultInjector, FaultPointError, faults_from_env
 from test_agent import WORKER, _bare_coordinator, fault, store  # noqa: F401
 

@@ -121,7 +121,7 @@ class NodeAgent:
         log_dir: worker ``r``'s output to ``log_dir/rank{r}.{incarnation}.log`` (else the leader's choice).
         tick_s: polling interval.
         echo: where messages go (default: stderr).
-        preload: modules a fork server imports once for every worker (see ``runtime/spawn.py``;
+        preload: modules a fork server imports once for every worker (see ``supervisor/spawn.py``;
             ``None``: ``DSR_PRELOAD``).
     """
 

@@ -1,4 +1,4 @@
-"""How an agent starts a worker process: a fresh interpreter, or a fork of a pre-imported one.
+"""How the agent starts a worker process: a fresh interpreter, or a fork of a pre-imported one.
 
 By default a worker is ``python -u script args`` (:class:`subprocess.Popen`), as DeepSpeed's
 launcher starts it. Every worker then imports torch, DeepSpeed and this package itself: about 3 s
@@ -13,6 +13,8 @@ pid, killed and reaped like any other, that starts in a fraction of a second. On
 neither start threads nor touch a GPU at import may be preloaded (torch, deepspeed, megatron.core
 qualify; the script's own code runs after the fork). A forked worker's parent is the fork server,
 which exits when the agent does, so the worker's orphan check (``DSR_AGENT_PID``) names the server.
+The fork server and this module are the agent's; what runs in the forked child before the script
+(the worker's side) is :mod:`ds_resilience.runtime.fork_boot`.
 
 Both kinds of process answer ``pid``, ``poll()``, ``kill()``, ``wait(timeout)`` and ``returncode``
 as :class:`subprocess.Popen` does (a negative return code is the signal that killed it).
@@ -26,7 +28,9 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping, Protocol, Sequence
 
-__all__ = ["PRELOAD_VAR", "WorkerProcess", "fork_context", "freeze_preloaded_objects", "preload_modules", "start_worker"]
+from ..runtime.fork_boot import run_script
+
+__all__ = ["PRELOAD_VAR", "WorkerProcess", "fork_context", "preload_modules", "start_worker"]
 
 PRELOAD_VAR = "DSR_PRELOAD"
 
@@ -57,7 +61,7 @@ def fork_context(modules: Sequence[str]):
     import multiprocessing as mp
 
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["ds_resilience.runtime.spawn_server", *modules])  # it dies with its starter
+    ctx.set_forkserver_preload(["ds_resilience.supervisor.spawn_server", *modules])  # it dies with its starter
     return ctx
 
 
@@ -88,98 +92,6 @@ class _ForkedProc:
         return self.returncode  # type: ignore[return-value]
 
 
-def _forget_the_agents_multiprocessing() -> None:
-    """A forked worker starts with multiprocessing as a fresh interpreter has it. The fork server
-    hands each child the agent's descriptors (its 'alive' pipe, its resource tracker) and the
-    agent's start method: kept, a worker would hold the server open after the agent died (so the
-    worker's orphan check would never fire) and its data-loader workers would come from a fork
-    server of its own that outlives it."""
-    import multiprocessing
-    from multiprocessing import forkserver, resource_tracker
-
-    server = forkserver._forkserver  # type: ignore[attr-defined]
-    tracker = resource_tracker._resource_tracker  # type: ignore[attr-defined]
-    for holder, attr in ((server, "_forkserver_alive_fd"), (tracker, "_fd")):
-        fd = getattr(holder, attr, None)
-        if fd is not None:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-            setattr(holder, attr, None)
-    multiprocessing.set_start_method(None, force=True)  # the platform's default again
-
-
-def freeze_preloaded_objects() -> None:
-    """Move every object the fork server imported out of the garbage collector's reach
-    (:func:`gc.freeze`): they live as long as the process, and a full collection would otherwise
-    walk all of them (DeepSpeed's ~200k objects: ~0.1 s; with megatron.core ~0.4 s, each time
-    training's garbage triggers one), and touching them copies the server's pages into the child."""
-    import gc
-
-    gc.freeze()
-
-
-def _run_script(script: str, args: list[str], env: dict[str, str], log: str | None) -> None:
-    """In the forked child: become ``python -u script args`` with ``env`` and exit as it would."""
-    import atexit
-    import io
-    import runpy
-    import signal
-    import threading
-    import traceback
-
-    if log is not None:
-        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.close(fd)
-    # -u: unbuffered text streams on the (possibly new) descriptors 1 and 2
-    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
-    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
-    _forget_the_agents_multiprocessing()
-    freeze_preloaded_objects()
-    os.environ.clear()
-    os.environ.update(env)
-    os.environ["DSR_AGENT_PID"] = str(os.getppid())  # the fork server: it dies with the agent
-    script_dir = os.path.dirname(os.path.abspath(script))
-    extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    sys.path[:0] = [script_dir, *extra]
-    sys.argv = [script, *args]
-    if env.get("OMP_NUM_THREADS", "").isdigit() and "torch" in sys.modules:
-        sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
-    code: int = 0
-    try:
-        from .rejoin_boot import stand_in_if_rejoining
-
-        stand_in_if_rejoining(env)
-        runpy.run_path(script, run_name="__main__")
-    except SystemExit as exc:
-        if exc.code is None:
-            code = 0
-        elif isinstance(exc.code, int):
-            code = exc.code
-        else:
-            print(exc.code, file=sys.stderr)
-            code = 1
-    except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
-    except BaseException:  # noqa: BLE001 - the interpreter's own report of an uncaught error
-        traceback.print_exc()
-        code = 1
-    try:  # what an interpreter does on its way out: join threads, run atexit handlers
-        threading._shutdown()  # type: ignore[attr-defined]
-        atexit._run_exitfuncs()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(code & 0xFF)
-
-
 def start_worker(script: str, args: Sequence[str], *, env: Mapping[str, str], log: str | os.PathLike[str] | None,
                  preload: Sequence[str] = ()) -> WorkerProcess:
     """Start ``python -u script args`` with exactly ``env``, output to ``log`` (else inherited):
@@ -188,8 +100,8 @@ def start_worker(script: str, args: Sequence[str], *, env: Mapping[str, str], lo
         if log is not None:
             Path(log).parent.mkdir(parents=True, exist_ok=True)
         ctx = fork_context(preload)
-        process = ctx.Process(target=_run_script, args=(str(script), list(args), dict(env),
-                                                        None if log is None else str(log)),
+        process = ctx.Process(target=run_script, args=(str(script), list(args), dict(env),
+                                                       None if log is None else str(log)),
                               name=f"worker {Path(script).name}")
         process.start()
         return _ForkedProc(process)

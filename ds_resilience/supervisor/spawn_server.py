@@ -1,4 +1,4 @@
-"""Imported first by the agent's fork server (``runtime/spawn.py``): the server dies with the
+"""Imported first by the agent's fork server (``supervisor/spawn.py``): the server dies with the
 process that started it.
 
 Without this, the server outlives a SIGKILLed agent until its last worker lets go of the agent's

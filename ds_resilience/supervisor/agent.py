@@ -21,7 +21,6 @@ Exit codes: 0 all live workers finished, 1 a worker failed before registering (a
 
 from __future__ import annotations
 
-import argparse
 import os
 import select
 import shutil
@@ -38,15 +37,15 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch.distributed as dist
 
-from ..config import DetectorConfig, load_resilience_config, load_resilience_file
+from ..config import DetectorConfig
 from ..errors import ResilienceError
 from ..launch import LaunchEnv, snapshot_root
 from ..planning.recovery import lost_stages
-from . import membership as mb
-from .nodes import DONE_KEY, NodeAgent, RemoteProc, post_launch
-from .spawn import PRELOAD_VAR, WorkerProcess, preload_modules, start_worker
+from ..runtime import membership as mb
+from .nodes import DONE_KEY, RemoteProc, post_launch
+from .spawn import WorkerProcess, preload_modules, start_worker
 
-__all__ = ["Agent", "AgentEvent", "AgentError", "main_run", "EXIT_OK", "EXIT_STARTUP", "EXIT_STOPPED"]
+__all__ = ["Agent", "AgentEvent", "AgentError", "EXIT_OK", "EXIT_STARTUP", "EXIT_STOPPED"]
 
 EXIT_OK, EXIT_STARTUP, EXIT_STOPPED = 0, 1, 3
 
@@ -122,7 +121,7 @@ class Agent:
             ``k*N .. k*N+N-1``).
         nnodes: nodes; with more than one, this agent is node 0's and leads: the other nodes run
             a follower (:class:`~.nodes.NodeAgent`) that launches their ranks when asked
-            (``runtime/nodes.py``). ``master_port`` must then be given.
+            (``supervisor/nodes.py``). ``master_port`` must then be given.
         master_addr, master_port: where the store listens (port 0: a free port).
         heartbeat_interval_s, heartbeat_timeout_s: the workers' beat interval (exported to them in
             their :class:`~ds_resilience.launch.LaunchEnv`; they beat at it) and the silence after
@@ -144,7 +143,7 @@ class Agent:
             (``.restart{n}.log`` after the n-th restart).
         echo: where the agent's messages go (default: stderr).
         preload: modules to import once in a fork server that every worker is forked from
-            (``runtime/spawn.py``); ``None``: ``DSR_PRELOAD``, else none (a fresh interpreter each).
+            (``supervisor/spawn.py``); ``None``: ``DSR_PRELOAD``, else none (a fresh interpreter each).
     """
 
     def __init__(self, script: str | os.PathLike[str], script_args: Sequence[str] = (), *, num_workers: int,
@@ -604,90 +603,3 @@ class Agent:
             lines.append(f"{e.time - self._t0:6.2f}s  {e.kind:<8}  {'-' if e.rank is None else e.rank:>4}  "
                          f"{'-' if e.epoch is None else e.epoch:>5}  {lat}  {e.detail}")
         self._echo("\n".join(lines))
-
-
-# --- the CLI ----------------------------------------------------------------------------------------
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ds-resilience run", description=(
-        "Launch a DeepSpeed training script under the ds_resilience agent: crashes and hangs are "
-        "detected and published to the workers, which keep training (arguments as for `deepspeed`)."))
-    p.add_argument("--num_gpus", "--num_workers", dest="num_gpus", type=int, default=-1,
-                   help="worker processes (default: all visible GPUs, or 1 without GPUs)")
-    p.add_argument("--nnodes", type=int, default=1, help="nodes of the job (node 0's agent leads)")
-    p.add_argument("--node_rank", type=int, default=0, help="this node (0: the leader, which hosts the store)")
-    p.add_argument("--master_addr", default="127.0.0.1", help="address of the agent's store (node 0's)")
-    p.add_argument("--master_port", type=int, default=0, help="port of the agent's store (0: a free port)")
-    p.add_argument("--heartbeat_interval", type=float, default=None, metavar="S",
-                   help="seconds between worker heartbeats (default: resilience.detector, else 0.5)")
-    p.add_argument("--heartbeat_timeout", type=float, default=None, metavar="S",
-                   help="silence after which a worker is killed as hung (default: resilience.detector, else 5)")
-    p.add_argument("--rejoin_after", type=float, default=None, metavar="S",
-                   help="relaunch a failed worker S seconds after its failure (default: never)")
-    p.add_argument("--stop_grace", type=float, default=300.0, metavar="S",
-                   help="time survivors get to save a checkpoint and exit after a stop")
-    p.add_argument("--log_dir", default=None, help="write each worker's output to LOG_DIR/rank{r}.{n}.log")
-    p.add_argument("--no_local_rank", action="store_true",
-                   help="do not pass --local_rank to the script (as DeepSpeed's launcher: Megatron-LM scripts "
-                        "read LOCAL_RANK from the environment and reject the flag)")
-    p.add_argument("--preload", default=None, metavar="MODULES",
-                   help="comma-separated modules to import once in a fork server; workers (and relaunches) are forked "
-                        f"from it instead of importing them each (default: ${PRELOAD_VAR}, else none). Only modules "
-                        "that start no thread and touch no GPU at import, e.g. torch,deepspeed")
-    p.add_argument("script", help="the training script")
-    p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
-    return p
-
-
-def _script_resilience(script_args: Sequence[str]):
-    """The script's resilience settings (``None``: none given): DeepSpeed's ``--deepspeed_config``
-    or Megatron's ``--resilience-config`` (a DeepSpeed config, or the section alone)."""
-    readers = {"--deepspeed_config": load_resilience_config, "--resilience-config": load_resilience_file}
-    for i, arg in enumerate(script_args):
-        for flag, read in readers.items():
-            if arg == flag and i + 1 < len(script_args):
-                return read(script_args[i + 1])
-            if arg.startswith(flag + "="):
-                return read(arg.split("=", 1)[1])
-    return None
-
-
-def main_run(argv: Sequence[str]) -> int:
-    """``ds-resilience run [options] script.py [script args...]``; returns the agent's exit code."""
-    args = _parser().parse_args(list(argv))
-    try:
-        num = args.num_gpus
-        if num < 0:
-            from ..accelerator import device_count
-
-            num = device_count() or 1  # one process per accelerator (one on a CPU machine)
-        interval, timeout, store_timeout = args.heartbeat_interval, args.heartbeat_timeout, None
-        max_restarts, host_dir, regrid = 0, None, False
-        resilience = _script_resilience(args.script_args)
-        if resilience is not None:
-            regrid = resilience.regrid
-            detector = resilience.detector
-            if resilience.checkpoint.enabled:
-                max_restarts, host_dir = resilience.checkpoint.max_restarts, resilience.checkpoint.host_dir
-            interval = detector.heartbeat_interval_s if interval is None else interval
-            timeout = detector.heartbeat_timeout_s if timeout is None else timeout
-            store_timeout = detector.store_timeout_s
-        preload = preload_modules(args.preload) if args.preload is not None else None
-        if args.node_rank:
-            if not 0 < args.node_rank < args.nnodes:
-                raise AgentError(f"--node_rank {args.node_rank} is out of range for --nnodes {args.nnodes}")
-            return NodeAgent(args.script, args.script_args, node_rank=args.node_rank, master_addr=args.master_addr,
-                             master_port=args.master_port, log_dir=args.log_dir,
-                             local_rank_arg=not args.no_local_rank, preload=preload).run()
-        if max_restarts and args.nnodes > 1:
-            print("ds-resilience run: a restart from the snapshots is not supported across nodes yet: beyond "
-                  "tolerance the job stops after its survivors save", file=sys.stderr)
-        agent = Agent(args.script, args.script_args, num_workers=num, nnodes=args.nnodes, master_addr=args.master_addr,
-                      master_port=args.master_port, heartbeat_interval_s=interval,
-                      heartbeat_timeout_s=timeout, rejoin_after_s=args.rejoin_after,
-                      stop_grace_s=args.stop_grace, store_timeout_s=store_timeout, log_dir=args.log_dir,
-                      max_restarts=max_restarts, host_dir=host_dir, local_rank_arg=not args.no_local_rank,
-                      regrid=regrid, preload=preload)
-        return agent.run()
-    except ResilienceError as exc:
-        print(f"ds-resilience run: error: {exc}", file=sys.stderr)
-        return 2
