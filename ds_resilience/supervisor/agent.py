@@ -37,12 +37,13 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch.distributed as dist
 
+from .. import store_keys as keys
 from ..config import DetectorConfig
 from ..errors import ResilienceError
 from ..launch import LaunchEnv, snapshot_root
 from ..planning.recovery import lost_stages
 from ..runtime import membership as mb
-from .nodes import DONE_KEY, RemoteProc, post_launch
+from .nodes import RemoteProc, post_launch
 from .spawn import WorkerProcess, preload_modules, start_worker
 
 __all__ = ["Agent", "AgentEvent", "AgentError", "EXIT_OK", "EXIT_STARTUP", "EXIT_STOPPED"]
@@ -233,7 +234,7 @@ class Agent:
             self._kill_all()
             if self.nnodes > 1 and self.store is not None:
                 try:  # the followers stop (and kill whatever they still run)
-                    self.store.set(DONE_KEY, str(self.exit_code if self.exit_code is not None else 1))
+                    self.store.set(keys.NODES_DONE, str(self.exit_code if self.exit_code is not None else 1))
                     time.sleep(2 * self.tick_s + 0.5)  # let them read it before the store goes
                 except RuntimeError:
                     pass

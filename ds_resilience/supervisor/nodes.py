@@ -11,7 +11,7 @@ order, and ends when the leader says the job is over (or its store is gone: then
 workers and exits 1). A node that is lost whole (its follower included) shows as the silence of its
 workers' heartbeats: hangs, handled as on one node.
 
-Store keys (the leader's store, under ``dsr/nodes/``)::
+Store keys (the leader's store, under ``dsr/nodes/``; spelled in :mod:`ds_resilience.store_keys`)::
 
     launches/{node}           counter of launch requests for that node
     launch/{node}/{i}         request i: JSON {rank, incarnation, local_rank, env, log}
@@ -36,29 +36,11 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch.distributed as dist
 
+from .. import store_keys as keys
 from ..errors import ResilienceError
 from .spawn import WorkerProcess, preload_modules, start_worker
 
-__all__ = ["NodeAgent", "RemoteProc", "exit_key", "kill_key", "post_launch", "DONE_KEY"]
-
-_PREFIX = "dsr/nodes/"
-DONE_KEY = _PREFIX + "done"
-
-
-def exit_key(rank: int, incarnation: int) -> str:
-    return f"{_PREFIX}exit/{rank}/{incarnation}"
-
-
-def kill_key(rank: int, incarnation: int) -> str:
-    return f"{_PREFIX}kill/{rank}/{incarnation}"
-
-
-def _launch_key(node: int, i: int) -> str:
-    return f"{_PREFIX}launch/{node}/{i}"
-
-
-def _count_key(node: int) -> str:
-    return f"{_PREFIX}launches/{node}"
+__all__ = ["NodeAgent", "RemoteProc", "post_launch"]
 
 
 def _has(store: dist.Store, key: str) -> bool:
@@ -69,10 +51,10 @@ def post_launch(store: dist.Store, node: int, *, rank: int, incarnation: int, lo
                 env: Mapping[str, str], log: str | None) -> None:
     """Ask ``node``'s follower to launch ``rank`` (leader side). The request is written before the
     counter moves, so a follower never reads a missing request."""
-    i = store.add(_count_key(node), 0)
+    i = store.add(keys.node_launches(node), 0)
     request = {"rank": rank, "incarnation": incarnation, "local_rank": local_rank, "env": dict(env), "log": log}
-    store.set(_launch_key(node, i), json.dumps(request))
-    store.add(_count_key(node), 1)
+    store.set(keys.node_launch(node, i), json.dumps(request))
+    store.add(keys.node_launches(node), 1)
 
 
 class RemoteProc:
@@ -86,7 +68,7 @@ class RemoteProc:
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            key = exit_key(self.rank, self.incarnation)
+            key = keys.node_exit(self.rank, self.incarnation)
             try:
                 if _has(self.store, key):
                     self.returncode = int(self.store.get(key).decode())
@@ -96,7 +78,7 @@ class RemoteProc:
 
     def kill(self) -> None:
         try:
-            self.store.set(kill_key(self.rank, self.incarnation), "1")
+            self.store.set(keys.node_kill(self.rank, self.incarnation), "1")
         except RuntimeError:  # the store is going away with the leader: the follower kills on its own
             pass
 
@@ -158,8 +140,8 @@ class NodeAgent:
                 self._launch_requested(store)
                 self._report_exits(store)
                 self._kill_ordered(store)
-                if _has(store, DONE_KEY):
-                    code = int(store.get(DONE_KEY).decode())
+                if _has(store, keys.NODES_DONE):
+                    code = int(store.get(keys.NODES_DONE).decode())
                     break
                 time.sleep(self.tick_s)
         except RuntimeError as exc:  # the store is gone: the leader (and the job) ended
@@ -177,9 +159,9 @@ class NodeAgent:
         return code
 
     def _launch_requested(self, store: dist.Store) -> None:
-        count = store.add(_count_key(self.node), 0)
+        count = store.add(keys.node_launches(self.node), 0)
         while self.next_request < count:
-            request = json.loads(store.get(_launch_key(self.node, self.next_request)).decode())
+            request = json.loads(store.get(keys.node_launch(self.node, self.next_request)).decode())
             self.next_request += 1
             self._launch(request)
 
@@ -198,10 +180,10 @@ class NodeAgent:
     def _report_exits(self, store: dist.Store) -> None:
         for key, proc in self.children.items():
             if key not in self.reported and (code := proc.poll()) is not None:
-                store.set(exit_key(*key), str(code))
+                store.set(keys.node_exit(*key), str(code))
                 self.reported.add(key)
 
     def _kill_ordered(self, store: dist.Store) -> None:
         for key, proc in self.children.items():
-            if proc.poll() is None and _has(store, kill_key(*key)):
+            if proc.poll() is None and _has(store, keys.node_kill(*key)):
                 proc.kill()
