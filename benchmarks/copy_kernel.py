@@ -32,7 +32,7 @@ What it measures, all in the same run (the checkpoint staging path of ARCHITECTU
    across the versions that recycle it (the default) against mapped and page-locked per snapshot
    (``keep_mapped=False``), interleaved; GB/s of the whole save (copy, checksum, commit).
 
-Record the device and the numbers in BENCHMARKS.md.
+Record the device, the date and the numbers in docs/benchmarks/ (gpu.md for a GPU).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@
 # 5. with DEVICE_ENGINE=1, the engine against vanilla DeepSpeed on the machine's CPU cores, a core per
 #    worker, the GPU hidden (benchmarks/engine.py --world 4 and --world 2): the fidelity figures
 #    that a 2-core machine cannot give. It needs deepspeed, its pydantic and hjson, and ortools on
-#    PYTHONPATH (carried as wheels to a lent machine: see BENCHMARKS.md, "A core per worker").
+#    PYTHONPATH (carried as wheels to a lent machine: see docs/benchmarks/engine.md, "A core per worker").
 # 6. the DeepSpeed engine on the one GPU (benchmarks/gpu_engine_check.py --device cuda): 4 ranks on cuda:0
 #    (gloo stages the CUDA tensors), FusedAdam (JIT-built here: needs nvcc and ninja), bf16, in-memory
 #    snapshots every step through the CUDA path (checked per rank) and replicated, rank 1 SIGKILLed

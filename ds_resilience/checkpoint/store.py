@@ -104,7 +104,7 @@ class _Mapping:
     pending one or the owner's spare) so that the next version written into the same file reuses
     it: no new mapping to fault in and, for a device state, no page-locking per snapshot
     (``cudaHostRegister`` of the whole payload costs about 4x the copy's own time on an H200: see
-    BENCHMARKS.md, "On a GPU"). Page-locked at most once, for the first device that writes into
+    docs/benchmarks/gpu.md). Page-locked at most once, for the first device that writes into
     it; unlocked and unmapped by :meth:`close`."""
 
     __slots__ = ("tensor", "locked", "inode")

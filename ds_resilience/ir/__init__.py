@@ -1,8 +1,9 @@
 """The schedule IR: actions, schedules, their renderings, the validator, the timed replay and the
 timeline measured from it (iteration time, idle spans, memory peaks).
 
-Pure Python (no torch): see README.md, "Layers", layer L0. :mod:`.windows` (replication windows)
-and :mod:`.gantt` (PNG charts, matplotlib imported lazily) are imported on their own.
+Pure Python (no torch): layer L0 (docs/reference/layers.md, generated from
+tests/unit/test_layering.py). :mod:`.windows` (replication windows) and :mod:`.gantt` (PNG charts,
+matplotlib imported lazily) are imported on their own.
 """
 
 from .action import COLLECTIVE_KINDS, COMM_KINDS, COMPUTE_KINDS, Action, ActionKind, parse_action

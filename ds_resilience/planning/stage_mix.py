@@ -32,7 +32,7 @@ _SLACK = 1e-9  # relative: a stage whose B + W is within this of its fused time 
 
 #: How much faster (relative) the replay must find the fully split schedule than the mixed one for
 #: the split to be kept on the costly stages. A smaller predicted gain is inside a profile's own
-#: noise: the same job, profiled again and again on dedicated cores (BENCHMARKS.md, "The same rows
+#: noise: the same job, profiled again and again on dedicated cores (docs/benchmarks/engine.md, "The same rows
 #: with a core per worker, and the split's margin"), measured its last stage's B + W at 1.06-1.75x
 #: its fused backward, and a run whose profiles predicted the split 0.9% and 3.1% faster ran at
 #: 0.870 of vanilla DeepSpeed against 0.968 for 1F1B. The mixed schedule also holds no pending W

@@ -4,7 +4,7 @@ At a failure each survivor takes the new schedule from its own plan table, witho
 the tables must agree action for action. Two builds of one spec need not: CP-SAT under a time
 limit (the default solver) stops where the clock says, so a node that is slower or busier keeps a
 different schedule (two builds of a 4 x 4 table, one with a core kept busy, gave 2 of its 5
-classes different schedules: BENCHMARKS.md, "Scale"). And a worker the agent relaunched (a
+classes different schedules: docs/benchmarks/planner.md, "Scale"). And a worker the agent relaunched (a
 re-join) starts from the configuration's cost model, while the survivors may have re-planned with
 the job's own profile.
 
@@ -13,7 +13,7 @@ So only rank 0 plans (at start, and after the profile): it publishes in the job'
 waits for that record and adopts the table without planning (:func:`await_published`): no second
 answer to disagree with, and rank 0's solver has the node's cores to itself (ranks of one node
 share them; with four builds of a 4 x 4 table at once on this machine's two cores, CP-SAT improved
-on the heuristic in none of its 5 classes within the time limit, alone in 2: BENCHMARKS.md). A
+on the heuristic in none of its 5 classes within the time limit, alone in 2: docs/benchmarks/planner.md). A
 re-joining worker reads the newest record the same way; when rank 0 announced a build it has not
 published yet (a worker failed while rank 0 built the table after the profile, and its relaunch
 came up before the table did), it waits for that build: the survivors answer its re-join with it.

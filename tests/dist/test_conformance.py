@@ -228,7 +228,7 @@ def test_save_load_round_trip_and_cross_loading_continue_identically(tmp_path, z
     save_checkpoint / load_checkpoint within each engine and, with ZeRO-0, across them, so a user
     can switch in either direction mid-run; a load followed by train_batch never hangs. ZeRO-1:
     each engine's own files (ours hold the stage's whole optimizer state, DeepSpeed's its
-    partitions: not each other's layout, see README), and both engines train alike."""
+    partitions: not each other's layout, see docs/deepspeed.md), and both engines train alike."""
     case = {"model": "gpt", "pp": 2, "steps": 4, "save_after": 2, "optimizer": "ds_adam", "zero": zero,
             "cross": zero == 0}
     results = run_workers(round_trip, WORLD, args=(case, str(tmp_path)), timeout_s=450)
@@ -276,7 +276,7 @@ def test_fp16_overflow_skips_the_same_steps_on_every_stage():
     """A loss scale far too large: the first steps overflow. An overflow found in one stage is
     global: every stage skips the same steps, halves its scale the same way, and the replicas stay
     equal; once the scale fits, steps apply. (Vanilla DeepSpeed 0.19.8 cannot be the reference
-    here: its pipeline engine never multiplies the loss by the fp16 scale, see README.)"""
+    here: its pipeline engine never multiplies the loss by the fp16 scale, see docs/deepspeed.md.)"""
     results = case_run({"model": "gpt", "pp": 2, "precision": "fp16", "scale_power": 22, "steps": 10,
                         "optimizer": "sgd", "engines": ["resilient"]})
     skipped = {r["base/resilient"]["skipped_steps"] for r in results}

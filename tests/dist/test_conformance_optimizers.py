@@ -9,7 +9,7 @@ DeepSpeed's FusedAdam, a JIT-built op on CPU), ``"Adam"`` with ``torch_adam``, `
 ``step(self)`` takes no closure (as FusedLion's and FusedLamb's, which do not run on CPU).
 Clipping is off for exactness against vanilla; DeepSpeed's default clipping (1.0) is checked once,
 with FusedAdam, against our own fault-free run (vanilla clips a pipeline by its first stage's norm
-alone, see README).
+alone, see docs/deepspeed.md, "Switching from deepspeed.initialize").
 
 Before 5d30b83, FusedAdam (``"Adam"`` without ``torch_adam``, ``"AdamW"``) and the bare subclass
 failed in their first step: ``zero_grad()`` was called with ``set_to_none``.

@@ -132,7 +132,7 @@ def test_staggered_optimizer_with_global_norm_clipping_equals_a_global_step():
 
     Vanilla DeepSpeed 0.19.8 is not the reference here: with pipeline parallelism its
     clip_grad_norm_ counts only model-parallel rank 0's parameters, i.e. the first stage's
-    gradients (see BENCHMARKS.md), so its "global" norm is not the global norm.
+    gradients (see docs/deepspeed.md, "Switching from deepspeed.initialize"), so its "global" norm is not the global norm.
     """
     clip = 0.02  # small enough that every step clips
     sgd = {"optimizer": "sgd"}

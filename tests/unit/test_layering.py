@@ -3,7 +3,8 @@
 Every module of ``ds_resilience/`` is parsed with :mod:`ast`; every import of a ``ds_resilience``
 module (module-level, function-local and ``if TYPE_CHECKING`` ones alike; relative imports
 resolved) is an edge of the module graph. Each edge must point to the same or a lower layer of
-:data:`LAYERS`, and the graph must have no cycle. README.md, "Layers", describes the map.
+:data:`LAYERS`, and the graph must have no cycle. The documentation's layer page (docs/reference/layers.md)
+is generated from :data:`LAYERS` when the site is built (docs/hooks/reference.py), so it cannot drift.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ LAYERS: dict[str, int] = {
     "ds_resilience.checkpoint": 5,
     # L6: the runtime, the workers' side (executor, recovery, coordinator, membership, a worker's boot)
     "ds_resilience.runtime": 6,
-    # L7: the supervisor (the agent's process: agent, nodes, spawning, `run`'s CLI; no worker imports
-    # it, see SUPERVISOR), framework integrations, the command line, the demo, and the package root
+    # L7: the supervisor (the agent's process: agent, nodes, spawning, `run`'s CLI; worker code never
+    # imports it), framework integrations, the command line, the demo, and the package root (its __init__)
     "ds_resilience.supervisor": 7,
     "ds_resilience.integrations": 7,
     "ds_resilience.megatron": 7,

@@ -167,7 +167,7 @@ TABLE2 = {  # samples/s; None: out of memory (the published table leaves the cel
     "oobleck": {"bert-large": (287.10, 286.28, 282.11), "gpt2": (85.59, 85.42, 84.80), "gpt3-medium": (29.30, 29.21, 28.70),
                 "gpt3-2.7b": (7.29, 7.23, 6.89), "gpt3-6.7b": (4.33, 4.22, 3.55)},
 }
-NOT_REPRODUCED = {  # (system, model, freq): why (see BENCHMARKS.md); strict: fixing one flags it here
+NOT_REPRODUCED = {  # (system, model, freq): why (see docs/benchmarks/simulator.md); strict: fixing one flags it here
     ("varuna", "gpt2", "10m"): "model gives 67.10 (-3.7%): restart/rollback details of the unreleased version",
     ("varuna", "gpt3-2.7b", "1h"): "model gives 6.10 (-4.9%): same",
     ("varuna", "gpt3-2.7b", "10m"): "model gives 0.84 (+134%): one iteration survives per 10-minute interval; "
