@@ -10,7 +10,9 @@ boot) is :mod:`ds_resilience.runtime`; the two meet only through the store's key
 Modules:
 
 * :mod:`.agent` -- the :class:`~.agent.Agent`: launches and watches one node's workers, hosts the
-  store, publishes membership epochs, relaunches or stops, prints the event table;
+  store, publishes membership epochs, relaunches or stops;
+* :mod:`.events` -- what the agent saw and did (:class:`~.events.AgentEvent`) and the table it
+  prints at exit;
 * :mod:`.nodes` -- several nodes: the leader's view of another node's workers and the follower
   agent (:class:`~.nodes.NodeAgent`) that launches them;
 * :mod:`.spawn` -- how a worker process is started (a fresh interpreter, or a fork of a fork server

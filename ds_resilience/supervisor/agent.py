@@ -43,6 +43,7 @@ from ..errors import ResilienceError
 from ..launch import LaunchEnv, snapshot_root
 from ..planning.recovery import lost_stages
 from ..runtime import membership as mb
+from .events import AgentEvent, event_table
 from .nodes import RemoteProc, post_launch
 from .spawn import WorkerProcess, preload_modules, start_worker
 
@@ -59,23 +60,6 @@ class _Interrupted(Exception):
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
         self.signum = signum
-
-
-@dataclass(frozen=True, kw_only=True)
-class AgentEvent:
-    """Something the agent saw or did. ``latency_s``: for a crash, from the exit being observable to
-    the epoch's publication; for a hang, the silence since the last heartbeat change; for a
-    register, from the relaunch to the registration (the re-join epoch is published then); for a
-    rejoin, from the relaunch to the survivors admitting the worker (it trains with them from then
-    on). A relaunched worker that registered but was never admitted (training ended first) has a
-    register and an exit, no rejoin."""
-
-    time: float  # time.time()
-    kind: str  # start | crash | hang | stop | relaunch | register | rejoin | exit | killed | giveup | cancel
-    rank: int | None = None
-    epoch: int | None = None
-    latency_s: float | None = None
-    detail: str = ""
 
 
 class _Failure(NamedTuple):
@@ -597,10 +581,4 @@ class Agent:
             self._close(w)
 
     def _summary(self) -> None:
-        lines = [f"[ds_resilience agent] exit code {self.exit_code}: {self.message}",
-                 "   time  event     rank  epoch  latency  detail"]
-        for e in self.events:
-            lat = f"{e.latency_s:7.3f}s" if e.latency_s is not None else "       -"
-            lines.append(f"{e.time - self._t0:6.2f}s  {e.kind:<8}  {'-' if e.rank is None else e.rank:>4}  "
-                         f"{'-' if e.epoch is None else e.epoch:>5}  {lat}  {e.detail}")
-        self._echo("\n".join(lines))
+        self._echo(event_table(self.events, self._t0, self.exit_code, self.message))
