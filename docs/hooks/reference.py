@@ -307,9 +307,15 @@ def layers_page() -> str:
     for layer in sorted(by_layer, reverse=True):
         modules = "<br>".join(_code(m) for m in by_layer[layer])
         out.append(f"| L{layer} | {_cell(titles.get(layer, ''))} | {modules} |")
-    out += ["", "## Modules", "", "| module | layer | summary |", "| --- | --- | --- |"]
-    for layer in sorted(by_layer, reverse=True):
-        for module in by_layer[layer]:
-            out.append(f"| {_code(module)} | L{layer} | {_cell(_summary(module))} |")
+    out += ["", "## Modules", "",
+            "Every module of the package with the first paragraph of its docstring, by layer."]
+    modules = sorted(layering.discover(), key=lambda m: (-(layering.layer_of(m) or 0), m))
+    current = None
+    for module in modules:
+        layer = layering.layer_of(module)
+        if layer != current:
+            current = layer
+            out += ["", f"### L{layer}", "", "| module | summary |", "| --- | --- |"]
+        out.append(f"| {_code(module)} | {_cell(_summary(module))} |")
     out.append("")
     return "\n".join(out) + "\n"
