@@ -82,6 +82,12 @@ class _RankHandler(logging.Handler):
             stream = sys.stdout if getattr(record, "dsr_stream", None) == "stdout" else sys.stderr
             if stream is None:  # no console (pythonw, a closed stream): nothing to write to
                 return
+            bars = sys.modules.get("tqdm")
+            if bars is not None and getattr(bars.tqdm, "_instances", None):
+                with bars.tqdm.external_write_mode(file=stream):  # a bar is drawn: clear it, write, redraw
+                    stream.write(text + self.terminator)
+                    stream.flush()
+                return
             stream.write(text + self.terminator)
             stream.flush()
         except RecursionError:

@@ -37,9 +37,12 @@ import torch
 
 from ..accelerator import device_count
 from ..errors import ConfigError, ResilienceError
+from ..logs import get_logger
 
 __all__ = ["DataIterFactory", "DatasetSource", "EngineData", "FactorySource", "IteratorSource", "LoaderSpec",
            "engine_batch_source", "is_map_style", "planned_tolerance", "reroute_data_error", "unfed_reason"]
+
+log = get_logger(__name__)
 
 DataIterFactory = Callable[[int, int], Iterator[Any]]
 """(pipeline, iteration) -> an iterator over that pipeline's micro-batches from that iteration on."""
@@ -381,11 +384,9 @@ class IteratorSource:
             next(self.engine.data_iterator)
         self.skipped = count
         if count:
-            import sys
-
-            print(f"[ds_resilience] rank {getattr(self.engine, 'rank', '?')}: relaunched at iteration "
-                  f"{count // self.microbatches}: skipped the first {count} items of its data_iter (its pipeline "
-                  f"ran them before; the iterator is taken as built at the job's start)", file=sys.stderr, flush=True)
+            log.info("rank %s: relaunched at iteration %s: skipped the first %s items of its data_iter (its pipeline "
+                     "ran them before; the iterator is taken as built at the job's start)",
+                     getattr(self.engine, "rank", "?"), count // self.microbatches, count)
 
 
 class FactorySource:

@@ -43,9 +43,12 @@ from ..planning.generators import decoupled, one_f_one_b
 from ..planning.profile import cost_from_profile, profile_summary
 from ..planning.stage_mix import split_margin
 from ..costs import CostModel
+from ..logs import get_logger
 from ..topology import Worker
 
 __all__ = ["Profiler", "from_environ", "from_engine", "requested"]
+
+log = get_logger(__name__)
 
 ENV_OUT, ENV_STEPS, ENV_EXIT = "DSR_PROFILE_OUT", "DSR_PROFILE_STEPS", "DSR_PROFILE_EXIT"
 
@@ -234,7 +237,7 @@ class Profiler:
     def _abandon(self, why: str) -> None:
         self._restore()
         self.done = True
-        print(f"[ds_resilience] rank {dist.get_rank()}: profile abandoned: {why}", file=sys.stderr, flush=True)
+        log.warning("rank %s: profile abandoned: %s", dist.get_rank(), why)
 
     def _finish(self) -> None:
         self._restore()
@@ -260,10 +263,9 @@ class Profiler:
                 tmp.replace(self.out)
                 where = f"written to {self.out}"
             ratio = ", ".join("n/a" if r is None else f"{r:.2f}" for r in summary["measured"]["split_over_fused"])
-            print(f"[ds_resilience] profile of {len(rows)} ranks ({2 * self.steps + 1} iterations) {where}; "
-                  f"per stage t_F {_ms(cost.t_f)}, t_B {_ms(cost.t_b)}, t_W {_ms(cost.t_w)}, fused "
-                  f"{_ms(summary['measured']['fused_backward'])}; (B+W)/fused {ratio}{_noise(cost)}",
-                  file=sys.stderr, flush=True)
+            log.info(f"profile of {len(rows)} ranks ({2 * self.steps + 1} iterations) {where}; "
+                     f"per stage t_F {_ms(cost.t_f)}, t_B {_ms(cost.t_b)}, t_W {_ms(cost.t_w)}, fused "
+                     f"{_ms(summary['measured']['fused_backward'])}; (B+W)/fused {ratio}{_noise(cost)}")
         dist.barrier()
         if self.on_done is not None:
             self.on_done(cost)

@@ -12,7 +12,11 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+from ..logs import STDOUT, get_logger
+
 __all__ = ["is_reporter", "plan_line", "report", "write_csv_events", "write_monitor"]
+
+log = get_logger(__name__)
 
 
 def write_monitor(engine, events: list[tuple[str, float, int]]) -> None:
@@ -27,8 +31,8 @@ def write_monitor(engine, events: list[tuple[str, float, int]]) -> None:
         write_csv_events(Path(cfg.csv_monitor.output_path) / cfg.csv_monitor.job_name, events)
     if not engine._monitor_warned and (cfg.tensorboard.enabled or cfg.wandb.enabled or cfg.comet.enabled):
         engine._monitor_warned = True
-        print(f"[ds_resilience] rank {engine.rank}: rank 0 failed; the tensorboard/wandb/comet monitors lived "
-              f"there and stop (csv_monitor continues from this rank)", flush=True)
+        log.warning("rank %s: rank 0 failed; the tensorboard/wandb/comet monitors lived there and stop "
+                    "(csv_monitor continues from this rank)", engine.rank, extra=STDOUT)
 
 
 def plan_line(figures: dict, cost_name: str, failed: str) -> str:

@@ -72,8 +72,9 @@ class ScheduleProvider:
     def build(cls, topology: Topology, microbatches: int, cost: CostModel, *, schedule: str, variant: str,
               solver: str, time_limit_s: float, memory_cap: int | None, max_failures: int, all_coverable: bool,
               cache_dir: str | Path | None, workers: int, on_demand_solver: str = "heuristic",
-              progress: bool = False, tied: TiedGroups = ()) -> "ScheduleProvider":
-        """Build or load the plan table (``max_failures`` 0 and no ``all_coverable``: no table)."""
+              progress: bool | None = None, tied: TiedGroups = ()) -> "ScheduleProvider":
+        """Build or load the plan table (``max_failures`` 0 and no ``all_coverable``: no table);
+        ``progress``: as :func:`~.table.build_table`'s (a bar on rank 0's terminal by default)."""
         provider = cls(topology, microbatches, cost, schedule=schedule, variant=variant, solver=solver,
                        time_limit_s=time_limit_s, memory_cap=memory_cap, on_demand_solver=on_demand_solver,
                        tied=tied)

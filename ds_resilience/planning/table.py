@@ -31,6 +31,7 @@ from typing import Any, Iterable, Iterator
 from ..costs import CostModel
 from ..errors import PlanningError, ScheduleError
 from ..ir import Action, Schedule, TiedGroups, check_tied, parse_action
+from ..logs import progress_bar
 from ..topology import Topology, Worker
 from .normalize import FailureKey, normalize, relabel_schedule
 from .plan import Plan
@@ -350,7 +351,7 @@ def build_table(
     *,
     cache_dir: str | Path | None = None,
     workers: int = 0,
-    progress: bool = False,
+    progress: bool | None = None,
     lock_timeout_s: float = 3600.0,
 ) -> tuple[PlanTable, dict[str, Any]]:
     """Plan every class of failure sets in ``spec`` (or load it from ``cache_dir``).
@@ -359,7 +360,9 @@ def build_table(
         spec: topology, costs, variant, solver and tolerance.
         cache_dir: where tables are kept (``<cache_dir>/<digest>.json.gz``); ``None``: no cache.
         workers: parallel processes; 0 = the machine's CPU count, 1 = in this process.
-        progress: print a line per 10% to stderr.
+        progress: ``False``: no progress bar; ``None`` or ``True``: a bar on stderr while the plans
+            are computed, on rank 0 where stderr is a terminal or ``DSR_PROGRESS=1``
+            (:func:`ds_resilience.logs.progress_enabled`).
         lock_timeout_s: how long to wait for another process building the same table (the
             processes of one machine share the cache; a builder that dies releases the lock).
 
@@ -401,7 +404,7 @@ def _lock(fh, path: Path, timeout_s: float) -> None:
             time.sleep(0.05)
 
 
-def _build(spec: TableSpec, path: Path | None, workers: int, progress: bool,
+def _build(spec: TableSpec, path: Path | None, workers: int, progress: bool | None,
            started: float) -> tuple[PlanTable, dict[str, Any]]:
     keys = enumerate_keys(spec.dp, spec.pp, max_failures=spec.max_failures, all_coverable=spec.all_coverable)
     jobs = [(spec, k) for k in keys]
@@ -410,28 +413,23 @@ def _build(spec: TableSpec, path: Path | None, workers: int, progress: bool,
         n = 1  # a daemonic process (a worker of a pool or a test harness) may not have children
     plans: dict[FailureKey, dict[str, Any]] = {}
     uncoverable: dict[FailureKey, str] = {}
-    done = 0
+    with progress_bar(len(jobs), f"plan table {spec.dp} x {spec.pp}", enabled=progress, unit="set") as bar:
 
-    def collect(result: tuple[FailureKey, dict[str, Any] | None, str | None]) -> None:
-        nonlocal done
-        key, data, why = result
-        if data is None:
-            uncoverable[key] = why or "uncoverable"
+        def collect(result: tuple[FailureKey, dict[str, Any] | None, str | None]) -> None:
+            key, data, why = result
+            if data is None:
+                uncoverable[key] = why or "uncoverable"
+            else:
+                plans[key] = data
+            bar.update()
+
+        if n == 1 or len(jobs) < 4:
+            for job in jobs:
+                collect(_plan_one(job))
         else:
-            plans[key] = data
-        done += 1
-        if progress and (done % max(1, len(jobs) // 10) == 0 or done == len(jobs)):
-            import sys
-
-            print(f"  planned {done}/{len(jobs)} ({time.perf_counter() - started:.1f}s)", file=sys.stderr)
-
-    if n == 1 or len(jobs) < 4:
-        for job in jobs:
-            collect(_plan_one(job))
-    else:
-        with ProcessPoolExecutor(max_workers=n) as pool:
-            for result in pool.map(_plan_one, jobs, chunksize=max(1, len(jobs) // (8 * n))):
-                collect(result)
+            with ProcessPoolExecutor(max_workers=n) as pool:
+                for result in pool.map(_plan_one, jobs, chunksize=max(1, len(jobs) // (8 * n))):
+                    collect(result)
     table = PlanTable(spec, plans, uncoverable)
     if path is not None:
         table.save(path)

@@ -33,6 +33,9 @@ from typing import Callable, Mapping, Sequence
 from ..config import FAULT_KINDS, FAULT_POINTS, FaultInjection
 from ..errors import ResilienceError
 from ..launch import FAULTS_VAR, LaunchEnv, faults_from_env
+from ..logs import get_logger
+
+log = get_logger(__name__)
 
 __all__ = ["FaultInjector", "FaultPointError", "faults_from_env", "EXIT_CODE", "ENV_VAR"]
 
@@ -101,8 +104,7 @@ class FaultInjector:
         if fault is None:
             return
         self.fired.append(fault)
-        print(f"[ds_resilience] injecting {fault.kind} at step {step} {point} on rank {self.rank}",
-              file=sys.stderr, flush=True)
+        log.warning("injecting %s at step %s %s on rank %s", fault.kind, step, point, self.rank)
         if self._on_fire is not None:
             self._on_fire(fault)
         sys.stdout.flush()

@@ -14,6 +14,7 @@ import argparse
 import json
 from typing import Any
 
+from ..logs import progress_bar
 from .jobsim import BREAKDOWN_KEYS, Result
 from .models import PlanCache, list_models, load_model
 from .systems import REGRID_TIERS, SYSTEMS, simulate_system
@@ -134,11 +135,13 @@ def run(args: argparse.Namespace) -> int:
     systems = parse_systems(args.systems)
     trace = _trace(args, model.nodes)
     cache = PlanCache(model)
-    results = {
-        s: simulate_system(trace, model, s, cache=cache, checkpoint_interval=args.checkpoint_interval, healthy=args.healthy,
-                           regrid=args.regrid)
-        for s in systems
-    }
+    results = {}
+    with progress_bar(len(systems), f"simulating {trace.name}", unit="system") as bar:  # a terminal's only
+        for s in systems:
+            bar.set_postfix_str(s, refresh=False)
+            results[s] = simulate_system(trace, model, s, cache=cache, checkpoint_interval=args.checkpoint_interval,
+                                         healthy=args.healthy, regrid=args.regrid)
+            bar.update()
     if args.png:
         from .plot import plot_throughput
 

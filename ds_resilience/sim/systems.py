@@ -53,6 +53,7 @@ import statistics
 from dataclasses import replace
 
 from ..errors import PlanningError
+from ..logs import progress_bar
 from .jobsim import NOTHING, Action, JobView, Policy, Result, run_policy
 from .models import Grid, ModelProfile, PlanCache, ThroughputTable, divisors, stage_layers
 from .template_tier import TemplateLayout, TemplateTier
@@ -470,6 +471,9 @@ def mean_over_redraws(trace: Trace, model: ModelProfile, system: str, *, draws: 
     if isinstance(draws, bool) or not isinstance(draws, int) or draws < 1:
         raise SimulationError(f"draws must be an integer >= 1, got {draws!r}")
     rng = random.Random(seed)
-    return statistics.fmean(
-        simulate_system(redraw_victims(trace, rng), model, system, cache=cache).throughput for _ in range(draws)
-    )
+    throughputs = []
+    with progress_bar(draws, f"{system} on {trace.name}", unit="draw") as bar:  # a terminal's only
+        for _ in range(draws):
+            throughputs.append(simulate_system(redraw_victims(trace, rng), model, system, cache=cache).throughput)
+            bar.update()
+    return statistics.fmean(throughputs)
