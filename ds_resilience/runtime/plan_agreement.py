@@ -26,7 +26,6 @@ After a live re-grid the new grid's first rank publishes under its own scope. Ke
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -34,11 +33,14 @@ from typing import Any, Callable
 from .. import store_keys as keys
 from ..costs import CostModel
 from ..errors import ResilienceError
+from ..logs import get_logger
 from ..planning.provider import ScheduleProvider
 from ..planning.table import PlanTable
 
 __all__ = ["PublisherLost", "announce", "publish", "await_published", "latest", "newest", "adopt_published",
            "check_joined"]
+
+log = get_logger(__name__)
 
 PREFIX = keys.PLANS
 
@@ -145,8 +147,8 @@ def newest(store: Any, scope: str, *, timeout_s: float,
     if store.check([key]):
         build, publisher, epoch = (int(x) for x in store.get(key).decode().split())
         if not store.check([_key(scope, build, "record")]):
-            print(f"[ds_resilience] waiting for rank {publisher}'s plan table (build {build}, announced in epoch "
-                  f"{epoch}): the survivors will answer this re-join with it", file=sys.stderr, flush=True)
+            log.info("waiting for rank %s's plan table (build %s, announced in epoch %s): the survivors will "
+                     "answer this re-join with it", publisher, build, epoch)
         try:
             return _record(store, scope, build, timeout_s, lambda: interrupted(publisher, epoch), publisher)
         except PublisherLost:
