@@ -30,7 +30,7 @@ def init_distributed(launch: LaunchEnv | None = None) -> None:
 
     Under the deepspeed launcher or the agent it is gloo over the environment's rendezvous.
     A worker the agent restarts to re-join (``LaunchEnv.rejoin``) cannot enter the original world's
-    collectives, so its default group is torch's no-op "fake" backend: DeepSpeed builds its
+    collectives, so its default group is a local no-op stand-in (``comm/standin.py``): DeepSpeed builds its
     engine locally, and all real communication goes through ds_resilience's own groups on the
     agent's store.
     """

@@ -10,7 +10,7 @@ When a stage loses every replica (``resilience.regrid``), :func:`regrid` is the 
    (a snapshot records the layer of each of its parameters);
 2. **moves**: each survivor receives the layers its new position lacks from the survivors that hold
    them, in one global order over one group of the survivors (``checkpoint/layer_transfer.py``);
-3. **rebuild**: DeepSpeed's default process group is replaced by a local "fake" one of the new
+3. **rebuild**: DeepSpeed's default process group is replaced by a local stand-in one of the new
    grid's size (every real message goes through ds_resilience's own groups on the agent's store,
    as for a re-joining worker), and a new :class:`~.ds_engine.ResilientPipelineEngine` is built for
    the new position: a ``PipelineModule`` of the same layer specs cut at the plan's bounds, the
@@ -44,6 +44,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from ..comm.standin import init_stand_in
 from ..checkpoint.fetch import fetch_versions
 from ..checkpoint.inmemory import owner_name
 from ..checkpoint.layer_state import layer_trees, stage_state
@@ -337,14 +338,12 @@ def _agree_step(engine: Any, world: Any, lost: list[int], resume: int) -> int:
 def _build(engine: Any, old_module: Any, rebuild: dict[str, Any], live: LiveRegridPlan, position, context):
     """The new engine for ``position`` of ``live``'s grid (step 3 of the module docstring)."""
     import deepspeed
-    import torch.testing._internal.distributed.fake_pg as fake_pg
     from deepspeed.runtime.config import DeepSpeedConfig
 
     grid = live.grid
     if dist.is_initialized():
         dist.destroy_process_group()
-    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=position.stage * grid.dp + position.pipeline,
-                            world_size=grid.dp * grid.pp)
+    init_stand_in(position.stage * grid.dp + position.pipeline, grid.dp * grid.pp)
     module = _module_class(grid.bounds)(
         layers=old_module._layer_specs, num_stages=grid.pp, loss_fn=old_module.loss_fn, seed_layers=False,
         activation_checkpoint_interval=old_module.activation_checkpoint_interval,

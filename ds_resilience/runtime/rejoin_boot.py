@@ -2,7 +2,7 @@
 
 A worker the agent relaunches to re-join the survivors (``DSR_REJOIN=1``) cannot enter the
 original world's rendezvous: the survivors will never meet it there. Before the user's script runs,
-its default group is made torch's no-op "fake" backend of the launch's rank and world size, so the
+its default group is made a local no-op stand-in (:mod:`ds_resilience.comm.standin`) of the launch's rank and world size, so the
 script's own ``deepspeed.init_distributed()`` (which keeps an initialized default group) or
 ``ds_resilience.init_distributed()`` goes on at once; DeepSpeed builds its engine locally, and all
 real communication goes through ds_resilience's groups on the agent's store. The agent runs a
@@ -21,15 +21,11 @@ __all__ = ["stand_in_default_group", "stand_in_if_rejoining"]
 
 
 def stand_in_default_group(rank: int, world_size: int) -> bool:
-    """Initialize the default group as a local "fake" one of ``rank`` in ``world_size`` (returns
+    """Initialize the default group as a local stand-in of ``rank`` in ``world_size`` (returns
     whether it did; a default group already there is kept)."""
-    import torch.distributed as dist
-    import torch.testing._internal.distributed.fake_pg as fake_pg
+    from ..comm.standin import init_stand_in
 
-    if dist.is_initialized():
-        return False
-    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=rank, world_size=world_size)
-    return True
+    return init_stand_in(rank, world_size)
 
 
 def stand_in_if_rejoining(env: Mapping[str, str] | None = None) -> bool:
