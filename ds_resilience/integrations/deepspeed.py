@@ -8,13 +8,13 @@ removes the config's ``"resilience"`` section, reads the agent's launch contract
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 from ..config import ResilienceConfig, load_resilience_config
 from ..errors import ConfigError
 from ..launch import LaunchEnv, launch_env
+from ..logs import get_logger
 from ..runtime.coordinator import TrainingOver
 from ..runtime.executor import BatchSource
 from ..runtime.recovery import BeyondTolerance
@@ -23,6 +23,8 @@ from .ds_engine import ResilientPipelineEngine
 from .ds_instructions import ActionSchedule, IRAction
 
 __all__ = ["ResilientPipelineEngine", "initialize", "init_distributed", "ActionSchedule", "IRAction", "BeyondTolerance"]
+
+log = get_logger(__name__)
 
 
 def init_distributed(launch: LaunchEnv | None = None) -> None:
@@ -185,7 +187,7 @@ def initialize(
                      "config_dir": base_dir} if resilience.regrid else None,
         )
     except TrainingOver as over:  # a relaunched worker the survivors finished without
-        print(f"[ds_resilience] {over}; exiting", file=sys.stderr, flush=True)
+        log.info("%s; exiting", over)
         raise SystemExit(0) from None
     engine._configure_python_gc()
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
