@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Idempotent environment setup shared by the README's two commands: a .venv in the repository with
 # torch 2.13 (CPU build, installed first and pinned: any other spec pulls the CUDA wheels), then
-# this package with its test extra (deepspeed 0.19.x, megatron-core, triton, pytest, ...).
+# this package with its test extra from pyproject.toml (deepspeed 0.19.x, megatron-core, triton, pytest,
+# mkdocs and mkdocstrings for the docs-site test, ...). It installs and sets nothing else.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
