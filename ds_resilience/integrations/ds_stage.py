@@ -15,6 +15,7 @@ from typing import Any
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from .ds_data import IteratorSource
+from .ds_fused_adam import align_bias_correction
 
 __all__ = ["DeepSpeedStage", "IteratorSource", "activation_checkpointing", "param_layers", "tied_layout"]
 
@@ -68,6 +69,7 @@ class DeepSpeedStage:
         if skip:
             e.skipped_steps += 1
         else:
+            align_bias_correction(e.optimizer)  # a process resuming mid-run: DeepSpeed's CPU FusedAdam's powers
             e.optimizer.step()
             if e.lr_scheduler is not None:
                 e.lr_scheduler.step()
