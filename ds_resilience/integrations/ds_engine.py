@@ -33,26 +33,21 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from .. import store_keys
 from ..checkpoint.fetch import fetch_versions
-from ..checkpoint.inmemory import InMemoryCheckpointer
-from ..checkpoint.tier import CheckpointTier
 from ..comm.groups import build_groups, world_group
 from ..config import ResilienceConfig
 from ..errors import ConfigError, ResilienceError
 from ..ir import Action, ActionKind, Schedule
-from ..ir.pairs import early_posts
 from ..runtime.plan_agreement import (PublisherLost, adopt_published, announce, await_published, check_joined, newest,
                                       publish)
-from ..runtime.progress import Progress
 from ..launch import LaunchEnv
 from ..planning.data_relay import relay_plan, unfed_pipelines
 from ..planning.provider import ScheduleChoice, ScheduleProvider
 from ..planning.stage_mix import fused_in, split_margin
-from ..runtime.coordinator import Coordinator
 from ..runtime.executor import BatchSource, Executor, StageSpec, rng_seed
+from ..runtime.live_stage import LiveStage, RecoveryHooks, StageDescription, StartMode
 from ..runtime.membership import failed_after, latest_epoch
-from ..runtime.faults import FaultInjector
 from ..runtime.precision import DynamicLossScaler, MixedPrecisionOptimizer
-from ..runtime.recovery import Generation, LiveRecovery, SurvivorView, is_failure, release_on_epoch
+from ..runtime.recovery import Generation, SurvivorView
 from ..runtime.validation import StepValidator
 from ..runtime.zero import ShardedOptimizer
 from ..topology import Topology, Worker
@@ -121,9 +116,8 @@ class ResilientPipelineEngine(PipelineEngine):
             failed = frozenset(self.topology.check(w) for w in resilience.simulate_failed)
         except Exception as exc:
             raise ConfigError("resilience.simulate_failed", str(exc)) from exc
-        live, rejoin = launch is not None, launch is not None and launch.rejoin
-        if live and failed:
-            raise ConfigError("resilience.simulate_failed", "simulated failures and the live agent do not mix")
+        mode = StartMode.of(launch, simulated=bool(failed), regrid=regrid_from is not None)
+        live, rejoin = mode.live, mode is StartMode.REJOIN
         self.alive = self.me not in failed
         if live and self.zero_optimization_stage() == 1 and not resilience.checkpoint.enabled:
             raise ConfigError("resilience.checkpoint.enabled", "false with zero_optimization.stage 1 under the agent: "
@@ -141,28 +135,28 @@ class ResilientPipelineEngine(PipelineEngine):
         self._config_dir = config_dir
         # a fresh start without a cost model profiles itself and re-plans: until then the unit-cost
         # table (only used by a failure during the profile) is the heuristic's, built in seconds
-        fresh = not failed and not rejoin and not (launch is not None and launch.restart) and regrid_from is None
+        fresh = mode.fresh
         profiling = fresh and (resilience.self_profile_steps() > 0 or profile_requested())
-        det = resilience.detector
-        # a re-formed grid keeps the heartbeat's view of the main thread's progress
-        self.progress = regrid_from.progress if regrid_from is not None else Progress(det.stall_timeout_s) if live else None
-        if regrid_from is not None:
-            self.coordinator, self.session = regrid_from.coordinator, regrid_from.session
-        else:
-            self.coordinator = self._coordinator() if live else None
+        self.session = regrid_from.session if regrid_from is not None else "live" if live else "local"
+        topology = self.origin_topology  # the machines of the first grid hold the snapshots, after a re-grid too
+        self.validator = self._validator()  # its store is read lazily: the coordinator's once there is one
+        self.live = LiveStage(
+            StageDescription(
+                topology=self.topology, me=self.me, rank=self.rank, mode=mode, launch=launch, config=resilience,
+                host=self.stage_host, session=self.session, alive=self.alive,
+                keep_pre_step=live or self.validator is not None,
+                # pipeline-major: a placement group spans stages, so a lost stage keeps its snapshots
+                machine_key=lambda rank: (topology.coord(rank)[0].pipeline, topology.coord(rank)[0].stage),
+                exclude=self.gone, info={"pipeline": self.me.pipeline, "stage": self.me.stage, "dp": self.topology.dp,
+                                         "pp": self.topology.pp}),
+            coordinator=regrid_from.coordinator if regrid_from is not None else None,
+            progress=regrid_from.progress if regrid_from is not None else None)
         # under the agent every worker answers a failure from rank 0's table (runtime/plan_agreement.py)
         self.provider = self._joined_plans() if rejoin else None
         if self.provider is None:
             self.provider = self._plans(build=0, solver="heuristic" if profiling else None)
-        self.faults = FaultInjector(resilience.fault_injection, self.rank, launch=launch)
-        self.validator = self._validator()
-        self.tier = CheckpointTier(self.stage_host, stage=self.stage_id, rank=self.rank,
-                                   keep_pre_step=live or self.validator is not None,
-                                   memory=self._memory_tier(rejoin) if live and self.alive else None,
-                                   fault_hook=self.faults.maybe_fire)
-        self.faults.lose_memory = self.tier.lose_memory
         recompute, reentrant = activation_checkpointing(self.module)
-        self.executor = Executor(
+        executor = Executor(
             StageSpec(stage=self.stage_id, pipeline=self.me.pipeline, num_stages=self.num_stages, dp=self.topology.dp,
                       microbatches=self.micro_batches, seed=resilience.seed,
                       gradient_clipping=float(self.gradient_clipping() or 0.0),
@@ -178,32 +172,24 @@ class ResilientPipelineEngine(PipelineEngine):
             precision=self.optimizer if isinstance(self.optimizer, MixedPrecisionOptimizer) else None,
             validator=self.validator, zero_grad=self.stage_host.zero_grad,
         )
-        self.executor.progress = self.progress
-        self.executor.fast_w = resilience.fast_w
         # new (pipeline, micro-batch) -> the first grid's, after a re-grid (None: the first grid)
         self.origin_microbatches = regrid_from.origin_microbatches if regrid_from is not None else None
-        self._seed_layers()
         # get_global_grad_norm(): the true global norm where this engine computes one (clipping on);
         # like vanilla's fp32 engine, None otherwise
-        self.stage_host.grad_norm = lambda: self.executor.last_grad_norm
-        self.recovery = None
-        if live:
-            self.recovery = LiveRecovery(
-                topology=self.topology, me=self.me, coordinator=self.coordinator, executor=self.executor,
-                tier=self.tier, provider=self.provider, session=self.session, timeout_s=resilience.detector.pg_timeout_s,
-                grace_s=resilience.detector.heartbeat_timeout_s + 5.0, adopt=self._adopt, export=lambda directory, step, writer=True: export_stage(self, directory, step, writer=writer),
-                persistent_dir=resilience.checkpoint.persistent_dir, fault_hook=self.faults.maybe_fire,
-                on_membership=self._on_membership,
-                view=SurvivorView(self.topology, self.me) if regrid_from is not None else None,
-                regrid=(lambda record, plan: regrid(self, record, plan)) if resilience.regrid else None,
-                prefer_regrid=(lambda failed: regrid_pays_for(self, failed)) if resilience.regrid else None,
-                unfed=self._starved,
-            )
+        self.stage_host.grad_norm = lambda: executor.last_grad_norm
+        self.live.attach(executor, self.provider, RecoveryHooks(
+            export=functools.partial(export_stage, self), adopted=self._adopted, on_membership=self._on_membership,
+            view=SurvivorView(self.topology, self.me) if regrid_from is not None else None,
+            regrid=functools.partial(regrid, self) if resilience.regrid else None,
+            prefer_regrid=functools.partial(regrid_pays_for, self) if resilience.regrid else None,
+            unfed=self._starved))
+        self._seed_layers()
+        if self.recovery is not None:
             self.recovery.log = self.recovery_log
             blocker = regrid_blocker(self, rebuild) if resilience.regrid else None
             if blocker is not None:
                 raise ConfigError("resilience.regrid", blocker)
-        self.generation = self._first_generation(failed, live=live, rejoin=rejoin)
+        self.live.begin(self._first_generation(failed, live=live, rejoin=rejoin))
         self._bind_zero()
         self.persistent_engine = None
         if resilience.checkpoint.enabled:  # save_checkpoint / load_checkpoint: asynchronous, atomic, keep_last
@@ -216,13 +202,11 @@ class ResilientPipelineEngine(PipelineEngine):
             regrid_from.load(self)  # the moved layers' state, before the first snapshot of the new layout
             if self.tier.memory is not None:
                 self.tier.capture_due()
-        elif self.tier.memory is not None and not rejoin:
-            if launch.restart:
-                self._restore_after_restart()
-            else:
-                self.tier.capture_due()  # the initial state, step 0
+        else:
+            restored = self.live.start(restore=self._restore_after_restart)
+            if restored is not None:
+                self.recovery_log.append(restored)
         if rejoin and self.alive:
-            self.recovery.join()
             check_joined(self.coordinator.store, self._plan_scope(), self._joined_record, rank=self.rank)
         # the profile (DSR_PROFILE_OUT, set by `ds-resilience profile`): a fresh, fault-free start only
         self.profiler = profile_from_engine(self, on_done=self._replan) if fresh else None
@@ -364,7 +348,7 @@ class ResilientPipelineEngine(PipelineEngine):
             return self._wait_store(key, self.resilience.detector.store_timeout_s, "the other stages' gradient norms")
 
         return StepValidator(clip=clip, check_overflow=fp16, num_stages=self.num_stages,
-                             key=functools.partial(store_keys.validation, self.session),
+                             key=lambda iteration, stage: store_keys.validation(self.session, iteration, stage),
                              publish=lambda key, value: self._store().set(key, value), wait=wait,
                              delete=lambda key: self._store().delete_key(key), peek=self._peek_store)
 
@@ -402,7 +386,7 @@ class ResilientPipelineEngine(PipelineEngine):
         self.generation = replace(generation, schedule=choice.schedule, lookup_s=choice.seconds)
         fused = fused_in(choice.schedule)
         cost = self.provider.cost
-        margin = (f"the profile's noise" if cost.split_noise is not None else "fixed")
+        margin = ("the profile's noise" if cost.split_noise is not None else "fixed")
         how = (f"fused backward on stage(s) {', '.join(map(str, fused))}; a split must be predicted "
                f"{100 * split_margin(cost):.1f}% faster to run ({margin} margin)" if fused else "every stage split")
         return f"; the healthy {choice.schedule.name} schedule re-listed with them ({how})"
@@ -486,31 +470,6 @@ class ResilientPipelineEngine(PipelineEngine):
             workers=planner.workers, tied=self.tied_groups,
         )
 
-    def _coordinator(self) -> Coordinator:
-        self.session = "live"
-        det = self.resilience.detector
-        return Coordinator(launch=self.launch,
-                           info={"pipeline": self.me.pipeline, "stage": self.me.stage, "dp": self.topology.dp,
-                                 "pp": self.topology.pp},
-                           heartbeat_interval_s=det.heartbeat_interval_s, store_timeout_s=det.store_timeout_s,
-                           on_epoch=self._on_epoch, progress=self.progress)
-
-    def _memory_tier(self, rejoin: bool) -> InMemoryCheckpointer | None:
-        cfg = self.resilience.checkpoint
-        if not cfg.enabled:
-            return None
-        launch = self.launch
-        world = launch.world_size
-        topology = self.origin_topology  # the machines of the first grid hold the snapshots, after a re-grid too
-        return InMemoryCheckpointer(
-            cfg, rank=self.rank, world=world, job_id=launch.job_id or f"job-{self.session}",
-            local_world_size=launch.local_world_size or world, name=f"{self.session}/attempt{launch.restart}",
-            replicate=not rejoin, group_store=self.coordinator.store, timeout_s=self.resilience.detector.pg_timeout_s,
-            # pipeline-major: a placement group spans stages, so a lost stage keeps its snapshots
-            machine_key=lambda rank: (topology.coord(rank)[0].pipeline, topology.coord(rank)[0].stage),
-            exclude=self.gone,
-        )
-
     def _unfed(self, failed: frozenset[Worker], live: bool) -> str | None:
         """Why a pipeline may lose both its ends (then only an addressable source feeds it): the
         simulated failure set, or under the agent any set within the tolerance (``None``: never)."""
@@ -587,14 +546,11 @@ class ResilientPipelineEngine(PipelineEngine):
                                     payload["figures"])
             groups = (build_groups(self.topology.without(failed), self.me, session=self.session, timeout_s=timeout,
                                    tied=self.tied_groups, device=self._comm_device()) if self.alive else None)
-        generation = Generation(epoch=0, topology=self.topology.without(failed), schedule=choice.schedule,
-                                source=choice.source, lookup_s=choice.seconds, figures=choice.figures, groups=groups)
-        if groups is not None:
-            self.executor.install(groups)
-        return generation
+        return Generation(epoch=0, topology=self.topology.without(failed), schedule=choice.schedule,
+                          source=choice.source, lookup_s=choice.seconds, figures=choice.figures, groups=groups)
 
-    def _adopt(self, generation: Generation) -> None:
-        self.generation = generation
+    def _adopted(self, generation: Generation) -> None:
+        """A recovery's new generation: its plan's predicted figures, from the reporting rank."""
         figures = generation.figures
         if figures and generation.groups is not None and is_reporter(self):
             failed = ",".join(sorted(str(w) for w in generation.topology.failed)) or "none"
@@ -615,6 +571,22 @@ class ResilientPipelineEngine(PipelineEngine):
             self.recovery_log.append({"kind": "zero_reshard", "epoch": 0, "resume_step": self.global_steps, **moved})
 
     # --- what the rest of the code reads ----------------------------------------------------------------
+    # the live stage's parts (runtime/live_stage.py), read by this engine's helpers
+    coordinator = property(lambda self: self.live.coordinator)
+    progress = property(lambda self: self.live.progress)
+    faults = property(lambda self: self.live.faults)
+    tier = property(lambda self: self.live.tier)
+    executor = property(lambda self: self.live.executor)
+    recovery = property(lambda self: self.live.recovery)
+
+    @property
+    def generation(self) -> Generation:
+        return self.live.generation
+
+    @generation.setter
+    def generation(self, generation: Generation) -> None:
+        self.live.generation = generation
+
     @property
     def schedule(self) -> Schedule:
         return self.generation.schedule
@@ -631,21 +603,12 @@ class ResilientPipelineEngine(PipelineEngine):
 
     @property
     def actions(self) -> tuple[Action, ...]:
-        return self.schedule.workers[self.my_index]
+        return self.live.actions
 
     def _comm_device(self) -> str | None:
         """The device of this worker's groups: its GPU (NCCL groups), or ``None`` (gloo, CPU)."""
         device = torch.device(self.device)
         return str(device) if device.type == "cuda" else None
-
-    def _early_posts(self) -> dict[int, tuple[int, ...]]:
-        """This worker's early receive posts for the current schedule (NCCL's pair order,
-        ``ir/pairs.py``); computed once per schedule."""
-        schedule = self.schedule
-        cached = getattr(self, "_posts_for", None)
-        if cached is None or cached[0] is not schedule:
-            self._posts_for = (schedule, early_posts(schedule)[self.my_index])
-        return self._posts_for[1]
 
     def _train_schedule(self):
         forwards = sum(1 for a in self.actions if a.kind is ActionKind.F)
@@ -656,15 +619,6 @@ class ResilientPipelineEngine(PipelineEngine):
         self.executor.execute(action)
 
     _INSTRUCTION_MAP = {**PipelineEngine._INSTRUCTION_MAP, IRAction: _exec_ir}
-
-    def _on_epoch(self, record) -> None:
-        """Watcher thread: a new epoch was latched; release whatever the main thread is blocked on.
-
-        A re-join changes nothing for the running iteration: it is applied at the next iteration
-        boundary, without aborting anything.
-        """
-        groups = self.generation.groups if getattr(self, "generation", None) is not None else None
-        release_on_epoch(record, groups, getattr(self, "tier", None))
 
     # --- training --------------------------------------------------------------------------------
     def train_batch(self, data_iter=None):
@@ -684,42 +638,32 @@ class ResilientPipelineEngine(PipelineEngine):
 
     def _resilient(self, run):
         """Run ``run()``; on a failure signal under the agent, recover and run it again."""
-        while True:
-            try:
-                if self.coordinator is not None:
-                    self.coordinator.check()
-                return run()
-            except Exception as exc:  # noqa: BLE001 - filtered by is_failure
-                if self.recovery is None or not is_failure(exc):
-                    raise
-                self.recovery.recover(exc)
+        return self.live.resilient(run)
 
     def _train_iteration(self):
-        started = time.perf_counter()
-        if self.profiler is not None:
-            self.profiler.before()  # the profile's iterations run its own schedules
-        self.executor.resolve()  # the previous step is validated before this iteration's forwards
-        self._relay_data()
-        self.executor.begin_iteration(self.global_steps, self.actions, self._early_posts())
-        self.tier.begin_iteration(self.schedule, self.my_index, self.provider.cost)
-        if self.progress is None:
-            self._exec_schedule(self._train_schedule())
-        else:
-            with self.progress.active():
-                self._exec_schedule(self._train_schedule())
-        self.executor.end_iteration()
-        stats = self.executor.stats
-        loss = self._aggregate_loss(stats.loss_sum)
-        # the step taken speculatively is validated now, in time this stage would wait anyway (its
-        # next forward needs an activation that follows the first stage's step): train_batch
-        # returns a final state, and no stage's step waited for another's gradients
-        self.executor.resolve()
-        if self.profiler is not None:
-            self.profiler.after()
-        elapsed = time.perf_counter() - started
-        self.tier.end_iteration(elapsed)
+        elapsed = 0.0
+
+        def before() -> None:
+            if self.profiler is not None:
+                self.profiler.before()  # the profile's iterations run its own schedules
+            self.executor.resolve()  # the previous step is validated before this iteration's forwards
+            self._relay_data()
+
+        def after():
+            loss = self._aggregate_loss(self.executor.stats.loss_sum)
+            # the step taken speculatively is validated now, in time this stage would wait anyway (its
+            # next forward needs an activation that follows the first stage's step): train_batch
+            # returns a final state, and no stage's step waited for another's gradients
+            self.executor.resolve()
+            if self.profiler is not None:
+                self.profiler.after()
+            return loss
+
+        loss, elapsed = self.live.iteration(lambda: self.global_steps, lambda: self._exec_schedule(self._train_schedule()),
+                                            self.provider.cost, before=before, after=after)
         if self.persistent_engine is not None and self.checkpoint_engine is self.persistent_engine:
             self.persistent_engine.poll()  # finalize finished writes (commit markers, keep_last)
+        stats = self.executor.stats
         self.iteration_log.append(
             {"step": self.global_steps, "loss": float(loss), "seconds": elapsed, "rerouted": stats.rerouted, "forwards": stats.forwards}
         )

@@ -1,9 +1,9 @@
 """Live failure handling for a Megatron job under ``ds-resilience run``.
 
-The same machinery as the DeepSpeed engine's, wired to a megatron-core stage: the agent's
-coordinator (heartbeats, latched membership epochs), the checkpoint tier (the pre-step state a
-rollback needs), and :class:`~ds_resilience.runtime.recovery.LiveRecovery` (plan, roll back the
-stages that stepped past the resume point, new groups, the new schedule). The resilient
+The same machinery as the DeepSpeed engine's, :class:`~ds_resilience.runtime.live_stage.LiveStage`
+(progress and hang detection, the agent's coordinator, the checkpoint tier, the recovery: plan,
+roll back the stages that stepped past the resume point, new groups, the new schedule), described
+for a megatron-core stage here (:func:`describe`). The resilient
 forward-backward catches a failure, recovers, and replays from the resume iteration up to the
 iteration the training loop asked for, so the loop sees one call per iteration as before.
 
@@ -18,28 +18,24 @@ memory each ``interval`` iterations (the chunk's parameters, the wrapped optimiz
 megatron-core's fp32 main parameters included, and the scheduler's), replicated by group
 placement as for DeepSpeed. Beyond tolerance, with ``checkpoint.max_restarts``, the agent restarts
 every worker; :meth:`ResilientForwardBackward.resume` then restores each rank's shard from those
-snapshots (a rank's own, or a data-parallel peer's of the same stage and tensor-parallel rank).
+snapshots (:func:`restore`) (a rank's own, or a data-parallel peer's of the same stage and tensor-parallel rank).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
-from ..checkpoint.inmemory import InMemoryCheckpointer
-from ..checkpoint.tier import CheckpointTier
+from ..epochs import EpochRecord
 from ..errors import ConfigError
 from ..launch import LaunchEnv
-from ..runtime.coordinator import Coordinator
-from ..runtime.faults import FaultInjector
-from ..epochs import EpochRecord
-from ..runtime.recovery import LiveRecovery, RankView
+from ..runtime.live_stage import LiveStage, StageDescription, StartMode
+from ..runtime.recovery import RankView
 from ..topology import Topology, Worker
 from .grid import PTDPGrid
 
-__all__ = ["MegatronHost", "LiveParts", "PlaneView", "live_parts", "make_recovery", "start"]
+__all__ = ["EXPORT_FORMAT", "MegatronHost", "PlaneView", "describe", "restore"]
 
 
 class PlaneView(RankView):
@@ -100,73 +96,34 @@ class MegatronHost:
         self.fb.iteration = steps
 
 
-@dataclass
-class LiveParts:
-    coordinator: Coordinator
-    tier: CheckpointTier
-    recovery: LiveRecovery | None
-    faults: FaultInjector
-    closed: bool = False
+EXPORT_FORMAT = ("Megatron-LM torch layout: iter_<7 digits>/mp_rank_<tp:02d>_<pp:03d>/model_optim_rng.pt "
+                 "(checkpoint version 3.0), one shard per tensor-parallel rank of each surviving stage")
 
 
-def live_parts(forward_backward: Any, launch: LaunchEnv, *, me, rank: int, topology, params,
-               grid: PTDPGrid) -> LiveParts:
-    """The coordinator, tier and fault injector (the recovery comes once the executor exists)."""
-    job = forward_backward.job
-    if launch.rejoin:
+def describe(forward_backward: Any, mode: StartMode, launch: LaunchEnv | None, *, me: Worker, rank: int,
+             topology: Topology, params: Sequence[torch.nn.Parameter], grid: PTDPGrid, session: str) -> StageDescription:
+    """The Megatron stage for :class:`~ds_resilience.runtime.live_stage.LiveStage`."""
+    if mode is StartMode.REJOIN:
         raise ConfigError("ds-resilience run", "a re-joining Megatron worker is not supported yet (run without "
                                                "--rejoin_after)")
-    cfg = job.config
-    det = cfg.detector
+    job = forward_backward.job
     host = MegatronHost(forward_backward, params, forward_backward.optimizer,
                         job.micro_batch_size * job.microbatches * job.dp, scheduler=forward_backward.scheduler)
-    faults = FaultInjector(cfg.fault_injection, rank, launch=launch)
-    coordinator = Coordinator(launch=launch, info={"pipeline": me.pipeline, "stage": me.stage, "dp": topology.dp,
-                                                   "pp": topology.pp},
-                              heartbeat_interval_s=det.heartbeat_interval_s, store_timeout_s=det.store_timeout_s,
-                              on_epoch=forward_backward._on_epoch)
-    memory = None
-    if cfg.checkpoint.enabled:
-        world = launch.world_size
-        memory = InMemoryCheckpointer(
-            cfg.checkpoint, rank=rank, world=world, job_id=launch.job_id or "job-live-megatron",
-            local_world_size=launch.local_world_size or world, name=f"live-megatron/attempt{launch.restart}",
-            group_store=coordinator.store, timeout_s=det.pg_timeout_s,
-            # replica-major: a placement group spans stages, so a lost stage keeps its snapshots
-            machine_key=lambda r: (grid.coord(r)[0].pipeline, grid.coord(r)[0].stage, grid.coord(r)[1]))
-    tier = CheckpointTier(host, stage=me.stage, rank=rank, keep_pre_step=True, memory=memory,
-                          fault_hook=faults.maybe_fire)
-    faults.lose_memory = tier.lose_memory
-    return LiveParts(coordinator=coordinator, tier=tier, recovery=None, faults=faults)
+    return StageDescription(
+        topology=topology, me=me, rank=rank, mode=mode, launch=launch, config=job.config, host=host, session=session,
+        keep_pre_step=mode.live, snapshot_name=f"live-megatron/attempt{launch.restart}" if launch is not None else None,
+        # replica-major: a placement group spans stages, so a lost stage keeps its snapshots
+        machine_key=lambda r: (grid.coord(r)[0].pipeline, grid.coord(r)[0].stage, grid.coord(r)[1]),
+        info={"pipeline": me.pipeline, "stage": me.stage, "dp": topology.dp, "pp": topology.pp})
 
 
-def start(forward_backward: Any, parts: LiveParts, launch: LaunchEnv, grid: PTDPGrid) -> dict | None:
-    """The snapshots' start: after an agent restart, every rank restores its shard of the newest
-    step held (a collective over the job; a data-parallel peer's snapshot of the same stage and
-    tensor-parallel rank serves too) and the schedule goes on from there; otherwise the initial
-    state (step 0) is captured. Returns the restore's log entry, or ``None``."""
-    tier = parts.tier
-    if tier.memory is None:
-        return None
-    if not launch.restart:
-        tier.capture_due()
-        return None
+def restore(forward_backward: Any, live: LiveStage, grid: PTDPGrid) -> dict:
+    """After an agent restart: every rank restores its shard of the newest step held (a collective
+    over the job; a data-parallel peer's snapshot of the same stage and tensor-parallel rank serves
+    too) and the schedule goes on from there. Returns the restore's log entry."""
     shard_of = {r: (grid.coord(r)[0].stage, grid.coord(r)[1]) for r in range(grid.world_size)}
-    entry = tier.restore(shard_of)
+    entry = live.tier.restore(shard_of)
     fb = forward_backward
     fb.base = fb.iteration = fb.steps
     fb.calls = 0
     return entry
-
-
-def make_recovery(forward_backward: Any, parts: LiveParts, *, topology, me, executor, provider, session: str,
-                  grid: PTDPGrid, rank: int, groups_for) -> LiveRecovery:
-    cfg = forward_backward.job.config
-    return LiveRecovery(
-        topology=topology, me=me, coordinator=parts.coordinator, executor=executor, tier=parts.tier,
-        provider=provider, session=session, timeout_s=forward_backward.timeout_s,
-        grace_s=cfg.detector.heartbeat_timeout_s + 5.0, adopt=forward_backward._adopt,
-        export=forward_backward._export, persistent_dir=cfg.checkpoint.persistent_dir,
-        fault_hook=parts.faults.maybe_fire, view=PlaneView(grid, topology, rank), groups_for=groups_for,
-        export_format="Megatron-LM torch layout: iter_<7 digits>/mp_rank_<tp:02d>_<pp:03d>/model_optim_rng.pt "
-                      "(checkpoint version 3.0), one shard per tensor-parallel rank of each surviving stage")

@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import time
 import uuid
 import weakref
 from dataclasses import dataclass, field
@@ -67,18 +66,17 @@ from .. import store_keys
 from ..comm.groups import GenerationGroups, new_group
 from ..costs import CostModel
 from ..errors import ConfigError, ResilienceError
-from ..ir import Schedule
-from ..ir.pairs import early_posts
 from ..planning.inference import inference_actions
 from ..planning.provider import ScheduleProvider
 from ..launch import launch_env
 from ..runtime.executor import Executor, StageSpec
 from ..runtime.precision import MixedPrecisionOptimizer
-from ..runtime.recovery import is_failure, release_on_epoch
+from ..runtime.live_stage import LiveStage, RecoveryHooks, StartMode
+from ..runtime.recovery import Generation
 from ..topology import Topology, Worker
 from .args import MegatronJob
 from .grid import PTDPGrid
-from .live import live_parts, make_recovery, start
+from .live import EXPORT_FORMAT, PlaneView, describe, restore
 from .optimizer import ResilientOptimizer, ResilientScheduler
 from .recompute import recompute_switch
 
@@ -94,20 +92,23 @@ _KNOWN = frozenset({
 
 @dataclass
 class _Runtime:
-    """What the first call builds for this rank."""
+    """What the first call builds for this rank: its place in the grid and its live stage
+    (executor, generation, checkpoint tier and, under the agent, coordinator and recovery)."""
 
     grid: PTDPGrid
     me: Worker
     model: Any
-    executor: Executor
-    topology: Topology
-    schedule: Schedule
-    actions: tuple
-    posts: dict[int, tuple[int, ...]]
-    source: str
+    live: LiveStage
     tp_rank: int = 0
-    live: Any = None  # LiveParts under the agent
     losses: list = field(default_factory=list)
+
+    @property
+    def executor(self) -> Executor:
+        return self.live.executor
+
+    @property
+    def topology(self) -> Topology:
+        return self.live.generation.topology
 
 
 class ResilientForwardBackward:
@@ -204,38 +205,31 @@ class ResilientForwardBackward:
             return []
         self.calls += 1
         target = self.base + self.calls  # iterations done when this call returns
-        while True:
-            try:
-                if rt.live is not None:
-                    rt.live.coordinator.check()
-                while self.iteration < target:  # after a rollback: the resume iteration first
-                    rt.losses = []
-                    self._one_iteration(rt)
-                break
-            except Exception as exc:  # noqa: BLE001 - filtered by is_failure
-                if rt.live is None or not is_failure(exc):
-                    raise
-                rt.live.recovery.recover(exc)  # rolls back, new groups and schedule (self._adopt)
-                self.iteration = self.steps
-                if rt.live.recovery.retired:  # this rank's replica lost a rank: it idles from now on
-                    rt.topology = rt.topology.without([rt.me])
-                    self.iteration = target
-                    self.optimizer._result = (False, None, None)
-                    return []
+
+        def run_to_target() -> bool:
+            """The iterations up to ``target`` (after a recovery's rollback: the resume one first);
+            ``False``: this rank's replica lost a rank, it idles from now on."""
+            if rt.live.retired:
+                return False
+            self.iteration = self.steps
+            while self.iteration < target:
+                rt.losses = []
+                rt.live.iteration(lambda: self.iteration, lambda: self._run_actions(rt), self.cost)
+                self.iteration += 1
+            return True
+
+        if not rt.live.resilient(run_to_target):
+            self.iteration = target
+            self.optimizer._result = (False, None, None)
+            return []
         self._own = {k: v for k, v in self._own.items() if k[0] >= self.iteration - 1}  # one back: a replay
         return rt.losses if ex.is_last else []
 
-    def _one_iteration(self, rt: _Runtime) -> None:
-        ex = rt.executor
-        live = rt.live
-        ex.begin_iteration(self.iteration, rt.actions, rt.posts)
-        if live is not None:
-            live.tier.begin_iteration(rt.schedule, rt.topology.worker_index(rt.me), self.cost)
-        started = time.perf_counter()
-        ex.run(rt.actions)
-        if live is not None:
-            live.tier.end_iteration(time.perf_counter() - started)
-        self.iteration += 1
+    @staticmethod
+    def _run_actions(rt: _Runtime) -> None:
+        execute = rt.executor.execute
+        for action in rt.live.actions:
+            execute(action)
 
     def _step(self, *, zero_grad: bool = True, skip: bool = False) -> None:
         """The executor's step: the optimizer's, and the stage's step count (the tier's counters)."""
@@ -248,13 +242,8 @@ class ResilientForwardBackward:
         """The end of training under the agent: the last snapshot committed and replicated, the
         tier's threads and the heartbeats stopped (an exit, not a hang). Runs at interpreter exit
         if the script does not call it; calling it twice is harmless."""
-        rt = self.rt
-        live = rt.live if rt is not None else None
-        if live is None or live.closed:
-            return
-        live.closed = True
-        live.tier.close()
-        live.coordinator.close()
+        if self.rt is not None:
+            self.rt.live.close()
 
     def resume(self, model: Any) -> int:
         """Where Megatron-LM loads its checkpoint (``args.iteration = load_checkpoint(...)``): build
@@ -271,19 +260,9 @@ class ResilientForwardBackward:
         return self.iteration
 
     # --- live recovery's callbacks ------------------------------------------------------------------
-    def _on_epoch(self, record: Any) -> None:
-        """Watcher thread: a new membership epoch; release whatever the main thread waits on."""
+    def _adopted(self, generation: Any) -> None:
+        """A recovery's new generation (the live stage runs its schedule from now on): logged once."""
         rt = self.rt
-        if rt is not None:
-            release_on_epoch(record, rt.executor.groups, rt.live.tier if rt.live is not None else None)
-
-    def _adopt(self, generation: Any) -> None:
-        """A recovery's new generation: its schedule and this worker's actions."""
-        rt = self.rt
-        index = rt.topology.worker_index(rt.me)
-        rt.schedule, rt.topology, rt.source = generation.schedule, generation.topology, generation.source
-        rt.actions = generation.schedule.workers[index]
-        rt.posts = early_posts(generation.schedule)[index] if generation.groups is not None else {}
         if dist.get_rank() == min(rt.grid.rank(w, 0) for w in generation.topology.alive_workers()):
             failed = ",".join(sorted(str(w) for w in generation.topology.failed)) or "none"
             print(f"[ds_resilience] megatron: epoch {generation.epoch}, failed {failed}: {generation.source} "
@@ -348,22 +327,20 @@ class ResilientForwardBackward:
         self._switch = recompute_switch(model)  # megatron-core's recompute: done at stage granularity here
         cfg = job.config
         launch = launch_env()
-        if launch is not None and self.simulate_failed:
-            raise ConfigError("resilience.simulate_failed", "simulated failures and the live agent do not mix")
+        failed = self.simulate_failed
+        mode = StartMode.of(launch, simulated=bool(failed))
+        rank = dist.get_rank()
         provider = ScheduleProvider.build(
             topology, job.microbatches, self.cost, schedule=cfg.schedule, variant=cfg.variant_for(self.cost),
             solver="heuristic",
             time_limit_s=cfg.planner.time_limit_s, memory_cap=cfg.planner.memory_cap,
-            max_failures=cfg.max_failures if launch is not None else 0, all_coverable=False, cache_dir=None,
+            max_failures=cfg.max_failures if mode.live else 0, all_coverable=False, cache_dir=None,
             workers=1, tied=tied_groups)
-        failed = self.simulate_failed
         choice = provider.schedule_for(failed)  # the heuristic: every rank computes the same plan
-        live = None
-        if launch is not None:  # under the agent: heartbeats, epochs, rollback, recovery
-            session = "live-megatron"
-            live = live_parts(self, launch, me=me, rank=dist.get_rank(), topology=topology, params=params, grid=grid)
-        else:
-            session = _agree_session(self.timeout_s)
+        session = "live-megatron" if mode.live else _agree_session(self.timeout_s)
+        # under the agent: heartbeats, epochs, hang detection, snapshots, rollback, recovery
+        live = LiveStage(describe(self, mode, launch, me=me, rank=rank, topology=topology, params=params, grid=grid,
+                                  session=session))
         alive = me not in failed
         device = params[0].device if params else torch.device("cpu")
         on_gpu = device.type == "cuda"
@@ -372,17 +349,6 @@ class ResilientForwardBackward:
                          timeout_s=self.timeout_s, device=str(device) if on_gpu else "cpu")
         inner = self.optimizer.optimizer
         precision = inner if isinstance(inner, MixedPrecisionOptimizer) else None  # fp32 masters: accumulate there
-        executor = Executor(
-            spec, module=model, parameters=params, loss_fn=self._loss, batch_source=self._batch,
-            rank_of=lambda i: grid.rank(topology.worker(i), tp_rank), step=self._step,
-            forward_fn=self._forward, tied=tied_params,
-            recompute=self._recompute if self._switch is not None else None, precision=precision,
-            hooks=live.tier if live is not None else None, fault_hook=live.faults.maybe_fire if live else None,
-            counted_tied=[g for g, stages in enumerate(tied_groups) if stages[0] == me.stage],
-            # a weight every tensor-parallel rank holds whole (norms, row-parallel biases) counts once
-            counted_param=lambda p: tp_rank == 0 or bool(getattr(p, "tensor_model_parallel", False)))
-        executor.fast_w = job.config.fast_w
-        self.optimizer.grad_norm = lambda: executor.last_grad_norm
         if job.precision == "fp16" and precision is not None:
             raise ConfigError("--fp16", "fp16 needs dynamic loss scaling with a global overflow decision, which the "
                                         "resilient Megatron schedule does not run yet; use --bf16")
@@ -391,36 +357,42 @@ class ResilientForwardBackward:
                               f"{job.precision} parameters with a plain optimizer would accumulate gradients and step in "
                               f"{job.precision}; give ResilientOptimizer.with_fp32_masters(optimizer, model) (fp32 "
                               f"master weights and gradient accumulation) or megatron-core's mixed-precision optimizer")
-        store = live.coordinator.store if live is not None else None
+        executor = Executor(
+            spec, module=model, parameters=params, loss_fn=self._loss, batch_source=self._batch,
+            rank_of=lambda i: grid.rank(topology.worker(i), tp_rank), step=self._step,
+            forward_fn=self._forward, tied=tied_params,
+            recompute=self._recompute if self._switch is not None else None, precision=precision,
+            hooks=live.tier, fault_hook=live.faults.maybe_fire,
+            counted_tied=[g for g, stages in enumerate(tied_groups) if stages[0] == me.stage],
+            # a weight every tensor-parallel rank holds whole (norms, row-parallel biases) counts once
+            counted_param=lambda p: tp_rank == 0 or bool(getattr(p, "tensor_model_parallel", False)))
+        self.optimizer.grad_norm = lambda: executor.last_grad_norm
+        store = live.coordinator.store if live.coordinator is not None else None
 
         def groups_for(target: Topology, generation: int) -> GenerationGroups:
             return plane_groups(grid, target, me, tp_rank, session=session, timeout_s=self.timeout_s, tied=tied_groups,
                                 generation=generation, device=device if on_gpu else None, store=store)
 
-        if live is not None:
-            live.recovery = make_recovery(self, live, topology=topology, me=me, executor=executor, provider=provider,
-                                          session=session, grid=grid, rank=dist.get_rank(), groups_for=groups_for)
-        if alive:
-            executor.install(groups_for(topology.without(failed), 0))
-        schedule = choice.schedule
-        index = topology.worker_index(me)
-        self.rt = _Runtime(grid=grid, me=me, model=model, executor=executor, topology=topology.without(failed),
-                           schedule=schedule,
-                           actions=schedule.workers[index], posts=early_posts(schedule)[index] if alive else {},
-                           source=choice.source, tp_rank=tp_rank, live=live)
-        if live is not None:
+        live.attach(executor, provider, RecoveryHooks(
+            export=self._export, export_format=EXPORT_FORMAT, adopted=self._adopted, view=PlaneView(grid, topology, rank),
+            groups_for=groups_for))
+        self.rt = _Runtime(grid=grid, me=me, model=model, live=live, tp_rank=tp_rank)
+        live.begin(Generation(epoch=0, topology=topology.without(failed), schedule=choice.schedule, source=choice.source,
+                              lookup_s=choice.seconds, figures=choice.figures,
+                              groups=groups_for(topology.without(failed), 0) if alive else None))
+        if mode.live:
             atexit.register(_close_at_exit, weakref.ref(self))
-            restored = start(self, live, launch, grid)
-            if restored is not None:
-                live.recovery.log.append(restored)
-                if dist.get_rank() == 0:
-                    print(f"[ds_resilience] megatron: restart {launch.restart}: restored step {restored['resume_step']} "
-                          f"from the in-memory snapshots (sources {restored['sources']}, "
-                          f"{restored['recovery_s']:.2f} s)", flush=True)
-        if dist.get_rank() == 0:
+        restored = live.start(restore=lambda: restore(self, live, grid))
+        if restored is not None:
+            live.recovery.log.append(restored)
+            if rank == 0:
+                print(f"[ds_resilience] megatron: restart {launch.restart}: restored step {restored['resume_step']} "
+                      f"from the in-memory snapshots (sources {restored['sources']}, "
+                      f"{restored['recovery_s']:.2f} s)", flush=True)
+        if rank == 0:
             what = ",".join(sorted(str(w) for w in failed)) or "none"
             print(f"[ds_resilience] megatron: {job.dp} x {job.pp} replicas, failed {what}: {choice.source} "
-                  f"{schedule.name} schedule", flush=True)
+                  f"{choice.schedule.name} schedule", flush=True)
         return self.rt
 
     def _tied(self, model: Any, stage: int) -> tuple[tuple[tuple[int, ...], ...], dict[int, list]]:

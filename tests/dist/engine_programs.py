@@ -106,7 +106,7 @@ def train_scenarios(rank: int, world: int, pp: int, microbatches: int, scenarios
             "schedule_source": engine.generation.source if hasattr(engine, "generation") else None,
             "step_check": engine.provider.cost.step_check if hasattr(engine, "provider") else None,
             "matching": engine.generation.groups.world.matching if alive and hasattr(engine, "generation") else None,
-            "early_posts": sum(map(len, engine._early_posts().values())) if alive and hasattr(engine, "generation") else 0,
+            "early_posts": sum(map(len, engine.live.posts.values())) if alive and hasattr(engine, "live") else 0,
         }
         del engine
     # rank 0 hosts the store: nobody leaves while another rank may still read it

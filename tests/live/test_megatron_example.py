@@ -74,9 +74,16 @@ def _stopped(tmp_path, *, first: int, second: int, args, nproc: int) -> subproce
     return out
 
 
+@pytest.fixture(scope="module")
+def healthy_run(tmp_path_factory):
+    """The example's fault-free run under the agent (PP=2 x DP=2), once for the tests that compare
+    with its losses: (its output, its losses)."""
+    return _run(["--resilience"], tmp_path_factory.mktemp("healthy"))
+
+
 @pytest.mark.timeout(600)
-def test_the_megatron_example_trains_and_a_failed_replica_leaves_its_losses_unchanged(tmp_path):
-    text, healthy = _run(["--resilience"], tmp_path)
+def test_the_megatron_example_trains_and_a_failed_replica_leaves_its_losses_unchanged(tmp_path, healthy_run):
+    text, healthy = healthy_run
     assert "[megatron_gpt] done: 4 iterations, TP=1 PP=2 DP=2" in text
     assert set(healthy) == {(i, p) for i in range(1, 5) for p in (0, 1)}
     assert float(healthy[(4, 0)][0]) < float(healthy[(1, 0)][0])  # it learns
@@ -88,16 +95,38 @@ def test_the_megatron_example_trains_and_a_failed_replica_leaves_its_losses_unch
 
 
 @pytest.mark.timeout(600)
-def test_a_sigkilled_rank_under_the_agent_is_rerouted_live_and_the_losses_stay_the_healthy_ones(tmp_path):
+def test_a_sigkilled_rank_under_the_agent_is_rerouted_live_and_the_losses_stay_the_healthy_ones(tmp_path, healthy_run):
     """Rank 1 (replica p1s0) is SIGKILLed in the middle of iteration 1's backward: the agent publishes
     the failure, the survivors plan (the table's re-routing), install new groups and finish the run;
     every loss printed afterwards is the healthy run's (up to summation order)."""
-    _, healthy = _run(["--resilience"], tmp_path)
+    _, healthy = healthy_run
     config = tmp_path / "kill.json"
     config.write_text(json.dumps({"max_failures": 1, "fault_injection": [
         {"rank": 1, "step": 1, "point": "mid_backward", "kind": "sigkill"}]}))
     text, survived = _run(["--resilience-config", str(config)], tmp_path)
     assert "rank 1 crashed (killed by SIGKILL)" in text
+    assert '"action": "continue"' in text and "failed 1:0: table recycle schedule" in text
+    assert "exit code 0: all live workers finished (1 failed)" in text
+    _assert_same_losses(survived, healthy)
+
+
+@pytest.mark.timeout(600)
+def test_a_megatron_rank_whose_main_thread_stalls_is_taken_for_hung_and_the_job_goes_on_without_it(tmp_path, healthy_run):
+    """Rank 1's main thread stops in the middle of iteration 1's backward while its heartbeat thread
+    runs on (a kernel or a device wait that never returns): its progress watch stops the heartbeat
+    once the thread has not advanced for ``stall_timeout_s``, the agent takes the silence for a hang
+    and kills it, and the survivors re-route its micro-batches to the end of the run with the
+    healthy losses. The same live stage as DeepSpeed's (``runtime/live_stage.py``); before, the
+    Megatron schedule gave neither its executor nor its coordinator the progress watch, and a
+    stalled rank beat on until the store timeout."""
+    _, healthy = healthy_run
+    config = tmp_path / "stall.json"
+    config.write_text(json.dumps({"max_failures": 1, "detector": {
+        "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 2.0, "stall_timeout_s": 1.5, "pg_timeout_s": 60.0},
+        "fault_injection": [{"rank": 1, "step": 1, "point": "mid_backward", "kind": "stall"}]}))
+    text, survived = _run(["--resilience-config", str(config)], tmp_path)
+    assert "the main thread has not advanced" in text
+    assert "rank 1 hung (no heartbeat for" in text
     assert '"action": "continue"' in text and "failed 1:0: table recycle schedule" in text
     assert "exit code 0: all live workers finished (1 failed)" in text
     _assert_same_losses(survived, healthy)
@@ -186,13 +215,13 @@ def test_with_tensor_parallelism_a_stage_is_lost_once_each_replica_lost_one_rank
 
 
 @pytest.mark.timeout(900)
-def test_beyond_tolerance_with_restarts_every_worker_restores_from_memory_and_the_run_ends_healthy(tmp_path):
+def test_beyond_tolerance_with_restarts_every_worker_restores_from_memory_and_the_run_ends_healthy(tmp_path, healthy_run):
     """PP=2 x DP=2 with in-memory snapshots and one restart allowed: both replicas of stage 0 die
     (rank 1 in iteration 1, rank 0 in iteration 2). The agent restarts all four workers; each
     restores its stage's newest snapshot (weights, Adam moments, megatron-core's learning-rate
     schedule) in `resume()`, and the iterations after the restart print the healthy run's losses:
     a schedule restored one step off, or moments lost, would change them."""
-    _, healthy = _run(["--resilience"], tmp_path)
+    _, healthy = healthy_run
     config = tmp_path / "restart.json"
     config.write_text(json.dumps({"max_failures": 1, "checkpoint": {"max_restarts": 1}, "fault_injection": [
         {"rank": 1, "step": 1, "point": "mid_backward", "kind": "sigkill"},

@@ -1,0 +1,317 @@
+"""One stage's failure-handling machinery, assembled once for every front end.
+
+A front end (the DeepSpeed engine, the Megatron schedule) describes its stage in a
+:class:`StageDescription` and gets a :class:`LiveStage` that holds, wired to each other:
+
+* the :class:`~ds_resilience.runtime.progress.Progress` of the main thread (hang detection: a
+  main thread stuck in an action stops the heartbeat);
+* the agent's :class:`~ds_resilience.runtime.coordinator.Coordinator` (heartbeats, latched epochs);
+* the :class:`~ds_resilience.runtime.faults.FaultInjector` of the tests and drills;
+* the :class:`~ds_resilience.checkpoint.tier.CheckpointTier` with its in-memory snapshots;
+* once the front end built its executor (:meth:`LiveStage.attach`), the
+  :class:`~ds_resilience.runtime.recovery.LiveRecovery` and the current :class:`Generation`.
+
+It runs an iteration (:meth:`LiveStage.iteration`: the executor's and the tier's begin and end,
+the progress timer around the actions) and the recover-and-retry loop around any call
+(:meth:`LiveStage.resilient`). What is left to a front end is what only it knows: how to build
+its executor, how to run the actions, what a recovery means for its own state (an adopted
+schedule, re-sharded optimizer states) and how to export its checkpoint.
+
+The ways a stage starts are one :class:`StartMode`, chosen in one place (:meth:`StartMode.of`).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from ..checkpoint.inmemory import InMemoryCheckpointer
+from ..checkpoint.tier import CheckpointTier
+from ..config import ResilienceConfig
+from ..epochs import EpochRecord
+from ..errors import ConfigError
+from ..ir import Action
+from ..ir.pairs import early_posts
+from ..launch import LaunchEnv
+from ..topology import Topology, Worker
+from .coordinator import Coordinator
+from .executor import Executor
+from .faults import FaultInjector
+from .progress import Progress
+from .recovery import Generation, LiveRecovery, RankView, is_failure, release_on_epoch
+
+__all__ = ["LiveStage", "RecoveryHooks", "StageDescription", "StartMode"]
+
+
+class StartMode(enum.Enum):
+    """How a stage starts."""
+
+    FRESH = "fresh"  #: no agent, every worker trains
+    SIMULATED = "simulated"  #: no agent, ``resilience.simulate_failed`` leaves workers idle
+    LIVE = "live"  #: under the agent, the first launch
+    REJOIN = "rejoin"  #: relaunched by the agent to re-join the survivors (takes a peer's state)
+    RESTART = "restart"  #: every worker restarted by the agent (restores the in-memory snapshots)
+    REGRID = "regrid"  #: a survivor's new position in a grid the survivors re-formed (same process)
+
+    @classmethod
+    def of(cls, launch: LaunchEnv | None, *, simulated: bool = False, regrid: bool = False) -> StartMode:
+        """The mode of a stage launched with ``launch`` (``None``: not under the agent)."""
+        if regrid:
+            return cls.REGRID
+        if launch is None:
+            return cls.SIMULATED if simulated else cls.FRESH
+        if simulated:
+            raise ConfigError("resilience.simulate_failed", "simulated failures and the live agent do not mix")
+        if launch.rejoin:
+            return cls.REJOIN
+        return cls.RESTART if launch.restart else cls.LIVE
+
+    @property
+    def live(self) -> bool:
+        """Under the agent (failures handled while training)."""
+        return self not in (StartMode.FRESH, StartMode.SIMULATED)
+
+    @property
+    def fresh(self) -> bool:
+        """A first start of the job's first grid (it may profile itself)."""
+        return self in (StartMode.FRESH, StartMode.LIVE)
+
+
+@dataclass(frozen=True)
+class StageDescription:
+    """What a front end tells :class:`LiveStage` about its stage.
+
+    Attributes:
+        topology: the full grid; ``me`` this worker's position; ``rank`` its global rank.
+        mode: how it starts; ``launch`` the agent's contract (``None`` without the agent).
+        config: the ``"resilience"`` section (detector, checkpoint, fault injection, ``fast_w``).
+        host: the stage's state as the checkpoint tier sees it (``checkpoint.state.StageHost``).
+        session: names the stage's process groups and its snapshots.
+        alive: whether this worker trains (a simulated-failed one idles).
+        keep_pre_step: keep each step's pre-step state (a rollback's source).
+        machine_key: ``machine_key(rank)`` groups ranks into machines for snapshot placement.
+        snapshot_name: the snapshots' name (default ``{session}/attempt{restart}``).
+        exclude: ranks that hold no position any more (lost before a re-grid).
+        info: what the worker registers with the agent (pipeline, stage, grid).
+    """
+
+    topology: Topology
+    me: Worker
+    rank: int
+    mode: StartMode
+    launch: LaunchEnv | None
+    config: ResilienceConfig
+    host: Any
+    session: str
+    alive: bool = True
+    keep_pre_step: bool = True
+    machine_key: Callable[[int], Any] | None = None
+    snapshot_name: str | None = None
+    exclude: Sequence[int] = ()
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RecoveryHooks:
+    """What a recovery asks of the front end (see :class:`~ds_resilience.runtime.recovery.LiveRecovery`).
+
+    Attributes:
+        export: ``export(directory, step, writer=True)``: the stage in the front end's checkpoint
+            layout (beyond tolerance, without a restart); ``export_format`` says what it writes.
+        adopted: called with each new :class:`Generation` once the stage adopted it.
+        on_membership: state that moves with the membership (ZeRO-1 shards).
+        groups_for: ``groups_for(target, epoch)``: this rank's groups of a generation (default:
+            one rank per worker).
+        view: how global ranks map onto workers (default: one rank per worker).
+        regrid, prefer_regrid: re-forming the grid (DeepSpeed).
+        unfed: why a failed set leaves micro-batches no worker can load.
+    """
+
+    export: Callable[..., None]
+    export_format: str | None = None
+    adopted: Callable[[Generation], None] | None = None
+    on_membership: Callable[..., None] | None = None
+    groups_for: Callable[[Topology, int], Any] | None = None
+    view: RankView | None = None
+    regrid: Callable[..., None] | None = None
+    prefer_regrid: Callable[[frozenset[Worker]], bool] | None = None
+    unfed: Callable[[frozenset[Worker]], str | None] | None = None
+
+
+class LiveStage:
+    """A stage's progress, coordinator, fault injector, checkpoint tier, recovery and generation.
+
+    Args:
+        desc: the stage.
+        coordinator, progress: a re-formed grid keeps the ones of the stage it replaces.
+    """
+
+    def __init__(self, desc: StageDescription, *, coordinator: Coordinator | None = None,
+                 progress: Progress | None = None) -> None:
+        self.desc = desc
+        self.mode = desc.mode
+        cfg = desc.config
+        det = cfg.detector
+        live = desc.mode.live
+        self.progress = progress if progress is not None else Progress(det.stall_timeout_s) if live else None
+        if coordinator is None and live:
+            coordinator = Coordinator(launch=desc.launch, info=desc.info, heartbeat_interval_s=det.heartbeat_interval_s,
+                                      store_timeout_s=det.store_timeout_s, on_epoch=self._on_epoch,
+                                      progress=self.progress)
+        elif coordinator is not None:
+            coordinator.on_epoch = self._on_epoch  # a re-formed grid's: its epochs release this stage's groups
+        self.coordinator = coordinator
+        self.faults = FaultInjector(cfg.fault_injection, desc.rank, launch=desc.launch)
+        memory = self._memory() if live and desc.alive else None
+        self.tier = CheckpointTier(desc.host, stage=desc.me.stage, rank=desc.rank, keep_pre_step=desc.keep_pre_step,
+                                   memory=memory, fault_hook=self.faults.maybe_fire)
+        self.faults.lose_memory = self.tier.lose_memory
+        self.executor: Executor | None = None
+        self.recovery: LiveRecovery | None = None
+        self.hooks: RecoveryHooks | None = None
+        self.generation: Generation | None = None
+        self.closed = False
+        self._derived: tuple[Any, tuple[Action, ...], dict[int, tuple[int, ...]]] | None = None
+
+    # --- construction ----------------------------------------------------------------------------
+    def _memory(self) -> InMemoryCheckpointer | None:
+        desc = self.desc
+        cfg = desc.config.checkpoint
+        if not cfg.enabled:
+            return None
+        launch = desc.launch
+        world = launch.world_size
+        return InMemoryCheckpointer(
+            cfg, rank=desc.rank, world=world, job_id=launch.job_id or f"job-{desc.session}",
+            local_world_size=launch.local_world_size or world,
+            name=desc.snapshot_name or f"{desc.session}/attempt{launch.restart}",
+            replicate=desc.mode is not StartMode.REJOIN, group_store=self.coordinator.store,
+            timeout_s=desc.config.detector.pg_timeout_s, machine_key=desc.machine_key, exclude=desc.exclude)
+
+    def attach(self, executor: Executor, provider: Any, hooks: RecoveryHooks) -> None:
+        """The front end's executor: it reports its progress here, and under the agent the
+        recovery is built around it with ``provider``'s schedules."""
+        self.executor = executor
+        executor.progress = self.progress
+        executor.fast_w = self.desc.config.fast_w
+        self.hooks = hooks
+        if not self.mode.live:
+            return
+        desc, det = self.desc, self.desc.config.detector
+        self.recovery = LiveRecovery(
+            topology=desc.topology, me=desc.me, coordinator=self.coordinator, executor=executor, tier=self.tier,
+            provider=provider, session=desc.session, timeout_s=det.pg_timeout_s,
+            grace_s=det.heartbeat_timeout_s + 5.0, adopt=self.adopt, export=hooks.export,
+            persistent_dir=desc.config.checkpoint.persistent_dir, fault_hook=self.faults.maybe_fire,
+            on_membership=hooks.on_membership, export_format=hooks.export_format, view=hooks.view,
+            groups_for=hooks.groups_for, regrid=hooks.regrid, prefer_regrid=hooks.prefer_regrid, unfed=hooks.unfed)
+
+    def start(self, restore: Callable[[], dict[str, Any] | None] | None = None) -> dict[str, Any] | None:
+        """The snapshots' start, by mode: a first start captures the initial state (step 0); a
+        restart restores with ``restore()`` (the front end's: which ranks' snapshots serve which
+        stage) and returns its log entry; a re-joining worker takes a peer's state."""
+        mode = self.mode
+        if mode is StartMode.REJOIN:
+            if self.desc.alive:
+                self.recovery.join()
+            return None
+        if self.tier.memory is None:
+            return None
+        if mode is StartMode.RESTART and restore is not None:
+            return restore()
+        self.tier.capture_due()
+        return None
+
+    # --- the generation ------------------------------------------------------------------------------
+    def begin(self, generation: Generation) -> None:
+        """The first generation: its groups go to the executor."""
+        self.generation = generation
+        if generation.groups is not None:
+            self.executor.install(generation.groups)
+
+    def adopt(self, generation: Generation) -> None:
+        """A recovery's new generation (its groups are installed already); the front end hears of it."""
+        self.generation = generation
+        if self.hooks is not None and self.hooks.adopted is not None:
+            self.hooks.adopted(generation)
+
+    @property
+    def index(self) -> int:
+        return self.desc.topology.worker_index(self.desc.me)
+
+    def _derive(self) -> tuple[tuple[Action, ...], dict[int, tuple[int, ...]]]:
+        schedule = self.generation.schedule
+        if self._derived is None or self._derived[0] is not schedule:
+            posts = early_posts(schedule)[self.index] if self.generation.groups is not None else {}
+            self._derived = (schedule, schedule.workers[self.index], posts)
+        return self._derived[1], self._derived[2]
+
+    @property
+    def actions(self) -> tuple[Action, ...]:
+        """This worker's actions in the current schedule."""
+        return self._derive()[0]
+
+    @property
+    def posts(self) -> dict[int, tuple[int, ...]]:
+        """This worker's early receive posts for the current schedule (NCCL's pair order)."""
+        return self._derive()[1]
+
+    # --- running ---------------------------------------------------------------------------------------
+    def iteration(self, step: Callable[[], int], run: Callable[[], None], cost: Any, *,
+                  before: Callable[[], None] | None = None, after: Callable[[], Any] | None = None) -> tuple[Any, float]:
+        """One iteration of the current schedule: ``before()`` (the front end's preparation),
+        then at optimizer step ``step()`` the actions, which ``run()`` executes the front end's
+        way, timed by the progress watch, then ``after()`` (what the front end does with the
+        iteration's results). Returns ``after()``'s value and the iteration's seconds."""
+        ex = self.executor
+        started = time.perf_counter()
+        if before is not None:
+            before()
+        ex.begin_iteration(step(), self.actions, self.posts)
+        self.tier.begin_iteration(self.generation.schedule, self.index, cost)
+        if self.progress is None:
+            run()
+        else:
+            with self.progress.active():
+                run()
+        ex.end_iteration()
+        result = after() if after is not None else None
+        elapsed = time.perf_counter() - started
+        self.tier.end_iteration(elapsed)
+        return result, elapsed
+
+    def resilient(self, run: Callable[[], Any]) -> Any:
+        """``run()``; on a failure signal under the agent, recover (roll back, new groups and
+        schedule) and run it again."""
+        while True:
+            try:
+                if self.coordinator is not None:
+                    self.coordinator.check()
+                return run()
+            except Exception as exc:  # noqa: BLE001 - filtered by is_failure
+                if self.recovery is None or not is_failure(exc):
+                    raise
+                self.recovery.recover(exc)
+
+    def _on_epoch(self, record: EpochRecord) -> None:
+        """Watcher thread: a new epoch was latched; release whatever the main thread is blocked on
+        (a re-join changes nothing for the running iteration: it is applied at the next boundary)."""
+        groups = self.generation.groups if self.generation is not None else None
+        release_on_epoch(record, groups, getattr(self, "tier", None))
+
+    @property
+    def retired(self) -> bool:
+        """This rank's replica lost a rank while it lives on (tensor parallelism): it idles."""
+        return self.recovery is not None and self.recovery.retired
+
+    def close(self, *, heartbeats: bool = True) -> None:
+        """The end of training: the last snapshot committed and replicated, the tier's threads
+        stopped, and with ``heartbeats`` the coordinator's (an exit, not a hang). Calling it
+        twice is harmless."""
+        if not self.closed:
+            self.closed = True
+            self.tier.close()
+        if heartbeats and self.coordinator is not None:
+            self.coordinator.close()
