@@ -40,7 +40,7 @@ from .coordinator import Coordinator
 from .executor import Executor
 from .faults import FaultInjector
 from .progress import Progress
-from .recovery import Generation, LiveRecovery, RankView, is_failure, release_on_epoch
+from .recovery import Generation, LiveRecovery, RecoveryHooks, is_failure, release_on_epoch
 
 __all__ = ["LiveStage", "RecoveryHooks", "StageDescription", "StartMode"]
 
@@ -113,33 +113,6 @@ class StageDescription:
     info: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
-class RecoveryHooks:
-    """What a recovery asks of the front end (see :class:`~ds_resilience.runtime.recovery.LiveRecovery`).
-
-    Attributes:
-        export: ``export(directory, step, writer=True)``: the stage in the front end's checkpoint
-            layout (beyond tolerance, without a restart); ``export_format`` says what it writes.
-        adopted: called with each new :class:`Generation` once the stage adopted it.
-        on_membership: state that moves with the membership (ZeRO-1 shards).
-        groups_for: ``groups_for(target, epoch)``: this rank's groups of a generation (default:
-            one rank per worker).
-        view: how global ranks map onto workers (default: one rank per worker).
-        regrid, prefer_regrid: re-forming the grid (DeepSpeed).
-        unfed: why a failed set leaves micro-batches no worker can load.
-    """
-
-    export: Callable[..., None]
-    export_format: str | None = None
-    adopted: Callable[[Generation], None] | None = None
-    on_membership: Callable[..., None] | None = None
-    groups_for: Callable[[Topology, int], Any] | None = None
-    view: RankView | None = None
-    regrid: Callable[..., None] | None = None
-    prefer_regrid: Callable[[frozenset[Worker]], bool] | None = None
-    unfed: Callable[[frozenset[Worker]], str | None] | None = None
-
-
 class LiveStage:
     """A stage's progress, coordinator, fault injector, checkpoint tier, recovery and generation.
 
@@ -203,10 +176,8 @@ class LiveStage:
         self.recovery = LiveRecovery(
             topology=desc.topology, me=desc.me, coordinator=self.coordinator, executor=executor, tier=self.tier,
             provider=provider, session=desc.session, timeout_s=det.pg_timeout_s,
-            grace_s=det.heartbeat_timeout_s + 5.0, adopt=self.adopt, export=hooks.export,
-            persistent_dir=desc.config.checkpoint.persistent_dir, fault_hook=self.faults.maybe_fire,
-            on_membership=hooks.on_membership, export_format=hooks.export_format, view=hooks.view,
-            groups_for=hooks.groups_for, regrid=hooks.regrid, prefer_regrid=hooks.prefer_regrid, unfed=hooks.unfed)
+            grace_s=det.heartbeat_timeout_s + 5.0, adopt=self.adopt,
+            persistent_dir=desc.config.checkpoint.persistent_dir, hooks=hooks, fault_hook=self.faults.maybe_fire)
 
     def start(self, restore: Callable[[], dict[str, Any] | None] | None = None) -> dict[str, Any] | None:
         """The snapshots' start, by mode: a first start captures the initial state (step 0); a

@@ -42,7 +42,7 @@ from ..topology import Topology, Worker
 from .coordinator import Coordinator, Reconfigure
 from .executor import Executor
 
-__all__ = ["BeyondTolerance", "Generation", "LiveRecovery", "RankView", "STICKY_CUDA_ERRORS", "SurvivorView",
+__all__ = ["BeyondTolerance", "Generation", "LiveRecovery", "RankView", "RecoveryHooks", "STICKY_CUDA_ERRORS", "SurvivorView",
            "is_failure", "is_fatal"]
 
 logger = logging.getLogger("ds_resilience.recovery")
@@ -158,6 +158,41 @@ _DEEPSPEED_EXPORT = ("deepspeed layer files (layer_XX-model_states.pt) + stageN-
                      "stageN-pipelineP-optim_states.pt, each replica's shard)")
 
 
+@dataclass
+class RecoveryHooks:
+    """What a recovery asks of the front end.
+
+    Attributes:
+        export: ``export(directory, step, writer=True)`` writes this stage in the front end's own
+            checkpoint layout (when the job stops beyond tolerance without a restart); the other
+            replicas of the stage call it with ``writer=False`` (their ZeRO-1 optimizer shards).
+        export_format: what ``export`` writes, for the stop's manifest (default: DeepSpeed's layout).
+        adopted: called with each new :class:`Generation` once the stage adopted it (reporting).
+        on_membership: ``on_membership(record, plan, previous, generation, joining=...)`` after the
+            new groups are installed and the handovers done: state that depends on the membership
+            (ZeRO-1's optimizer shards) moves here. ``previous`` is the topology before the epoch
+            (``None`` for a re-joining worker).
+        groups_for: ``groups_for(target, epoch)`` builds this rank's groups of a new generation
+            (default: :func:`~ds_resilience.comm.groups.build_groups` for ``me``).
+        view: how global ranks map onto workers (default :class:`RankView`: one rank per worker).
+        regrid: ``regrid(record, plan)`` re-forms the grid on the survivors when a stage lost every
+            replica (the engine's; ``None``: that is a restart or a stop).
+        prefer_regrid: whether re-forming the grid beats re-routing around a failed set that
+            re-routing covers (``planning.recovery.plan_recovery``).
+        unfed: why a failed set leaves micro-batches no worker can load (``None``: none).
+    """
+
+    export: Callable[..., None]
+    export_format: str | None = None
+    adopted: Callable[[Generation], None] | None = None
+    on_membership: Callable[..., None] | None = None
+    groups_for: Callable[[Topology, int], GenerationGroups] | None = None
+    view: RankView | None = None
+    regrid: Callable[[EpochRecord, RecoveryPlan], None] | None = None
+    prefer_regrid: Callable[[frozenset[Worker]], bool] | None = None
+    unfed: Callable[[frozenset[Worker]], str | None] | None = None
+
+
 class LiveRecovery:
     """Applies recovery plans for one worker under the agent (see the module docstring).
 
@@ -169,36 +204,19 @@ class LiveRecovery:
         provider: the plan table and the planner.
         session: names the process groups; ``timeout_s`` bounds their operations.
         grace_s: how long an in-band error may wait for the agent's epoch before it is a real error.
-        adopt: installs a new :class:`Generation` in the engine.
-        export: ``export(directory, step, writer=True)`` writes this stage in the engine's own
-            checkpoint layout (when the job stops beyond tolerance without a restart); the other
-            replicas of the stage call it with ``writer=False`` (their ZeRO-1 optimizer shards).
-        persistent_dir: where that export goes (default ``./checkpoints``).
+        adopt: installs a new :class:`Generation` in the stage.
+        persistent_dir: where a stop's export goes (default ``./checkpoints``).
         fault_hook: ``fault_hook(point, step)`` at ``in_recovery`` and ``in_rejoin`` (tests).
-        export_format: what ``export`` writes, for the stop's manifest (default: DeepSpeed's layout).
-        view: how global ranks map onto workers (default :class:`RankView`: one rank per worker).
-        groups_for: ``groups_for(target, epoch)`` builds this rank's groups of a new generation
-            (default: :func:`~ds_resilience.comm.groups.build_groups` for ``me``).
-        regrid: ``regrid(record, plan)`` re-forms the grid on the survivors when a stage lost every
-            replica (the engine's; ``None``: that is a restart or a stop, as before).
-        prefer_regrid: whether re-forming the grid beats re-routing around a failed set that
-            re-routing covers (``planning.recovery.plan_recovery``).
-        on_membership: ``on_membership(record, plan, previous, generation, joining=...)`` after the
-            new groups are installed and the handovers done: state that depends on the membership
-            (ZeRO-1's optimizer shards) moves here. ``previous`` is the topology before the epoch
-            (``None`` for a re-joining worker).
+        hooks: what the front end does in a recovery (:class:`RecoveryHooks`).
     """
 
     def __init__(self, *, topology: Topology, me: Worker, coordinator: Coordinator, executor: Executor,
                  tier: CheckpointTier, provider: ScheduleProvider, session: str, timeout_s: float, grace_s: float,
-                 adopt: Callable[[Generation], None], export: Callable[[str, int], None],
-                 persistent_dir: str | None, fault_hook: Callable[[str, int], None] | None = None,
-                 on_membership: Callable[..., None] | None = None, export_format: str | None = None,
-                 view: RankView | None = None,
-                 groups_for: Callable[[Topology, int], GenerationGroups] | None = None,
-                 regrid: Callable[[EpochRecord, RecoveryPlan], None] | None = None,
-                 prefer_regrid: Callable[[frozenset[Worker]], bool] | None = None,
-                 unfed: Callable[[frozenset[Worker]], str | None] | None = None) -> None:
+                 adopt: Callable[[Generation], None], persistent_dir: str | None, hooks: RecoveryHooks,
+                 fault_hook: Callable[[str, int], None] | None = None) -> None:
+        view, groups_for, regrid, prefer_regrid, unfed = (hooks.view, hooks.groups_for, hooks.regrid,
+                                                          hooks.prefer_regrid, hooks.unfed)
+        export, on_membership, export_format = hooks.export, hooks.on_membership, hooks.export_format
         self.topology, self.me = topology, me
         self.view = view or RankView(topology, me)
         self.rank = self.view.rank
