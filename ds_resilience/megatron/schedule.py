@@ -52,21 +52,17 @@ clipped and stepped there, as the DeepSpeed path does) or megatron-core's mixed-
 from __future__ import annotations
 
 import atexit
-import contextlib
-import uuid
 import weakref
 from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 
-from .. import store_keys
-from ..comm.groups import GenerationGroups, new_group
+from ..comm.groups import GenerationGroups
 from ..costs import CostModel
 from ..errors import ConfigError, ResilienceError
-from ..planning.inference import inference_actions
+from ..logs import STDOUT, get_logger
 from ..planning.provider import ScheduleProvider
 from ..launch import launch_env
 from ..runtime.executor import Executor, StageSpec
@@ -75,12 +71,17 @@ from ..runtime.live_stage import LiveStage, RecoveryHooks, StartMode
 from ..runtime.recovery import Generation
 from ..topology import Topology, Worker
 from .args import MegatronJob
+from .data import Item, MicroBatches
+from .evaluation import EvalItems, forward_only
 from .grid import PTDPGrid
+from .groups import agree_session, plane_groups
 from .live import EXPORT_FORMAT, PlaneView, describe, restore
 from .optimizer import ResilientOptimizer, ResilientScheduler
 from .recompute import recompute_switch
 
 __all__ = ["ResilientForwardBackward", "plane_groups", "unwrap"]
+
+log = get_logger(__name__)
 
 # megatron-core 0.16's forward_backward_func keywords, and those Megatron-LM's training loop passes
 _KNOWN = frozenset({
@@ -159,8 +160,8 @@ class ResilientForwardBackward:
         self.base = 0  # the iteration the job started from (a loaded checkpoint's)
         self.evaluations = 0
         self.rt: _Runtime | None = None
-        self._own: dict[tuple[int, int], Any] = {}  # (iteration, microbatch) -> item, own pipeline
-        self._data: Iterator | None = None
+        self._reader: MicroBatches | None = None  # the training micro-batches (built with the runtime)
+        self._item: Callable[[int, int, int], Any] | None = None  # the reader now: training's or an evaluation's
         self._forward_step: Callable | None = None
         self._loss_funcs: dict[tuple[int, int], Callable] = {}
         self._switch: Callable | None = None  # megatron-core's activation recompute, switched off per call
@@ -195,7 +196,7 @@ class ResilientForwardBackward:
         rt = self.rt if self.rt is not None else self._build(model)
         if model is not rt.model:
             raise ResilienceError("the model passed differs from the one of the first call")
-        self._forward_step, self._data = kwargs["forward_step_func"], data
+        self._forward_step, self._reader.iterator = kwargs["forward_step_func"], data
         rt.losses = []
         ex = rt.executor
         if ex.groups is None:  # a simulated-failed replica idles: its training loop's step() reports no update
@@ -222,7 +223,7 @@ class ResilientForwardBackward:
             self.iteration = target
             self.optimizer._result = (False, None, None)
             return []
-        self._own = {k: v for k, v in self._own.items() if k[0] >= self.iteration - 1}  # one back: a replay
+        self._reader.keep_from(self.iteration - 1)  # one back: a replay
         return rt.losses if ex.is_last else []
 
     @staticmethod
@@ -265,8 +266,8 @@ class ResilientForwardBackward:
         rt = self.rt
         if dist.get_rank() == min(rt.grid.rank(w, 0) for w in generation.topology.alive_workers()):
             failed = ",".join(sorted(str(w) for w in generation.topology.failed)) or "none"
-            print(f"[ds_resilience] megatron: epoch {generation.epoch}, failed {failed}: {generation.source} "
-                  f"{generation.schedule.name} schedule", flush=True)
+            log.info("megatron: epoch %s, failed %s: %s %s schedule", generation.epoch, failed, generation.source,
+                     generation.schedule.name, extra=STDOUT)
 
     def _export(self, directory: str, step: int, writer: bool = True) -> None:
         """Beyond tolerance: this stage's shard in Megatron-LM's layout under ``directory``."""
@@ -277,34 +278,19 @@ class ResilientForwardBackward:
                         pp_rank=self.rt.me.stage, pp=self.job.pp)
 
     def _evaluate(self, rt: _Runtime, forward_step: Callable, data: Iterator | None, microbatches: int) -> list:
-        """Megatron's evaluation (``forward_only=True``): forward passes of ``microbatches``
-        micro-batches per pipeline, a failed replica's re-routed to its stage's survivors
-        (``planning.inference``); the last stage returns the loss functions' logging dicts."""
+        """Megatron's evaluation (``forward_only=True``, :mod:`.evaluation`): the last stage returns
+        the loss functions' logging dicts."""
         ex = rt.executor
         rt.losses = []
         if ex.groups is None:
             return []
-        own: list = []
-
-        def item(pipeline: int, _iteration: int, microbatch: int) -> Any:
-            if pipeline != rt.me.pipeline:
-                if self.eval_batches is None:
-                    raise ResilienceError(f"evaluation micro-batch {microbatch} of pipeline {pipeline} was re-routed "
-                                          f"to this rank: give ResilientForwardBackward(eval_batches=...) to read any "
-                                          f"pipeline's evaluation micro-batches")
-                return self.eval_batches(pipeline, self.evaluations, microbatch)
-            while len(own) <= microbatch:
-                own.append(next(data) if data is not None else None)
-            return own[microbatch]
-
-        self._item = item  # type: ignore[method-assign]  # the stages read evaluation data meanwhile
+        item = EvalItems(rt.me.pipeline, data, self.eval_batches, self.evaluations)
+        self._item = item  # the stages read evaluation data meanwhile
         self._forward_step = forward_step
         try:
-            actions = inference_actions(rt.topology, microbatches)[rt.topology.worker_index(rt.me)]
-            with self._switch() if self._switch is not None else contextlib.nullcontext():  # no graph: no recompute
-                ex.evaluate(actions, load=lambda p, k: ((_Item(item(p, 0, k)),), None), microbatches=microbatches)
+            forward_only(ex, rt.topology, rt.me, microbatches, item, self._switch)
         finally:
-            del self._item  # the training reader again
+            self._item = self._reader.item  # the training reader again
             self.evaluations += 1
         return rt.losses if ex.is_last else []
 
@@ -337,7 +323,7 @@ class ResilientForwardBackward:
             max_failures=cfg.max_failures if mode.live else 0, all_coverable=False, cache_dir=None,
             workers=1, tied=tied_groups)
         choice = provider.schedule_for(failed)  # the heuristic: every rank computes the same plan
-        session = "live-megatron" if mode.live else _agree_session(self.timeout_s)
+        session = "live-megatron" if mode.live else agree_session(self.timeout_s)
         # under the agent: heartbeats, epochs, hang detection, snapshots, rollback, recovery
         live = LiveStage(describe(self, mode, launch, me=me, rank=rank, topology=topology, params=params, grid=grid,
                                   session=session))
@@ -357,8 +343,10 @@ class ResilientForwardBackward:
                               f"{job.precision} parameters with a plain optimizer would accumulate gradients and step in "
                               f"{job.precision}; give ResilientOptimizer.with_fp32_masters(optimizer, model) (fp32 "
                               f"master weights and gradient accumulation) or megatron-core's mixed-precision optimizer")
+        self._reader = MicroBatches(self.batches, me.pipeline)
+        self._item = self._reader.item
         executor = Executor(
-            spec, module=model, parameters=params, loss_fn=self._loss, batch_source=self._batch,
+            spec, module=model, parameters=params, loss_fn=self._loss, batch_source=self._reader.batch,
             rank_of=lambda i: grid.rank(topology.worker(i), tp_rank), step=self._step,
             forward_fn=self._forward, tied=tied_params,
             recompute=self._recompute if self._switch is not None else None, precision=precision,
@@ -386,13 +374,13 @@ class ResilientForwardBackward:
         if restored is not None:
             live.recovery.log.append(restored)
             if rank == 0:
-                print(f"[ds_resilience] megatron: restart {launch.restart}: restored step {restored['resume_step']} "
-                      f"from the in-memory snapshots (sources {restored['sources']}, "
-                      f"{restored['recovery_s']:.2f} s)", flush=True)
+                log.info("megatron: restart %s: restored step %s from the in-memory snapshots (sources %s, %.2f s)",
+                         launch.restart, restored["resume_step"], restored["sources"], restored["recovery_s"],
+                         extra=STDOUT)
         if rank == 0:
             what = ",".join(sorted(str(w) for w in failed)) or "none"
-            print(f"[ds_resilience] megatron: {job.dp} x {job.pp} replicas, failed {what}: {choice.source} "
-                  f"{choice.schedule.name} schedule", flush=True)
+            log.info("megatron: %s x %s replicas, failed %s: %s %s schedule", job.dp, job.pp, what, choice.source,
+                     choice.schedule.name, extra=STDOUT)
         return self.rt
 
     def _tied(self, model: Any, stage: int) -> tuple[tuple[tuple[int, ...], ...], dict[int, list]]:
@@ -409,29 +397,9 @@ class ResilientForwardBackward:
         return ((0, pp - 1),), ({0: [weight]} if stage in (0, pp - 1) else {})
 
     # --- what the executor calls ----------------------------------------------------------------
-    def _item(self, pipeline: int, iteration: int, microbatch: int) -> Any:
-        rt = self.rt
-        if self.batches is not None:
-            return self.batches(pipeline, iteration, microbatch)
-        if pipeline != rt.me.pipeline:
-            raise ResilienceError(f"micro-batch {microbatch} of pipeline {pipeline} was re-routed to this rank, "
-                                  f"which reads only its own pipeline's data iterator: give "
-                                  f"ResilientForwardBackward(batches=...) to read any pipeline's micro-batches")
-        key = (iteration, microbatch)
-        while key not in self._own:
-            have = [k[1] for k in self._own if k[0] == iteration]
-            nxt = max(have) + 1 if have else 0
-            if nxt > microbatch:
-                raise ResilienceError(f"micro-batch {microbatch} of iteration {iteration} was already consumed")
-            self._own[(iteration, nxt)] = next(self._data) if self._data is not None else None
-        return self._own[key]
-
-    def _batch(self, pipeline: int, iteration: int, microbatch: int) -> tuple[Any, Any]:
-        return (_Item(self._item(pipeline, iteration, microbatch)),), None
-
     def _forward(self, arg: Any) -> Any:
         pipeline, iteration, microbatch = self.rt.executor.current
-        if isinstance(arg, _Item):
+        if isinstance(arg, Item):
             item, input_tensor = arg.item, None
         else:
             item, input_tensor = self._item(pipeline, iteration, microbatch), arg
@@ -476,50 +444,3 @@ def _close_at_exit(ref: "weakref.ref[ResilientForwardBackward]") -> None:
     fb = ref()
     if fb is not None:
         fb.close()
-
-
-@dataclass(frozen=True)
-class _Item:
-    """A first-stage micro-batch on its way through the executor (not a tensor: passed as is)."""
-
-    item: Any
-
-
-_SESSIONS = [0]
-
-
-def _agree_session(timeout_s: float) -> str:
-    """A name every rank gives this job's groups: rank 0 draws it and publishes it in the default
-    store (any backend: no collective on the default group, which may be NCCL)."""
-    store = dist.distributed_c10d._get_default_store()
-    key = store_keys.megatron_session(_SESSIONS[0])
-    _SESSIONS[0] += 1
-    if dist.get_rank() == 0:
-        store.set(key, f"megatron-{uuid.uuid4().hex[:10]}")
-    store.wait([key], timedelta(seconds=timeout_s))
-    return store.get(key).decode()
-
-
-def plane_groups(grid: PTDPGrid, topology: Topology, me: Worker, tp_rank: int, *, session: str, timeout_s: float,
-                 tied: Sequence[Sequence[int]] = (), generation: int = 0,
-                 device: torch.device | None = None, store: dist.Store | None = None) -> GenerationGroups:
-    """The groups of ``me``'s tensor-parallel plane (every rank of tensor-parallel rank ``tp_rank``
-    runs the schedule's copy of the grid): the stage's surviving replicas in the plane (gradient
-    reduce, per tensor-parallel shard), the tied groups in the plane, and one world group of every
-    surviving rank of every plane (messages within the plane, the global gradient norm over all
-    shards). ``device``: a GPU makes them NCCL groups on it; ``store``: where they meet (default:
-    the default group's; under the agent, the agent's)."""
-    name = f"{session}/g{generation}"
-    rank = grid.rank(me, tp_rank)
-    world = new_group([r for w in topology.alive_workers() for r in grid.replica(w)], name=f"{name}/world",
-                      timeout_s=timeout_s, me=rank, device=device, store=store)
-    stage = new_group([grid.rank(w, tp_rank) for w in topology.stage_peers(me.stage)],
-                      name=f"{name}/t{tp_rank}/stage{me.stage}", timeout_s=timeout_s, me=rank, device=device,
-                      store=store)
-    groups = {}
-    for g, stages in enumerate(tied):  # in group order on every member
-        if me.stage in stages:
-            groups[g] = new_group([grid.rank(w, tp_rank) for s in stages for w in topology.stage_peers(s)],
-                                  name=f"{name}/t{tp_rank}/tied{g}", timeout_s=timeout_s, me=rank, device=device,
-                                  store=store)
-    return GenerationGroups(generation=generation, world=world, stage=stage, tied=groups)
