@@ -19,11 +19,7 @@ The work is done by composed parts, each with one owner:
 from __future__ import annotations
 
 import functools
-import sys
-import time
 import uuid
-from dataclasses import replace
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -32,21 +28,17 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from .. import store_keys
-from ..checkpoint.fetch import fetch_versions
 from ..comm.groups import build_groups, world_group
 from ..config import ResilienceConfig
 from ..errors import ConfigError, ResilienceError
 from ..ir import Action, ActionKind, Schedule
-from ..runtime.plan_agreement import (PublisherLost, adopt_published, announce, await_published, check_joined, newest,
-                                      publish)
+from ..runtime.plan_agreement import check_joined
 from ..launch import LaunchEnv
 from ..planning.data_relay import relay_plan, unfed_pipelines
 from ..planning.provider import ScheduleChoice, ScheduleProvider
-from ..planning.stage_mix import fused_in, split_margin
 from ..runtime.executor import BatchSource, Executor, StageSpec, rng_seed
 from ..runtime.live_stage import LiveStage, RecoveryHooks, StageDescription, StartMode
-from ..runtime.membership import failed_after, latest_epoch
-from ..runtime.precision import DynamicLossScaler, MixedPrecisionOptimizer
+from ..runtime.precision import MixedPrecisionOptimizer
 from ..runtime.recovery import Generation, SurvivorView
 from ..runtime.validation import StepValidator
 from ..runtime.zero import ShardedOptimizer
@@ -55,6 +47,10 @@ from .ds_checkpoint_engine import install as install_checkpoint_engine
 from .ds_instructions import ActionSchedule, IRAction
 from .ds_checkpoints import export_stage, save_on_survivors
 from .ds_evaluation import evaluate
+from .ds_loss import LossPost, aggregate_loss, park
+from .ds_optimizer import (OptimizerRequest, ZeroStage, build_optimizer, on_membership, reshard_loaded,
+                           restore_after_restart, sharded_of, stage_members)
+from .ds_plans import PlanAgreement, PlanSettings, agreed_plans, healthy_schedule, joined_plans, replan, schedule_provider
 from .ds_profile import from_engine as profile_from_engine, requested as profile_requested
 from .ds_reporting import is_reporter, plan_line, report
 from .ds_data import DataIterFactory, EngineData, engine_batch_source, planned_tolerance, unfed_reason
@@ -65,6 +61,13 @@ from .ds_stage import DeepSpeedStage, activation_checkpointing, tied_layout
 __all__ = ["ResilientPipelineEngine"]
 
 _LAYER_KEY = 1_000_000  # layer streams' keys, apart from the executor's per-stage ones
+
+
+def _plan_settings(engine: Any) -> PlanSettings:
+    """What the engine's plan tables are built from (``ds_plans.py``)."""
+    return PlanSettings(config=engine.resilience, topology=engine.topology, microbatches=engine.micro_batches,
+                        tied=engine.tied_groups, clipping=float(engine.gradient_clipping() or 0.0) > 0,
+                        fp16=bool(engine.fp16_enabled()), config_dir=getattr(engine, "_config_dir", None))
 
 
 class ResilientPipelineEngine(PipelineEngine):
@@ -190,7 +193,10 @@ class ResilientPipelineEngine(PipelineEngine):
             if blocker is not None:
                 raise ConfigError("resilience.regrid", blocker)
         self.live.begin(self._first_generation(failed, live=live, rejoin=rejoin))
-        self._bind_zero()
+        sharded = self.sharded_optimizer
+        if sharded is not None and self.alive:  # ZeRO-1; a worker simulated failed never steps
+            sharded.bind(me=self.me.pipeline, members=self._stage_members(self.generation.topology),
+                         group=lambda: self.executor.groups.stage if self.executor.groups is not None else None)
         self.persistent_engine = None
         if resilience.checkpoint.enabled:  # save_checkpoint / load_checkpoint: asynchronous, atomic, keep_last
             self.persistent_engine = install_checkpoint_engine(self, keep_last=resilience.checkpoint.keep_last)
@@ -238,97 +244,48 @@ class ResilientPipelineEngine(PipelineEngine):
         for generator in self._layer_generators:
             generator.manual_seed(value)
 
+    # --- the optimizer side (ds_optimizer.py) ------------------------------------------------------
     def _configure_optimizer(self, client_optimizer, model_parameters):
-        """bf16 / fp16 and ZeRO-1: our own optimizers instead of DeepSpeed's BF16/FP16/ZeRO ones, whose
-        steps, overflow checks and partitions run collectives over DeepSpeed's fixed groups; the
-        executor reduces, clips and validates over the survivors instead.
-
-        * bf16 / fp16: :class:`MixedPrecisionOptimizer` (fp32 masters, fp32 gradient accumulation,
-          fp16 dynamic loss scaling);
-        * ZeRO-1: :class:`ShardedOptimizer` (``runtime/zero.py``): the optimizer state sharded over
-          the stage's surviving replicas (under mixed precision, inside the fp32 masters' wrapper).
-
-        fp32 without ZeRO is DeepSpeed's own."""
+        """bf16 / fp16 and ZeRO-1: our own optimizers (``ds_optimizer.build_optimizer``); fp32
+        without ZeRO is DeepSpeed's own."""
         model_dtype, _ = self.get_data_types()
         zero = self.zero_optimization_stage()
         if model_dtype == torch.float32 and not zero:
             return super()._configure_optimizer(client_optimizer, model_parameters)
-        if zero > 1:
-            raise ConfigError("zero_optimization.stage", f"{zero}: the resilient engine supports stages 0 and 1")
-        if client_optimizer is None:
-            basic = self._configure_basic_optimizer(model_parameters)
-        elif isinstance(client_optimizer, tuple(self._supported_optims())):
-            basic = client_optimizer
-        else:
-            basic = client_optimizer(model_parameters)
-        basic.param_groups[:] = [pg for pg in basic.param_groups if len(pg["params"]) != 0]
-        self.basic_optimizer = basic
-        optimizer: Any = basic
-        if model_dtype != torch.float32:
-            scaler = None
-            if model_dtype == torch.float16:
-                scaler = DynamicLossScaler.from_config(self._config._param_dict.get("fp16", {}))
-            optimizer = MixedPrecisionOptimizer(basic, [p for p in self.module.parameters() if p.requires_grad],
-                                                scaler=scaler)
-        if zero == 1:  # bound to this replica's stage group once the topology is known (__init__)
-            sharded = ShardedOptimizer(basic)
-            if isinstance(optimizer, MixedPrecisionOptimizer):
-                optimizer.shard(sharded)
-            else:
-                optimizer = sharded
-        self.optimizer = optimizer
+        self.basic_optimizer, self.optimizer = build_optimizer(OptimizerRequest(
+            model_dtype=model_dtype, zero=zero, client_optimizer=client_optimizer, model_parameters=model_parameters,
+            basic=self._configure_basic_optimizer, supported=tuple(self._supported_optims()),
+            fp16_config=self._config._param_dict.get("fp16", {}),
+            trainable=[p for p in self.module.parameters() if p.requires_grad]))
 
     @property
     def sharded_optimizer(self) -> ShardedOptimizer | None:
         """The ZeRO-1 optimizer (``None`` without ZeRO)."""
-        opt = self.optimizer
-        inner = opt.stepper if isinstance(opt, MixedPrecisionOptimizer) else opt
-        return inner if isinstance(inner, ShardedOptimizer) else None
+        return sharded_of(self.optimizer)
 
     def _stage_members(self, topology: Topology) -> list[int]:
-        return sorted(w.pipeline for w in topology.stage_peers(self.stage_id))
-
-    def _bind_zero(self) -> None:
-        sharded = self.sharded_optimizer
-        if sharded is None or not self.alive:  # a worker simulated failed never steps
-            return
-        sharded.bind(me=self.me.pipeline, members=self._stage_members(self.generation.topology),
-                     group=lambda: self.executor.groups.stage if self.executor.groups is not None else None)
+        return stage_members(topology, self.stage_id)
 
     def _on_membership(self, record, plan, previous: Topology | None, generation, *, joining: bool) -> None:
-        """ZeRO-1 after a membership change: the dead replicas' shards of the resume step come back
-        from the snapshot tier to their stage's lowest survivor (``checkpoint/fetch.py``, a
-        collective over every survivor), then each changed stage re-shards over its new replicas
-        (a collective over the stage). A shard held nowhere: a restart from the in-memory snapshots
-        (every rank restores its own newest common version)."""
+        """ZeRO-1 after a membership change (``ds_optimizer.on_membership``)."""
         sharded = self.sharded_optimizer
         if sharded is None:
             return
-        new = generation.topology
-        dead: list[int] = []
-        if previous is not None:
-            alive_now = {new.rank(w) for w in new.alive_workers()}
-            dead = sorted({previous.rank(w) for w in previous.alive_workers()} - alive_now)
-        trees: dict[int, Any] | None = {}
-        if dead:
-            trees = fetch_versions(self.tier.memory, dead, plan.resume_step, generation.groups.world,
-                                   receiver_of=lambda d: min(new.rank(w) for w in new.stage_peers(
-                                       self.topology.coord(d)[0].stage)))
-        if trees is None:
-            stages = sorted({self.topology.coord(d)[0].stage for d in dead})
-            self.recovery._beyond_tolerance(record, replace(plan, action="restart", lost_stages=tuple(stages)))
-        mixed = isinstance(self.optimizer, MixedPrecisionOptimizer)
-        extra = [t["optimizer"]["optimizer"] if mixed else t["optimizer"] for t in trees.values()]
-        members = self._stage_members(new)
-        if tuple(members) == sharded.members and not sharded.stale and not extra:
-            return
-        started = time.perf_counter()
-        moved = sharded.reshard(members, generation.groups.stage, extra)
-        if self.tier.memory is not None:
-            self.tier.memory.forget_captures()  # the held versions are of the old partition
-        self.recovery_log.append({"kind": "zero_reshard", "epoch": record.epoch, "resume_step": self.global_steps,
-                                  "from_snapshots": [d for d in dead if self.topology.coord(d)[0].stage == self.stage_id],
-                                  "seconds": time.perf_counter() - started, **moved})
+        zero = ZeroStage(sharded=sharded, stage=self.stage_id, topology=self.topology, tier=self.tier,
+                         recovery_log=self.recovery_log, steps=lambda: self.global_steps,
+                         mixed=isinstance(self.optimizer, MixedPrecisionOptimizer))
+        on_membership(zero, record, plan, previous, generation, beyond_tolerance=self.recovery._beyond_tolerance)
+
+    def _restore_after_restart(self) -> None:
+        restore_after_restart(self.tier, self.topology, self.launch.world_size, zero_stage=self.zero_optimization_stage(),
+                              stage=self.stage_id, sharded=self.sharded_optimizer, generation=self.generation,
+                              recovery_log=self.recovery_log, steps=lambda: self.global_steps)
+
+    def _reshard_loaded(self) -> None:
+        sharded = self.sharded_optimizer
+        if sharded is not None and self.alive and sharded.stale:  # ZeRO-1: keep this replica's range
+            reshard_loaded(sharded, self._stage_members(self.current), self.executor.groups.stage,
+                           self.tier)
 
     def _validator(self) -> StepValidator | None:
         """Clipping and fp16 overflow agreed without a barrier (``runtime/validation.py``)."""
@@ -356,119 +313,50 @@ class ResilientPipelineEngine(PipelineEngine):
         store = self._store()
         return store.get(key) if store.check([key]) else None
 
+    # --- the plan table (ds_plans.py) -------------------------------------------------------------
+    def _plan_agreement(self) -> PlanAgreement:
+        return PlanAgreement(settings=_plan_settings(self), store=self.coordinator.store, rank=self.rank,
+                             scope=self._plan_scope(), fire=self.faults.maybe_fire, step=lambda: self.global_steps)
+
     def _replan(self, cost) -> None:
         """The profile is in (``resilience.profile_steps``): plan every failure set with it."""
-        started = time.perf_counter()
-        try:
-            provider = self._plans(build=1, cost=cost)
-        except PublisherLost as exc:  # nobody took the new table: every survivor keeps the agreed one
-            print(f"[ds_resilience] rank {self.rank}: re-plan abandoned: {exc}", file=sys.stderr, flush=True)
-            return
+        replan(self._plans, cost, rank=self.rank, adopt=self._adopt_plans, reporter=lambda: is_reporter(self))
+
+    def _adopt_plans(self, provider: ScheduleProvider) -> str:
         self.provider = provider
         if self.recovery is not None:
             self.recovery.provider = self.provider
-        healthy = self._healthy_schedule_from_profile()
-        if is_reporter(self):
-            print(f"[ds_resilience] plans rebuilt with the profiled costs ({cost.name}) in "
-                  f"{time.perf_counter() - started:.2f}s{healthy}", flush=True)
+        return self._healthy_schedule_from_profile()
 
     def _healthy_schedule_from_profile(self) -> str:
-        """A fault-free run switches to the fault-free schedule of the profiled costs (every rank
-        at this same iteration boundary, from the same agreed model): ``schedule: decoupled`` runs
-        fused on the stages where the profile finds the split dearer and the replay slower
-        (``planning/generators.decoupled``). Returns what changed, for the log ("" if nothing)."""
-        generation = self.generation
-        if generation.source != "fault-free" or generation.topology.failed:
-            return ""
-        choice = self.provider.schedule_for(frozenset())
-        if choice.schedule == generation.schedule:
-            return ""
-        self.generation = replace(generation, schedule=choice.schedule, lookup_s=choice.seconds)
-        fused = fused_in(choice.schedule)
-        cost = self.provider.cost
-        margin = ("the profile's noise" if cost.split_noise is not None else "fixed")
-        how = (f"fused backward on stage(s) {', '.join(map(str, fused))}; a split must be predicted "
-               f"{100 * split_margin(cost):.1f}% faster to run ({margin} margin)" if fused else "every stage split")
-        return f"; the healthy {choice.schedule.name} schedule re-listed with them ({how})"
+        """The fault-free schedule of the profiled costs (``ds_plans.healthy_schedule``)."""
+        self.generation, said = healthy_schedule(self.generation, self.provider)
+        return said
 
     def _plan_scope(self) -> str:
         return f"attempt{self.launch.restart}" + (f"-grid{self.regrids}" if self.regrids else "")
 
     def _plans(self, build: int, cost=None, solver: str | None = None) -> ScheduleProvider:
-        """The plan table and planner of ``build`` (0 at start, 1 after the profile). Under the
-        agent only the grid's first rank (rank 0, unless a re-grid left it out) plans, and
-        publishes its table, cost model, variant and solver; every other rank waits for them and
-        adopts them without planning (``runtime/plan_agreement.py``).
+        """The plan table and planner of ``build`` (0 at start, 1 after the profile), agreed with
+        rank 0 under the agent (``ds_plans.agreed_plans``).
 
         Raises:
             PublisherLost: the publisher failed before it published (no rank took this build).
         """
         if self.coordinator is None:
             return self._schedule_provider(self._config_dir, cost=cost, solver=solver)
-        store, scope = self.coordinator.store, self._plan_scope()
-        publisher = min(self.topology.rank(w) for w in self.topology.alive_workers())
-        if self.rank == publisher:
-            announce(store, scope=scope, build=build, publisher=publisher, epoch=latest_epoch(store))
-            if build:
-                self.faults.maybe_fire("in_replan", self.global_steps)
-            provider = self._schedule_provider(self._config_dir, cost=cost, solver=solver)
-            publish(store, provider, scope=scope, build=build)
-            return provider
-        # from the newest epoch on: a publisher that fails and re-joins while this rank waits
-        # still ends the wait (the build it was making is gone)
-        since = latest_epoch(store) - 1
-        if build:
-            self.faults.maybe_fire("in_replan", self.global_steps)
-        return await_published(store, self._adopting_provider, scope=scope, build=build,
-                               interrupted=lambda: self._publisher_failed(publisher, since),
-                               timeout_s=self._plans_timeout_s(), publisher=publisher)
-
-    def _publisher_failed(self, publisher: int, since: int | None = None) -> str | None:
-        """Why the wait for ``publisher``'s plans ends, if it failed (see ``failed_after``): the build
-        it was making was abandoned, even if it re-joined since."""
-        record = failed_after(self.coordinator.store, publisher, since)
-        return None if record is None else f"epoch {record.epoch}: {record.reason}"
-
-    def _plans_timeout_s(self) -> float:
-        return max(self.resilience.detector.store_timeout_s, 1800.0)
-
-    def _adopting_provider(self, cost, variant: str, solver: str) -> ScheduleProvider:
-        """A provider with the publisher's cost model, variant and solver and no table (it adopts one)."""
-        return self._schedule_provider(self._config_dir, cost=cost, variant=variant, solver=solver, table=False)
+        return agreed_plans(self._plan_agreement(), build, cost=cost, solver=solver)
 
     def _joined_plans(self) -> ScheduleProvider | None:
-        """A re-joining worker plans with what the survivors plan with: rank 0's newest published
-        cost model, variant and table (None: nothing published, plan as configured)."""
-        record = self._joined_record = newest(self.coordinator.store, self._plan_scope(),
-                                              timeout_s=self._plans_timeout_s(), interrupted=self._publisher_failed)
-        if record is None:
-            return None
-        provider = adopt_published(self.coordinator.store, record, self._adopting_provider, scope=self._plan_scope())
-        print(f"[ds_resilience] rank {self.rank}: re-joining with rank 0's plans (build {record['build']}, "
-              f"{provider.cost.name} costs, variant {provider.variant})", file=sys.stderr, flush=True)
+        """A re-joining worker plans with rank 0's newest published plans (None: nothing published)."""
+        self._joined_record, provider = joined_plans(self._plan_agreement())
         return provider
 
     def _schedule_provider(self, base_dir: Path | None, cost=None, solver: str | None = None,
                            variant: str | None = None, table: bool = True) -> ScheduleProvider:
-        """The plan table and planner for ``cost`` (default: the configured model); ``variant``
-        overrides the one the cost model implies; ``table=False``: none built (one is adopted)."""
-        cfg = self.resilience
-        planner = cfg.planner
-        cost = cost if cost is not None else cfg.cost(base_dir)
-        # before the step check is priced in: unit costs stay unit costs
-        variant = variant if variant is not None else cfg.variant_for(cost)
-        if float(self.gradient_clipping() or 0.0) > 0 or self.fp16_enabled():
-            # plans are rated with the step check they will run: the barrier, or speculation with
-            # its publish / validate traffic (and the fractions of waits and rollbacks the cost
-            # model names; measured ones come back in the engine's report)
-            cost = replace(cost, step_check="barrier" if cfg.clipping == "barrier" else "speculative")
-        return ScheduleProvider.build(
-            self.topology, self.micro_batches, cost, schedule=cfg.schedule, variant=variant,
-            solver=solver or planner.solver, time_limit_s=planner.time_limit_s, memory_cap=planner.memory_cap,
-            max_failures=cfg.max_failures if table else 0, all_coverable=planner.all_coverable and table,
-            cache_dir=planner.cache_dir,
-            workers=planner.workers, tied=self.tied_groups,
-        )
+        """The plan table and planner for ``cost`` (``ds_plans.schedule_provider``)."""
+        return schedule_provider(_plan_settings(self), base_dir, cost=cost, solver=solver, variant=variant,
+                                 table=table)
 
     def _unfed(self, failed: frozenset[Worker], live: bool) -> str | None:
         """Why a pipeline may lose both its ends (then only an addressable source feeds it): the
@@ -556,20 +444,6 @@ class ResilientPipelineEngine(PipelineEngine):
             failed = ",".join(sorted(str(w) for w in generation.topology.failed)) or "none"
             print(f"[ds_resilience] {plan_line(figures, self.provider.cost.name, failed)}", flush=True)
 
-    def _restore_after_restart(self) -> None:
-        # ZeRO-0: the data-parallel replicas of a stage hold identical states, so any of them
-        # restores the others (a stage stays covered while one of its snapshots survives)
-        world = self.launch.world_size
-        # ZeRO-1: every rank restores its own shard, then the stage re-shards from what they hold
-        stage_of = ({r: self.topology.coord(r)[0].stage for r in range(world)}
-                    if self.zero_optimization_stage() == 0 else None)
-        self.recovery_log.append(self.tier.restore(stage_of))
-        sharded = self.sharded_optimizer
-        if sharded is not None and sharded.stale:
-            moved = sharded.reshard(self._stage_members(self.generation.topology), self.generation.groups.stage)
-            self.tier.memory.forget_captures()
-            self.recovery_log.append({"kind": "zero_reshard", "epoch": 0, "resume_step": self.global_steps, **moved})
-
     # --- what the rest of the code reads ----------------------------------------------------------------
     # the live stage's parts (runtime/live_stage.py), read by this engine's helpers
     coordinator = property(lambda self: self.live.coordinator)
@@ -630,8 +504,9 @@ class ResilientPipelineEngine(PipelineEngine):
             raise RuntimeError("train_batch() requires gradients enabled")
         if data_iter is not None:
             self.set_dataiterator(data_iter)
-        if not self.alive:
-            self._park()
+        if not self.alive:  # blocks (not spins) until the survivors finished this iteration
+            park(self._loss_post(), self._idle_iteration, self.resilience.detector.pg_timeout_s * 10)
+            self._idle_iteration += 1
             return None
         self.module.train()
         return self._resilient(self._train_iteration)
@@ -650,7 +525,9 @@ class ResilientPipelineEngine(PipelineEngine):
             self._relay_data()
 
         def after():
-            loss = self._aggregate_loss(self.executor.stats.loss_sum)
+            loss = aggregate_loss(self._loss_post(), self.executor.stats.loss_sum, step=self.global_steps - 1,
+                                  me=self.me, topology=self.topology, current=self.current,
+                                  stage_group=self.generation.groups.stage, microbatches=self.micro_batches)
             # the step taken speculatively is validated now, in time this stage would wait anyway (its
             # next forward needs an activation that follows the first stage's step): train_batch
             # returns a final state, and no stage's step waited for another's gradients
@@ -738,15 +615,6 @@ class ResilientPipelineEngine(PipelineEngine):
             if sharded is not None:
                 sharded.saving = None
 
-    def _reshard_loaded(self) -> None:
-        """ZeRO-1 after a checkpoint load: every replica read the whole state; keep its own range."""
-        sharded = self.sharded_optimizer
-        if sharded is None or not self.alive or not sharded.stale:
-            return
-        sharded.reshard(self._stage_members(self.current), self.executor.groups.stage)
-        if self.tier.memory is not None:
-            self.tier.memory.forget_captures()
-
     def zero_optimization(self) -> bool:
         """ZeRO-1 is ours (``runtime/zero.py``): DeepSpeed sees a plain optimizer, so its checkpoint
         files are the ZeRO-0 layout with the stage's optimizer state consolidated into one shard,
@@ -811,68 +679,13 @@ class ResilientPipelineEngine(PipelineEngine):
         self._resilient(self.executor.resolve)
         self.tier.close()
 
-    # --- loss aggregation without a global barrier -------------------------------------------------
+    # --- the loss without a global barrier, the idle workers' parking (ds_loss.py) -------------------
+    def _loss_post(self) -> LossPost:
+        return LossPost(session=self.session, rank=self.rank, coordinator=self.coordinator,
+                        store_timeout_s=self.resilience.detector.store_timeout_s)
+
     def _store(self):
-        if self.coordinator is not None:
-            return self.coordinator.store
-        return dist.distributed_c10d._get_default_store()
-
-    def _loss_key(self, step: int) -> str:
-        epoch = self.coordinator.applied if self.coordinator is not None else 0
-        return store_keys.loss(self.session, epoch, step)
-
-    def _aggregate_loss(self, local_sum: float) -> torch.Tensor:
-        """Global mean loss of the iteration, without a barrier over all stages.
-
-        The last stage's survivors sum their losses among themselves; the first of them publishes
-        the mean in the store, where every other worker reads it when it finishes its iteration
-        (after the last stage's final backward, so the value is already there). The last stage
-        never waits for the first, and with the staggered optimizer the next iteration starts
-        stage by stage. The key of iteration k-2 is deleted at k: by then every worker has read it
-        (each worker's next forwards feed the last stage's reduce).
-        """
-        step = self.global_steps - 1  # the optimizer step of this iteration has been taken
-        key = self._loss_key(step)
-        last = self.topology.pp - 1
-        if self.stage_id == last:
-            total = torch.tensor([local_sum], dtype=torch.float64)
-            self.generation.groups.stage.all_reduce(total)
-            loss = total / (self.topology.dp * self.micro_batches)
-            if self.me == self.current.stage_peers(last)[0]:
-                store = self._store()
-                store.set(key, repr(float(loss)))
-                if step >= 2:
-                    store.delete_key(self._loss_key(step - 2))
-                if self.current.failed and self.coordinator is None:
-                    store.set(self._idle_key(step), "1")  # wakes the simulated-failed workers
-            return loss
-        if self.coordinator is not None:
-            value = self.coordinator.wait_key(key)
-        else:
-            value = self._wait_store(key, self.resilience.detector.store_timeout_s, "this iteration's loss")
-        return torch.tensor([float(value)], dtype=torch.float64)
+        return self._loss_post().store()
 
     def _wait_store(self, key: str, timeout_s: float, what: str) -> bytes:
-        """A store key, waited for at most ``timeout_s``; a timeout names what was awaited."""
-        store = self._store()
-        try:
-            store.wait([key], timedelta(seconds=timeout_s))
-        except RuntimeError as exc:  # c10d's timeout (DistStoreError) names neither the key nor why
-            raise ResilienceError(f"rank {self.rank}: waited {timeout_s:.0f} s for {what} (store key {key}): {exc}") from None
-        return store.get(key)
-
-    # --- idle (simulated failed) workers ---------------------------------------------------------
-    def _park(self) -> None:
-        """Block (not spin) until the survivors published this iteration's loss.
-
-        A simulated-failed worker must not race ahead into collectives of later code, where
-        DeepSpeed's CPU communication backend busy-waits and steals a core from the survivors.
-        """
-        self._wait_store(self._idle_key(self._idle_iteration), self.resilience.detector.pg_timeout_s * 10,
-                         f"the survivors to finish iteration {self._idle_iteration} (this worker is left idle)")
-        self._idle_iteration += 1
-
-    def _idle_key(self, step: int) -> str:
-        """Set once per iteration while workers are simulated-failed; never deleted (a parked
-        worker may be late), one tiny key per iteration."""
-        return store_keys.idle(self.session, step)
+        return self._loss_post().wait(key, timeout_s, what)

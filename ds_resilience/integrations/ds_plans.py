@@ -1,0 +1,176 @@
+"""The DeepSpeed engine's plan table and the agreement on it (``runtime/plan_agreement.py``).
+
+:func:`schedule_provider` builds the plan table and planner of one cost model from a
+:class:`PlanSettings`. Under the agent only the grid's first rank plans, and publishes its table,
+cost model, variant and solver; every other rank waits for them and adopts them without planning
+(:func:`agreed_plans`); a re-joining worker adopts the newest published build
+(:func:`joined_plans`). :func:`replan` is the re-plan after the self-profile, and
+:func:`healthy_schedule` re-lists a fault-free run's schedule with the profiled costs.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
+
+from ..config import ResilienceConfig
+from ..logs import STDOUT, get_logger
+from ..planning.provider import ScheduleProvider
+from ..planning.stage_mix import fused_in, split_margin
+from ..runtime.membership import failed_after, latest_epoch
+from ..runtime.plan_agreement import PublisherLost, adopt_published, announce, await_published, newest, publish
+from ..runtime.recovery import Generation
+from ..topology import Topology
+
+__all__ = ["PlanAgreement", "PlanSettings", "agreed_plans", "healthy_schedule", "joined_plans", "plans_timeout_s",
+           "publisher_failed", "replan", "schedule_provider"]
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """What a plan table is built from."""
+
+    config: ResilienceConfig
+    topology: Topology
+    microbatches: int
+    tied: Any  # the tied groups' stages (``ds_stage.tied_layout``)
+    clipping: bool  # gradient clipping on
+    fp16: bool
+    config_dir: Path | None = None  # a relative ``resilience.cost_model`` is resolved against it
+
+
+@dataclass(frozen=True)
+class PlanAgreement:
+    """What the agreement on a plan table needs of this worker (under the agent)."""
+
+    settings: PlanSettings
+    store: Any  # the coordinator's store
+    rank: int
+    scope: str  # ``attempt<restart>[-grid<n>]``: one agreement per launch attempt and grid
+    fire: Callable[[str, int], Any]  # the fault injector's ``maybe_fire``
+    step: Callable[[], int]  # the optimizer steps taken
+
+
+def schedule_provider(settings: PlanSettings, base_dir: Path | None, cost=None, solver: str | None = None,
+                      variant: str | None = None, table: bool = True) -> ScheduleProvider:
+    """The plan table and planner for ``cost`` (default: the configured model); ``variant``
+    overrides the one the cost model implies; ``table=False``: none built (one is adopted)."""
+    cfg = settings.config
+    planner = cfg.planner
+    cost = cost if cost is not None else cfg.cost(base_dir)
+    # before the step check is priced in: unit costs stay unit costs
+    variant = variant if variant is not None else cfg.variant_for(cost)
+    if settings.clipping or settings.fp16:
+        # plans are rated with the step check they will run: the barrier, or speculation with
+        # its publish / validate traffic (and the fractions of waits and rollbacks the cost
+        # model names; measured ones come back in the engine's report)
+        cost = replace(cost, step_check="barrier" if cfg.clipping == "barrier" else "speculative")
+    return ScheduleProvider.build(
+        settings.topology, settings.microbatches, cost, schedule=cfg.schedule, variant=variant,
+        solver=solver or planner.solver, time_limit_s=planner.time_limit_s, memory_cap=planner.memory_cap,
+        max_failures=cfg.max_failures if table else 0, all_coverable=planner.all_coverable and table,
+        cache_dir=planner.cache_dir,
+        workers=planner.workers, tied=settings.tied,
+    )
+
+
+def adopting_provider(settings: PlanSettings, cost, variant: str, solver: str) -> ScheduleProvider:
+    """A provider with the publisher's cost model, variant and solver and no table (it adopts one)."""
+    return schedule_provider(settings, settings.config_dir, cost=cost, variant=variant, solver=solver, table=False)
+
+
+def plans_timeout_s(config: ResilienceConfig) -> float:
+    return max(config.detector.store_timeout_s, 1800.0)
+
+
+def publisher_failed(store: Any, publisher: int, since: int | None = None) -> str | None:
+    """Why the wait for ``publisher``'s plans ends, if it failed (see ``failed_after``): the build
+    it was making was abandoned, even if it re-joined since."""
+    record = failed_after(store, publisher, since)
+    return None if record is None else f"epoch {record.epoch}: {record.reason}"
+
+
+def agreed_plans(agreement: PlanAgreement, build: int, cost=None, solver: str | None = None) -> ScheduleProvider:
+    """The plan table and planner of ``build`` (0 at start, 1 after the profile), agreed under the
+    agent: only the grid's first rank (rank 0, unless a re-grid left it out) plans, and publishes
+    its table, cost model, variant and solver; every other rank waits for them and adopts them.
+
+    Raises:
+        PublisherLost: the publisher failed before it published (no rank took this build).
+    """
+    settings, store, scope = agreement.settings, agreement.store, agreement.scope
+    topology = settings.topology
+    publisher = min(topology.rank(w) for w in topology.alive_workers())
+    if agreement.rank == publisher:
+        announce(store, scope=scope, build=build, publisher=publisher, epoch=latest_epoch(store))
+        if build:
+            agreement.fire("in_replan", agreement.step())
+        provider = schedule_provider(settings, settings.config_dir, cost=cost, solver=solver)
+        publish(store, provider, scope=scope, build=build)
+        return provider
+    # from the newest epoch on: a publisher that fails and re-joins while this rank waits
+    # still ends the wait (the build it was making is gone)
+    since = latest_epoch(store) - 1
+    if build:
+        agreement.fire("in_replan", agreement.step())
+    return await_published(store, lambda *a: adopting_provider(settings, *a), scope=scope, build=build,
+                           interrupted=lambda: publisher_failed(store, publisher, since),
+                           timeout_s=plans_timeout_s(settings.config), publisher=publisher)
+
+
+def joined_plans(agreement: PlanAgreement) -> tuple[dict | None, ScheduleProvider | None]:
+    """A re-joining worker plans with what the survivors plan with: rank 0's newest published
+    cost model, variant and table. Returns the record read and the provider (``None``: nothing
+    published, plan as configured)."""
+    store, settings = agreement.store, agreement.settings
+    record = newest(store, agreement.scope, timeout_s=plans_timeout_s(settings.config),
+                    interrupted=functools.partial(publisher_failed, store))
+    if record is None:
+        return None, None
+    provider = adopt_published(store, record, lambda *a: adopting_provider(settings, *a), scope=agreement.scope)
+    log.info("rank %d: re-joining with rank 0's plans (build %s, %s costs, variant %s)", agreement.rank,
+             record["build"], provider.cost.name, provider.variant)
+    return record, provider
+
+
+def replan(plans: Callable[..., ScheduleProvider], cost, *, rank: int, adopt: Callable[[ScheduleProvider], str],
+           reporter: Callable[[], bool]) -> None:
+    """The profile is in (``resilience.profile_steps``): plan every failure set with it.
+
+    ``plans(build=1, cost=cost)`` gives the new table; ``adopt`` installs it and says what changed
+    in the healthy schedule (``""``: nothing); the reporting rank says so."""
+    started = time.perf_counter()
+    try:
+        provider = plans(build=1, cost=cost)
+    except PublisherLost as exc:  # nobody took the new table: every survivor keeps the agreed one
+        log.info("rank %d: re-plan abandoned: %s", rank, exc)
+        return
+    healthy = adopt(provider)
+    if reporter():
+        log.info("plans rebuilt with the profiled costs (%s) in %.2fs%s", cost.name, time.perf_counter() - started,
+                 healthy, extra=STDOUT)
+
+
+def healthy_schedule(generation: Generation, provider: ScheduleProvider) -> tuple[Generation, str]:
+    """A fault-free run switches to the fault-free schedule of the profiled costs (every rank
+    at this same iteration boundary, from the same agreed model): ``schedule: decoupled`` runs
+    fused on the stages where the profile finds the split dearer and the replay slower
+    (``planning/generators.decoupled``). Returns the generation to run and what changed, for the
+    log ("" if nothing)."""
+    if generation.source != "fault-free" or generation.topology.failed:
+        return generation, ""
+    choice = provider.schedule_for(frozenset())
+    if choice.schedule == generation.schedule:
+        return generation, ""
+    fused = fused_in(choice.schedule)
+    cost = provider.cost
+    margin = ("the profile's noise" if cost.split_noise is not None else "fixed")
+    how = (f"fused backward on stage(s) {', '.join(map(str, fused))}; a split must be predicted "
+           f"{100 * split_margin(cost):.1f}% faster to run ({margin} margin)" if fused else "every stage split")
+    return (replace(generation, schedule=choice.schedule, lookup_s=choice.seconds),
+            f"; the healthy {choice.schedule.name} schedule re-listed with them ({how})")
