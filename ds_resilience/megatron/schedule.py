@@ -32,8 +32,11 @@ Megatron; gradients are reduced per shard over the stage's surviving replicas; t
 sums every shard once (whole-held weights on tensor-parallel rank 0 only); a replica (its whole
 tensor-parallel group) fails as one.
 
-Evaluation (``forward_only=True``) runs forward passes only, a failed replica's re-routed to its
-stage's survivors, and returns the last stage's logging dicts as megatron-core does.
+Evaluation (``forward_only=True``, :mod:`.evaluation`) runs forward passes only, a failed replica's
+re-routed to its stage's survivors, and returns the last stage's logging dicts as megatron-core does.
+
+The call's contract is read in :mod:`.contract`, the chunk in :mod:`.chunk`, the micro-batches in
+:mod:`.data`; the plane's groups are built in :mod:`.groups`.
 
 Under ``ds-resilience run`` a rank that dies is handled live (:mod:`.live`): the call that notices
 it recovers and replays from the resume iteration; the other ranks of its tensor-parallel group
@@ -71,6 +74,8 @@ from ..runtime.live_stage import LiveStage, RecoveryHooks, StartMode
 from ..runtime.recovery import Generation
 from ..topology import Topology, Worker
 from .args import MegatronJob
+from .chunk import check_unwrapped, tied_weights, unwrap
+from .contract import call_arguments, normalised_loss
 from .data import Item, MicroBatches
 from .evaluation import EvalItems, forward_only
 from .grid import PTDPGrid
@@ -82,13 +87,6 @@ from .recompute import recompute_switch
 __all__ = ["ResilientForwardBackward", "plane_groups", "unwrap"]
 
 log = get_logger(__name__)
-
-# megatron-core 0.16's forward_backward_func keywords, and those Megatron-LM's training loop passes
-_KNOWN = frozenset({
-    "forward_step_func", "data_iterator", "model", "num_microbatches", "seq_length", "micro_batch_size",
-    "decoder_seq_length", "forward_only", "collect_non_loss_data", "first_val_step", "adjust_tensor_shapes_fn",
-    "p2p_communicator", "pg_collection", "force_all_reduce",
-})
 
 
 @dataclass
@@ -168,25 +166,7 @@ class ResilientForwardBackward:
 
     # --- megatron-core's interface ---------------------------------------------------------------
     def __call__(self, **kwargs: Any) -> list:
-        unknown = sorted(set(kwargs) - _KNOWN)
-        if unknown:
-            raise TypeError(f"resilient forward_backward_func got unknown keywords {unknown}; it accepts "
-                            f"{sorted(_KNOWN)} (a newer Megatron-LM? nothing is dropped silently)")
-        missing = [k for k in ("forward_step_func", "data_iterator", "model", "num_microbatches") if k not in kwargs]
-        if missing:
-            raise TypeError(f"resilient forward_backward_func needs {missing}")
-        if kwargs.get("collect_non_loss_data"):
-            raise ResilienceError("collect_non_loss_data is not supported by the resilient schedule")
-        model = kwargs["model"]
-        if isinstance(model, (list, tuple)):
-            if len(model) != 1:
-                raise ConfigError("--num-layers-per-virtual-pipeline-stage", f"{len(model)} model chunks per rank: "
-                                                                             f"interleaving is not supported yet")
-            model = model[0]
-        data = kwargs["data_iterator"]
-        if isinstance(data, (list, tuple)):
-            data = data[0] if data else None
-        m = kwargs["num_microbatches"]
+        model, data, m = call_arguments(kwargs)
         if kwargs.get("forward_only"):
             rt = self.rt if self.rt is not None else self._build(model)
             return self._evaluate(rt, kwargs["forward_step_func"], data, m)
@@ -301,15 +281,11 @@ class ResilientForwardBackward:
         if not dist.is_initialized() or dist.get_world_size() != grid.world_size:
             raise ResilienceError(f"torch.distributed must be initialized with {grid.world_size} ranks "
                                   f"(tp x pp x dp = {job.tp} x {job.pp} x {job.dp})")
-        if hasattr(model, "ddp_config") or any(hasattr(p, "main_grad") for p in model.parameters()):
-            raise ConfigError("model", "a model chunk wrapped in megatron-core's DistributedDataParallel: its "
-                                       "gradient hooks would take the gradients this schedule reduces (training "
-                                       "silently wrong); pass the unwrapped chunks (Megatron-LM: get_model(..., "
-                                       "wrap_with_ddp=False))")
+        check_unwrapped(model)
         me, tp_rank = grid.coord(dist.get_rank())
         topology = grid.topology()
         params = [p for p in model.parameters() if p.requires_grad]
-        tied_groups, tied_params = self._tied(model, me.stage)
+        tied_groups, tied_params = tied_weights(model, me.stage, job.pp)
         self._switch = recompute_switch(model)  # megatron-core's recompute: done at stage granularity here
         cfg = job.config
         launch = launch_env()
@@ -383,19 +359,6 @@ class ResilientForwardBackward:
                      choice.schedule.name, extra=STDOUT)
         return self.rt
 
-    def _tied(self, model: Any, stage: int) -> tuple[tuple[tuple[int, ...], ...], dict[int, list]]:
-        """Tied input embedding and output layer (megatron-core's ``share_embeddings_and_output_weights``):
-        one tied group over the first and last stages, holding this stage's copy."""
-        pp = self.job.pp
-        model = unwrap(model)  # Megatron-LM wraps a bf16/fp16 chunk in Float16Module
-        shared = getattr(model, "share_embeddings_and_output_weights", False)
-        if not shared or pp == 1:
-            return (), {}
-        weight = model.shared_embedding_or_output_weight()
-        if stage in (0, pp - 1) and weight is None:
-            raise ResilienceError(f"stage {stage} shares its embedding with the output layer but holds no copy")
-        return ((0, pp - 1),), ({0: [weight]} if stage in (0, pp - 1) else {})
-
     # --- what the executor calls ----------------------------------------------------------------
     def _forward(self, arg: Any) -> Any:
         pipeline, iteration, microbatch = self.rt.executor.current
@@ -419,25 +382,10 @@ class ResilientForwardBackward:
     def _loss(self, output: Any, _labels: Any) -> torch.Tensor:
         pipeline, _, microbatch = self.rt.executor.current
         loss_func = self._loss_funcs.pop((pipeline, microbatch))
-        outputs = loss_func(output)
-        if len(outputs) == 3:
-            loss, num_tokens, reduced = outputs
-            loss = loss / torch.clamp(num_tokens, min=1)  # megatron-core's per-micro-batch normalisation
-        elif len(outputs) == 2:
-            loss, reduced = outputs
-        else:
-            raise ResilienceError(f"loss_func returned {len(outputs)} values; megatron-core's contract is (loss, "
-                                  f"logging_dict) or (loss, num_tokens, logging_dict)")
+        loss, reduced = normalised_loss(loss_func(output))
         if self._switch is None or not torch.is_grad_enabled():  # B's recomputation (with a graph) logs nothing
             self.rt.losses.append(reduced)
         return loss
-
-
-def unwrap(model: Any) -> Any:
-    """The megatron-core model inside Megatron's precision wrapper (``Float16Module``)."""
-    while type(model).__name__ == "Float16Module" and hasattr(model, "module"):
-        model = model.module
-    return model
 
 
 def _close_at_exit(ref: "weakref.ref[ResilientForwardBackward]") -> None:
