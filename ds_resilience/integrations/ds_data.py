@@ -40,7 +40,7 @@ from ..errors import ConfigError, ResilienceError
 from ..logs import get_logger
 
 __all__ = ["DataIterFactory", "DatasetSource", "EngineData", "FactorySource", "IteratorSource", "LoaderSpec",
-           "engine_batch_source", "is_map_style", "planned_tolerance", "reroute_data_error", "unfed_reason"]
+           "engine_batch_source", "is_map_style", "planned_tolerance", "reroute_data_error", "unfed_reason", "unfed_by"]
 
 log = get_logger(__name__)
 
@@ -107,6 +107,17 @@ def unfed_reason(num_stages: int, tolerance: int, simulated: Any = None) -> str 
                 f"{tolerance}, which you may lower) takes a pipeline's only worker")
     return (f"a failure set within the tolerance (resilience.max_failures {tolerance}, which you may lower) can take "
             "both the first and the last stage worker of one pipeline")
+
+
+def unfed_by(num_stages: int, resilience: Any, *, simulated: Any = None, live: bool) -> str | None:
+    """Why a pipeline may lose both its ends (then only an addressable source feeds it): the
+    simulated failure set (``simulated``: the grid without it), or under the agent any set within
+    the tolerance (``None``: never)."""
+    if simulated is not None:
+        return unfed_reason(num_stages, 0, simulated=simulated)
+    if not live:
+        return None
+    return unfed_reason(num_stages, planned_tolerance(resilience))
 
 
 # --- training_data --------------------------------------------------------------------------------

@@ -34,9 +34,8 @@ from ..errors import ConfigError, ResilienceError
 from ..ir import Action, ActionKind, Schedule
 from ..runtime.plan_agreement import check_joined
 from ..launch import LaunchEnv
-from ..planning.data_relay import relay_plan, unfed_pipelines
 from ..planning.provider import ScheduleChoice, ScheduleProvider
-from ..runtime.executor import BatchSource, Executor, StageSpec, rng_seed
+from ..runtime.executor import BatchSource, Executor, StageSpec
 from ..runtime.live_stage import LiveStage, RecoveryHooks, StageDescription, StartMode
 from ..runtime.precision import MixedPrecisionOptimizer
 from ..runtime.recovery import Generation, SurvivorView
@@ -51,17 +50,15 @@ from .ds_loss import LossPost, aggregate_loss, park
 from .ds_optimizer import (OptimizerRequest, ZeroStage, build_optimizer, on_membership, reshard_loaded,
                            restore_after_restart, sharded_of, stage_members)
 from .ds_plans import PlanAgreement, PlanSettings, agreed_plans, healthy_schedule, joined_plans, replan, schedule_provider
+from .ds_seeds import LayerSeeds
 from .ds_profile import from_engine as profile_from_engine, requested as profile_requested
 from .ds_reporting import is_reporter, plan_line, report
-from .ds_data import DataIterFactory, EngineData, engine_batch_source, planned_tolerance, unfed_reason
-from .ds_relay import exchange, unserved_error
+from .ds_data import DataIterFactory, engine_batch_source, unfed_by
+from .ds_relay import TrainingRelay, starved
 from .ds_regrid import RegridContext, regrid, regrid_blocker, regrid_pays_for
 from .ds_stage import DeepSpeedStage, activation_checkpointing, tied_layout
 
 __all__ = ["ResilientPipelineEngine"]
-
-_LAYER_KEY = 1_000_000  # layer streams' keys, apart from the executor's per-stage ones
-
 
 def _plan_settings(engine: Any) -> PlanSettings:
     """What the engine's plan tables are built from (``ds_plans.py``)."""
@@ -168,7 +165,8 @@ class ResilientPipelineEngine(PipelineEngine):
                       device=str(self.device) if torch.device(self.device).type != "cpu" else "cpu"),
             module=self.module, parameters=self.stage_host.parameters, loss_fn=self.module.loss_fn,
             batch_source=engine_batch_source(self, batch_source=batch_source, data_iter_factory=data_iter_factory,
-                                             rerouting=live or bool(failed), unfed=self._unfed(failed, live)),
+                                             rerouting=live or bool(failed), unfed=unfed_by(self.num_stages, resilience, live=live,
+                                                                   simulated=self.topology.without(failed) if failed else None)),
             rank_of=self._rank_of,
             step=self.stage_host.step, recompute=recompute, fault_hook=self.faults.maybe_fire, hooks=self.tier,
             tied=tied_params, counted_tied=[g for g, stages in enumerate(self.tied_groups) if stages[0] == self.stage_id],
@@ -180,13 +178,18 @@ class ResilientPipelineEngine(PipelineEngine):
         # get_global_grad_norm(): the true global norm where this engine computes one (clipping on);
         # like vanilla's fp32 engine, None otherwise
         self.stage_host.grad_norm = lambda: executor.last_grad_norm
+        self._relay = TrainingRelay(me=self.my_index, rank_of=self._rank_of, dp=self.topology.dp,
+                                    microbatches=self.micro_batches, timeout_s=resilience.detector.pg_timeout_s)
         self.live.attach(executor, self.provider, RecoveryHooks(
             export=functools.partial(export_stage, self), adopted=self._adopted, on_membership=self._on_membership,
             view=SurvivorView(self.topology, self.me) if regrid_from is not None else None,
             regrid=functools.partial(regrid, self) if resilience.regrid else None,
             prefer_regrid=functools.partial(regrid_pays_for, self) if resilience.regrid else None,
             unfed=self._starved))
-        self._seed_layers()
+        # each layer's dropout from a stream of (iteration, micro-batch as the first grid numbered it, layer)
+        self.layer_seeds = LayerSeeds(resilience.seed, self.device, lambda: self.executor.current,
+                                      self.origin_microbatches)
+        self.layer_seeds.install(self.module)
         if self.recovery is not None:
             self.recovery.log = self.recovery_log
             blocker = regrid_blocker(self, rebuild) if resilience.regrid else None
@@ -216,33 +219,6 @@ class ResilientPipelineEngine(PipelineEngine):
             check_joined(self.coordinator.store, self._plan_scope(), self._joined_record, rank=self.rank)
         # the profile (DSR_PROFILE_OUT, set by `ds-resilience profile`): a fresh, fault-free start only
         self.profiler = profile_from_engine(self, on_done=self._replan) if fresh else None
-
-    # --- construction ----------------------------------------------------------------------------------
-    def _seed_layers(self) -> None:
-        """Each layer's forward draws its random numbers (dropout) from a stream keyed by the
-        iteration, the micro-batch (as the first grid numbered it) and the layer: the same masks on
-        whatever stage of whatever grid the layer runs, re-routed or re-gridded."""
-        # the generators this stage draws from, not torch.manual_seed's every backend (60x the cost)
-        self._layer_generators = [torch.random.default_generator]
-        device = torch.device(self.device)
-        if device.type == "cuda":
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            self._layer_generators.append(torch.cuda.default_generators[index])
-        start = int(self.module._local_start)  # numpy's with DeepSpeed's uniform partition
-        for k, layer in enumerate(self.module.forward_funcs):
-            if isinstance(layer, torch.nn.Module):
-                layer.register_forward_pre_hook(functools.partial(self._reseed, _LAYER_KEY + start + k))
-
-    def _reseed(self, key: int, module: Any, args: Any) -> None:
-        current = self.executor.current
-        if current is None:
-            return
-        pipeline, iteration, microbatch = (int(v) for v in current)  # a data source may set numpy integers
-        if self.origin_microbatches is not None:
-            pipeline, microbatch = self.origin_microbatches[pipeline][microbatch]
-        value = rng_seed(self.resilience.seed, iteration, pipeline, microbatch, key)
-        for generator in self._layer_generators:
-            generator.manual_seed(value)
 
     # --- the optimizer side (ds_optimizer.py) ------------------------------------------------------
     def _configure_optimizer(self, client_optimizer, model_parameters):
@@ -358,52 +334,9 @@ class ResilientPipelineEngine(PipelineEngine):
         return schedule_provider(_plan_settings(self), base_dir, cost=cost, solver=solver, variant=variant,
                                  table=table)
 
-    def _unfed(self, failed: frozenset[Worker], live: bool) -> str | None:
-        """Why a pipeline may lose both its ends (then only an addressable source feeds it): the
-        simulated failure set, or under the agent any set within the tolerance (``None``: never)."""
-        if failed:
-            return unfed_reason(self.num_stages, 0, simulated=self.topology.without(failed))
-        if not live:
-            return None
-        return unfed_reason(self.num_stages, planned_tolerance(self.resilience))
-
     def _starved(self, failed: frozenset[Worker]) -> str | None:
-        """Why a failed set leaves micro-batches no worker can load (``planning/recovery.py``'s
-        ``unfed``): a pipeline lost both ends while its data comes from ``data_iter`` alone."""
-        source = self.executor.batch_source
-        if not isinstance(source, EngineData) or not source.relays:
-            return None
-        lost = unfed_pipelines(self.topology.without(failed))
-        if not lost:
-            return None
-        return (f"pipeline(s) {list(lost)} lost both their first and last stage workers, the only readers of their "
-                f"data_iter, and no addressable source (batch_source, a map-style training_data, "
-                f"data_iter_factory) can give their micro-batches")
-
-    def _relay_data(self) -> None:
-        """Other pipelines' micro-batches this worker runs, from their pipelines' surviving ends
-        (``integrations/ds_relay.py``): at the start of the iteration, before any other message."""
-        source = self.executor.batch_source
-        if not isinstance(source, EngineData) or not source.relays:
-            return
-        generation = self.generation
-        cached = getattr(self, "_relay_for", None)
-        if cached is None or cached[0] is not generation.schedule or cached[1] is not generation.topology:
-            self._relay_for = (generation.schedule, generation.topology,
-                               relay_plan(generation.topology, generation.schedule.workers))
-        plan = self._relay_for[2]
-        source.relayed, source.relayed_iteration = {}, None
-        if not plan:
-            return
-        if plan.starves(self.actions):
-            raise unserved_error(plan, what="micro-batches", how="pass batch_source=, a map-style training_data "
-                                 "or data_iter_factory= to ds_resilience.initialize")
-        step = self.global_steps
-        source.relayed = exchange(plan, self.my_index, group=generation.groups.world, rank_of=self._rank_of,
-                                  read=lambda p, m: source.iterator(p, step, m), channel="data",
-                                  dp=self.topology.dp, microbatches=self.micro_batches,
-                                  timeout_s=self.resilience.detector.pg_timeout_s)
-        source.relayed_iteration = step
+        """Why a failed set leaves micro-batches no worker can load (``ds_relay.starved``)."""
+        return starved(self.executor.batch_source, self.topology.without(failed))
 
     def _rank_of(self, index: int) -> int:
         return self.topology.rank(self.topology.worker(index))
@@ -522,7 +455,7 @@ class ResilientPipelineEngine(PipelineEngine):
             if self.profiler is not None:
                 self.profiler.before()  # the profile's iterations run its own schedules
             self.executor.resolve()  # the previous step is validated before this iteration's forwards
-            self._relay_data()
+            self._relay.run(self.executor.batch_source, self.generation, self.actions, self.global_steps)
 
         def after():
             loss = aggregate_loss(self._loss_post(), self.executor.stats.loss_sum, step=self.global_steps - 1,

@@ -21,9 +21,11 @@ import torch
 
 from ..comm.p2p import Messenger, message_tag
 from ..errors import ResilienceError
-from ..planning.data_relay import RelayPlan
+from ..planning.data_relay import RelayPlan, relay_plan, unfed_pipelines
+from ..topology import Topology
+from .ds_data import EngineData
 
-__all__ = ["exchange", "pack", "unpack", "unserved_error"]
+__all__ = ["TrainingRelay", "exchange", "pack", "starved", "unpack", "unserved_error"]
 
 
 def _to_host(value: Any) -> Any:
@@ -80,3 +82,54 @@ def unserved_error(plan: RelayPlan, *, what: str, how: str) -> ResilienceError:
     return ResilienceError(
         f"{what} of pipeline(s) {pipelines} run on other pipelines' workers, and those pipelines lost both their "
         f"first and last stage workers, the only ones that read their data_iter: {how}")
+
+
+def starved(source: Any, survivors: Topology) -> str | None:
+    """Why a failed set (``survivors``: the grid without it) leaves micro-batches no worker can load
+    (``planning/recovery.py``'s ``unfed``): a pipeline lost both ends while its data comes from
+    ``data_iter`` alone (``source``: the executor's batch source)."""
+    if not isinstance(source, EngineData) or not source.relays:
+        return None
+    lost = unfed_pipelines(survivors)
+    if not lost:
+        return None
+    return (f"pipeline(s) {list(lost)} lost both their first and last stage workers, the only readers of their "
+            f"data_iter, and no addressable source (batch_source, a map-style training_data, "
+            f"data_iter_factory) can give their micro-batches")
+
+
+class TrainingRelay:
+    """Other pipelines' training micro-batches this worker runs, from their pipelines' surviving
+    ends: at the start of each iteration, before any other message (the relay plan is kept per
+    generation).
+
+    Args:
+        me: this worker's index in the grid; rank_of: a worker index -> its global rank;
+        dp, microbatches: the grid's data-parallel size and micro-batches per pipeline;
+        timeout_s: ``detector.pg_timeout_s``.
+    """
+
+    def __init__(self, *, me: int, rank_of: Callable[[int], int], dp: int, microbatches: int, timeout_s: float) -> None:
+        self.me, self.rank_of, self.dp, self.microbatches, self.timeout_s = me, rank_of, dp, microbatches, timeout_s
+        self._for: tuple | None = None  # (schedule, topology, plan)
+
+    def run(self, source: Any, generation: Any, actions: Any, step: int) -> None:
+        """Receive this iteration's (``step``) relayed items into ``source`` (the executor's batch
+        source; nothing to do unless it relays)."""
+        if not isinstance(source, EngineData) or not source.relays:
+            return
+        cached = self._for
+        if cached is None or cached[0] is not generation.schedule or cached[1] is not generation.topology:
+            self._for = (generation.schedule, generation.topology,
+                         relay_plan(generation.topology, generation.schedule.workers))
+        plan = self._for[2]
+        source.relayed, source.relayed_iteration = {}, None
+        if not plan:
+            return
+        if plan.starves(actions):
+            raise unserved_error(plan, what="micro-batches", how="pass batch_source=, a map-style training_data "
+                                 "or data_iter_factory= to ds_resilience.initialize")
+        source.relayed = exchange(plan, self.me, group=generation.groups.world, rank_of=self.rank_of,
+                                  read=lambda p, m: source.iterator(p, step, m), channel="data",
+                                  dp=self.dp, microbatches=self.microbatches, timeout_s=self.timeout_s)
+        source.relayed_iteration = step
