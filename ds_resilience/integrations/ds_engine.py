@@ -19,7 +19,6 @@ The work is done by composed parts, each with one owner:
 from __future__ import annotations
 
 import functools
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -27,29 +26,26 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from .. import store_keys
-from ..comm.groups import build_groups, world_group
 from ..config import ResilienceConfig
 from ..errors import ConfigError, ResilienceError
 from ..ir import Action, ActionKind, Schedule
 from ..runtime.plan_agreement import check_joined
 from ..launch import LaunchEnv
-from ..planning.provider import ScheduleChoice, ScheduleProvider
+from ..planning.provider import ScheduleProvider
 from ..runtime.executor import BatchSource, Executor, StageSpec
 from ..runtime.live_stage import LiveStage, RecoveryHooks, StageDescription, StartMode
 from ..runtime.precision import MixedPrecisionOptimizer
 from ..runtime.recovery import Generation, SurvivorView
-from ..runtime.validation import StepValidator
 from ..runtime.zero import ShardedOptimizer
 from ..topology import Topology, Worker
 from .ds_checkpoint_engine import install as install_checkpoint_engine
 from .ds_instructions import ActionSchedule, IRAction
 from .ds_checkpoints import export_stage, save_on_survivors
 from .ds_evaluation import evaluate
-from .ds_loss import LossPost, aggregate_loss, park
+from .ds_loss import LossPost, aggregate_loss, park, step_validator
 from .ds_optimizer import (OptimizerRequest, ZeroStage, build_optimizer, on_membership, reshard_loaded,
                            restore_after_restart, sharded_of, stage_members)
-from .ds_plans import PlanAgreement, PlanSettings, agreed_plans, healthy_schedule, joined_plans, replan, schedule_provider
+from .ds_plans import PlanAgreement, PlanSettings, agreed_plans, first_generation, healthy_schedule, joined_plans, replan, schedule_provider
 from .ds_seeds import LayerSeeds
 from .ds_profile import from_engine as profile_from_engine, requested as profile_requested
 from .ds_reporting import is_reporter, plan_line, report
@@ -59,6 +55,7 @@ from .ds_regrid import RegridContext, regrid, regrid_blocker, regrid_pays_for
 from .ds_stage import DeepSpeedStage, activation_checkpointing, tied_layout
 
 __all__ = ["ResilientPipelineEngine"]
+
 
 def _plan_settings(engine: Any) -> PlanSettings:
     """What the engine's plan tables are built from (``ds_plans.py``)."""
@@ -139,7 +136,10 @@ class ResilientPipelineEngine(PipelineEngine):
         profiling = fresh and (resilience.self_profile_steps() > 0 or profile_requested())
         self.session = regrid_from.session if regrid_from is not None else "live" if live else "local"
         topology = self.origin_topology  # the machines of the first grid hold the snapshots, after a re-grid too
-        self.validator = self._validator()  # its store is read lazily: the coordinator's once there is one
+        # clipping and fp16 overflow agreed without a barrier; its store is read lazily: the coordinator's
+        self.validator = step_validator(self._loss_post, clip=float(self.gradient_clipping() or 0.0),
+                                        fp16=bool(self.fp16_enabled()), mode=resilience.clipping,
+                                        num_stages=self.num_stages)
         self.live = LiveStage(
             StageDescription(
                 topology=self.topology, me=self.me, rank=self.rank, mode=mode, launch=launch, config=resilience,
@@ -195,7 +195,11 @@ class ResilientPipelineEngine(PipelineEngine):
             blocker = regrid_blocker(self, rebuild) if resilience.regrid else None
             if blocker is not None:
                 raise ConfigError("resilience.regrid", blocker)
-        self.live.begin(self._first_generation(failed, live=live, rejoin=rejoin))
+        generation, self.session = first_generation(
+            self.provider, self.topology, self.me, failed, live=live, rejoin=rejoin, alive=self.alive,
+            session=self.session, store=self.coordinator.store if live else None, tied=self.tied_groups,
+            device=self._comm_device(), solver=resilience.planner.solver, timeout_s=resilience.detector.pg_timeout_s)
+        self.live.begin(generation)
         sharded = self.sharded_optimizer
         if sharded is not None and self.alive:  # ZeRO-1; a worker simulated failed never steps
             sharded.bind(me=self.me.pipeline, members=self._stage_members(self.generation.topology),
@@ -263,32 +267,6 @@ class ResilientPipelineEngine(PipelineEngine):
             reshard_loaded(sharded, self._stage_members(self.current), self.executor.groups.stage,
                            self.tier)
 
-    def _validator(self) -> StepValidator | None:
-        """Clipping and fp16 overflow agreed without a barrier (``runtime/validation.py``)."""
-        clip = float(self.gradient_clipping() or 0.0)
-        fp16 = bool(self.fp16_enabled())
-        if clip <= 0 and not fp16:
-            return None
-        if self.resilience.clipping == "barrier":
-            if fp16:
-                raise ConfigError("resilience.clipping", "'barrier' covers gradient clipping only; fp16's overflow "
-                                  "check needs 'speculative'")
-            return None  # the executor all-reduces the global norm over every survivor before stepping
-
-        def wait(key: str) -> bytes:
-            if self.coordinator is not None:
-                return self.coordinator.wait_key(key)
-            return self._wait_store(key, self.resilience.detector.store_timeout_s, "the other stages' gradient norms")
-
-        return StepValidator(clip=clip, check_overflow=fp16, num_stages=self.num_stages,
-                             key=lambda iteration, stage: store_keys.validation(self.session, iteration, stage),
-                             publish=lambda key, value: self._store().set(key, value), wait=wait,
-                             delete=lambda key: self._store().delete_key(key), peek=self._peek_store)
-
-    def _peek_store(self, key: str) -> bytes | None:
-        store = self._store()
-        return store.get(key) if store.check([key]) else None
-
     # --- the plan table (ds_plans.py) -------------------------------------------------------------
     def _plan_agreement(self) -> PlanAgreement:
         return PlanAgreement(settings=_plan_settings(self), store=self.coordinator.store, rank=self.rank,
@@ -340,35 +318,6 @@ class ResilientPipelineEngine(PipelineEngine):
 
     def _rank_of(self, index: int) -> int:
         return self.topology.rank(self.topology.worker(index))
-
-    def _first_generation(self, failed: frozenset[Worker], *, live: bool, rejoin: bool) -> Generation:
-        """The schedule and groups to start with.
-
-        Under the agent every worker starts fault-free (a re-joining one learns the real membership
-        when it joins). Otherwise rank 0 plans the simulated failure set (with the configured
-        solver) and broadcasts the schedule as JSON, with a session id that names the groups.
-        """
-        timeout = self.resilience.detector.pg_timeout_s
-        if live:
-            choice = self.provider.schedule_for(frozenset())
-            groups = None
-            if not rejoin:
-                groups = build_groups(self.topology, self.me, session=self.session, timeout_s=timeout,
-                                      store=self.coordinator.store, tied=self.tied_groups, device=self._comm_device())
-        else:
-            payload = None
-            if dist.get_rank() == 0:
-                c = self.provider.schedule_for(failed, solver=self.resilience.planner.solver)
-                payload = {"schedule": c.schedule.to_text(), "source": c.source, "seconds": c.seconds,
-                           "figures": c.figures, "session": uuid.uuid4().hex[:12]}
-            payload = world_group(timeout).broadcast_json(payload, src=0)
-            self.session = payload["session"]
-            choice = ScheduleChoice(Schedule.from_text(payload["schedule"]), payload["source"], payload["seconds"],
-                                    payload["figures"])
-            groups = (build_groups(self.topology.without(failed), self.me, session=self.session, timeout_s=timeout,
-                                   tied=self.tied_groups, device=self._comm_device()) if self.alive else None)
-        return Generation(epoch=0, topology=self.topology.without(failed), schedule=choice.schedule,
-                          source=choice.source, lookup_s=choice.seconds, figures=choice.figures, groups=groups)
 
     def _adopted(self, generation: Generation) -> None:
         """A recovery's new generation: its plan's predicted figures, from the reporting rank."""

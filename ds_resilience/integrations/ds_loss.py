@@ -2,7 +2,8 @@
 
 The last stage's survivors sum their losses among themselves; the first of them publishes the mean
 in the store (:class:`LossPost`), where every other worker reads it when it finishes its iteration
-(:func:`aggregate_loss`). While workers are simulated failed (``resilience.simulate_failed``), the
+(:func:`aggregate_loss`). Gradient clipping and fp16's overflow check are agreed through the same
+store (:func:`step_validator`). While workers are simulated failed (``resilience.simulate_failed``), the
 same survivor also sets the iteration's idle key, which a parked worker waits on (:func:`park`).
 """
 
@@ -10,16 +11,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from .. import store_keys
-from ..errors import ResilienceError
+from ..errors import ConfigError, ResilienceError
+from ..runtime.validation import StepValidator
 from ..topology import Topology, Worker
 
-__all__ = ["LossPost", "aggregate_loss", "park"]
+__all__ = ["LossPost", "aggregate_loss", "park", "step_validator"]
 
 
 @dataclass(frozen=True)
@@ -95,3 +97,32 @@ def park(post: LossPost, iteration: int, timeout_s: float) -> None:
     """
     post.wait(post.idle_key(iteration), timeout_s,
               f"the survivors to finish iteration {iteration} (this worker is left idle)")
+
+
+def step_validator(post: Callable[[], LossPost], *, clip: float, fp16: bool, mode: str,
+                   num_stages: int) -> StepValidator | None:
+    """Clipping and fp16 overflow agreed without a barrier (``runtime/validation.py``); ``post``
+    gives the store's current view (the session and coordinator are read at each use), ``mode``
+    is ``resilience.clipping``."""
+    if clip <= 0 and not fp16:
+        return None
+    if mode == "barrier":
+        if fp16:
+            raise ConfigError("resilience.clipping", "'barrier' covers gradient clipping only; fp16's overflow "
+                              "check needs 'speculative'")
+        return None  # the executor all-reduces the global norm over every survivor before stepping
+
+    def wait(key: str) -> bytes:
+        now = post()
+        if now.coordinator is not None:
+            return now.coordinator.wait_key(key)
+        return now.wait(key, now.store_timeout_s, "the other stages' gradient norms")
+
+    def peek(key: str) -> bytes | None:
+        store = post().store()
+        return store.get(key) if store.check([key]) else None
+
+    return StepValidator(clip=clip, check_overflow=fp16, num_stages=num_stages,
+                         key=lambda iteration, stage: store_keys.validation(post().session, iteration, stage),
+                         publish=lambda key, value: post().store().set(key, value), wait=wait,
+                         delete=lambda key: post().store().delete_key(key), peek=peek)

@@ -5,27 +5,33 @@
 cost model, variant and solver; every other rank waits for them and adopts them without planning
 (:func:`agreed_plans`); a re-joining worker adopts the newest published build
 (:func:`joined_plans`). :func:`replan` is the re-plan after the self-profile, and
-:func:`healthy_schedule` re-lists a fault-free run's schedule with the profiled costs.
+:func:`healthy_schedule` re-lists a fault-free run's schedule with the profiled costs;
+:func:`first_generation` is the schedule and groups a worker starts with.
 """
 
 from __future__ import annotations
 
 import functools
 import time
+import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
+import torch.distributed as dist
+
+from ..comm.groups import build_groups, world_group
 from ..config import ResilienceConfig
+from ..ir import Schedule
 from ..logs import STDOUT, get_logger
-from ..planning.provider import ScheduleProvider
+from ..planning.provider import ScheduleChoice, ScheduleProvider
 from ..planning.stage_mix import fused_in, split_margin
 from ..runtime.membership import failed_after, latest_epoch
 from ..runtime.plan_agreement import PublisherLost, adopt_published, announce, await_published, newest, publish
 from ..runtime.recovery import Generation
-from ..topology import Topology
+from ..topology import Topology, Worker
 
-__all__ = ["PlanAgreement", "PlanSettings", "agreed_plans", "healthy_schedule", "joined_plans", "plans_timeout_s",
+__all__ = ["PlanAgreement", "first_generation", "PlanSettings", "agreed_plans", "healthy_schedule", "joined_plans", "plans_timeout_s",
            "publisher_failed", "replan", "schedule_provider"]
 
 log = get_logger(__name__)
@@ -174,3 +180,35 @@ def healthy_schedule(generation: Generation, provider: ScheduleProvider) -> tupl
            f"{100 * split_margin(cost):.1f}% faster to run ({margin} margin)" if fused else "every stage split")
     return (replace(generation, schedule=choice.schedule, lookup_s=choice.seconds),
             f"; the healthy {choice.schedule.name} schedule re-listed with them ({how})")
+
+
+def first_generation(provider: ScheduleProvider, topology: Topology, me: Worker, failed: frozenset[Worker], *,
+                     live: bool, rejoin: bool, alive: bool, session: str, store: Any, tied: Any,
+                     device: str | None, solver: str, timeout_s: float) -> tuple[Generation, str]:
+    """The schedule and groups to start with, and the session that names the groups.
+
+    Under the agent every worker starts fault-free (a re-joining one learns the real membership
+    when it joins; ``store``: the coordinator's). Otherwise rank 0 plans the simulated failure set
+    ``failed`` (with ``solver``) and broadcasts the schedule as JSON, with a session id that names
+    the groups.
+    """
+    if live:
+        choice = provider.schedule_for(frozenset())
+        groups = None
+        if not rejoin:
+            groups = build_groups(topology, me, session=session, timeout_s=timeout_s, store=store, tied=tied,
+                                  device=device)
+    else:
+        payload = None
+        if dist.get_rank() == 0:
+            c = provider.schedule_for(failed, solver=solver)
+            payload = {"schedule": c.schedule.to_text(), "source": c.source, "seconds": c.seconds,
+                       "figures": c.figures, "session": uuid.uuid4().hex[:12]}
+        payload = world_group(timeout_s).broadcast_json(payload, src=0)
+        session = payload["session"]
+        choice = ScheduleChoice(Schedule.from_text(payload["schedule"]), payload["source"], payload["seconds"],
+                                payload["figures"])
+        groups = (build_groups(topology.without(failed), me, session=session, timeout_s=timeout_s, tied=tied,
+                               device=device) if alive else None)
+    return (Generation(epoch=0, topology=topology.without(failed), schedule=choice.schedule, source=choice.source,
+                       lookup_s=choice.seconds, figures=choice.figures, groups=groups), session)
