@@ -45,7 +45,8 @@ from .ds_evaluation import evaluate
 from .ds_loss import LossPost, aggregate_loss, park, step_validator
 from .ds_optimizer import (OptimizerRequest, ZeroStage, build_optimizer, on_membership, reshard_loaded,
                            restore_after_restart, sharded_of, stage_members)
-from .ds_plans import PlanAgreement, PlanSettings, agreed_plans, first_generation, healthy_schedule, joined_plans, replan, schedule_provider
+from .ds_plans import (PlanAgreement, PlanSettings, agreed_plans, first_generation, healthy_schedule, joined_plans,
+                       replan, schedule_provider)
 from .ds_seeds import LayerSeeds
 from .ds_profile import from_engine as profile_from_engine, requested as profile_requested
 from .ds_reporting import is_reporter, plan_line, report
@@ -156,6 +157,8 @@ class ResilientPipelineEngine(PipelineEngine):
         if self.provider is None:
             self.provider = self._plans(build=0, solver="heuristic" if profiling else None)
         recompute, reentrant = activation_checkpointing(self.module)
+        unfed = unfed_by(self.num_stages, resilience, live=live,
+                         simulated=self.topology.without(failed) if failed else None)
         executor = Executor(
             StageSpec(stage=self.stage_id, pipeline=self.me.pipeline, num_stages=self.num_stages, dp=self.topology.dp,
                       microbatches=self.micro_batches, seed=resilience.seed,
@@ -165,8 +168,7 @@ class ResilientPipelineEngine(PipelineEngine):
                       device=str(self.device) if torch.device(self.device).type != "cpu" else "cpu"),
             module=self.module, parameters=self.stage_host.parameters, loss_fn=self.module.loss_fn,
             batch_source=engine_batch_source(self, batch_source=batch_source, data_iter_factory=data_iter_factory,
-                                             rerouting=live or bool(failed), unfed=unfed_by(self.num_stages, resilience, live=live,
-                                                                   simulated=self.topology.without(failed) if failed else None)),
+                                             rerouting=live or bool(failed), unfed=unfed),
             rank_of=self._rank_of,
             step=self.stage_host.step, recompute=recompute, fault_hook=self.faults.maybe_fire, hooks=self.tier,
             tied=tied_params, counted_tied=[g for g, stages in enumerate(self.tied_groups) if stages[0] == self.stage_id],
@@ -257,8 +259,9 @@ class ResilientPipelineEngine(PipelineEngine):
         on_membership(zero, record, plan, previous, generation, beyond_tolerance=self.recovery._beyond_tolerance)
 
     def _restore_after_restart(self) -> None:
-        restore_after_restart(self.tier, self.topology, self.launch.world_size, zero_stage=self.zero_optimization_stage(),
-                              stage=self.stage_id, sharded=self.sharded_optimizer, generation=self.generation,
+        restore_after_restart(self.tier, self.topology, self.launch.world_size,
+                              zero_stage=self.zero_optimization_stage(), stage=self.stage_id,
+                              sharded=self.sharded_optimizer, generation=self.generation,
                               recovery_log=self.recovery_log, steps=lambda: self.global_steps)
 
     def _reshard_loaded(self) -> None:
@@ -514,26 +517,23 @@ class ResilientPipelineEngine(PipelineEngine):
         self.executor.forget_pending()  # the loaded state replaces whatever step awaited validation
         if self.persistent_engine is not None and self.checkpoint_engine is self.persistent_engine:
             self.persistent_engine.flush()  # this job's own saves are complete and `latest` is current
-        if not self._world_unsafe():
-            result = super().load_checkpoint(load_dir, tag=tag, load_module_strict=load_module_strict,
-                                             load_optimizer_states=load_optimizer_states,
-                                             load_lr_scheduler_states=load_lr_scheduler_states,
-                                             load_module_only=load_module_only, custom_load_fn=custom_load_fn)
-            self._reshard_loaded()
-            return result
-        if not self.alive:
+        unsafe = self._world_unsafe()
+        if unsafe and not self.alive:
             return None, None
         sync = self.module._synchronize_tied_weights
-        self.module._synchronize_tied_weights = lambda: None
+        if unsafe:
+            self.module._synchronize_tied_weights = lambda: None
         try:
             result = super().load_checkpoint(load_dir, tag=tag, load_module_strict=load_module_strict,
                                              load_optimizer_states=load_optimizer_states,
                                              load_lr_scheduler_states=load_lr_scheduler_states,
                                              load_module_only=load_module_only, custom_load_fn=custom_load_fn)
         finally:
-            self.module._synchronize_tied_weights = sync
+            if unsafe:
+                self.module._synchronize_tied_weights = sync
         self._reshard_loaded()
-        self._survivor_barrier()
+        if unsafe:
+            self._survivor_barrier()
         return result
 
     def survivor_group(self):

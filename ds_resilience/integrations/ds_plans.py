@@ -31,8 +31,8 @@ from ..runtime.plan_agreement import PublisherLost, adopt_published, announce, a
 from ..runtime.recovery import Generation
 from ..topology import Topology, Worker
 
-__all__ = ["PlanAgreement", "first_generation", "PlanSettings", "agreed_plans", "healthy_schedule", "joined_plans", "plans_timeout_s",
-           "publisher_failed", "replan", "schedule_provider"]
+__all__ = ["PlanAgreement", "PlanSettings", "adopting_provider", "agreed_plans", "first_generation", "healthy_schedule",
+           "joined_plans", "plans_timeout_s", "publisher_failed", "replan", "schedule_provider"]
 
 log = get_logger(__name__)
 
