@@ -4,7 +4,9 @@
 with ZeRO-0 (``<tag>/layer_XX-model_states.pt`` per layer, ``<tag>/mp_rank_XX_model_states.pt``
 per stage with the optimizer, scheduler and counters, ``latest``), but each stage's first
 surviving replica plays data-parallel rank 0, so the whole model is there once whoever died, and
-every wait is on the survivors' group. :func:`export_stage` writes a stage's layers and optimizer
+every wait is on the survivors' group. :func:`save` and :func:`load` are the engine's
+``save_checkpoint`` and ``load_checkpoint`` (DeepSpeed's own where the world group is safe to wait
+on). :func:`export_stage` writes a stage's layers and optimizer
 state when a job stops beyond tolerance (for the user to load; not a transfer between ranks).
 """
 
@@ -12,14 +14,64 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from ..errors import ResilienceError
 from .ds_reporting import is_reporter
 
-__all__ = ["export_stage", "save_layers", "save_on_survivors"]
+__all__ = ["export_stage", "load", "save", "save_layers", "save_on_survivors"]
+
+
+def save(engine: Any, deepspeed_save: Callable[[], Any], save_dir: str, tag, client_state: dict, save_latest: bool,
+         exclude_frozen_parameters: bool) -> Any:
+    """The engine's ``save_checkpoint``: ``deepspeed_save()`` (DeepSpeed's own) without the agent and
+    fault-free, else :func:`save_on_survivors` (a worker left idle writes nothing). Under ZeRO-1 the
+    files hold the stage's whole optimizer state, consolidated first."""
+    if not save_dir:
+        raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
+    engine._resilient(engine.executor.resolve)
+    sharded = engine.sharded_optimizer
+    if sharded is not None and engine.alive:  # ZeRO-1: the files hold the stage's whole optimizer state
+        sharded.saving = engine._resilient(lambda: sharded.consolidated_state_dict(engine.executor.groups.stage))
+    try:
+        if not engine._world_unsafe():
+            return deepspeed_save()
+        if not engine.alive:
+            return True  # a worker left idle holds no state worth saving
+        return engine._resilient(lambda: save_on_survivors(engine, save_dir, tag, client_state, save_latest,
+                                                           exclude_frozen_parameters))
+    finally:
+        if sharded is not None:
+            sharded.saving = None
+
+
+def load(engine: Any, deepspeed_load: Callable[[], Any]) -> Any:
+    """The engine's ``load_checkpoint``: ``deepspeed_load()`` (DeepSpeed's own), where the world
+    group is unsafe without the broadcast that re-synchronizes tied weights over the world (every
+    copy is read from the same checkpoint) and followed by a barrier over the survivors; a worker
+    left idle reads nothing. ZeRO-1 then keeps each replica's range."""
+    engine.executor.forget_pending()  # the loaded state replaces whatever step awaited validation
+    persistent = engine.persistent_engine
+    if persistent is not None and engine.checkpoint_engine is persistent:
+        persistent.flush()  # this job's own saves are complete and `latest` is current
+    unsafe = engine._world_unsafe()
+    if unsafe and not engine.alive:
+        return None, None
+    module = engine.module
+    sync = module._synchronize_tied_weights
+    if unsafe:
+        module._synchronize_tied_weights = lambda: None
+    try:
+        result = deepspeed_load()
+    finally:
+        if unsafe:
+            module._synchronize_tied_weights = sync
+    engine._reshard_loaded()
+    if unsafe:
+        engine._survivor_barrier()
+    return result
 
 
 def save_on_survivors(engine: Any, save_dir: str, tag, client_state: dict, save_latest: bool,

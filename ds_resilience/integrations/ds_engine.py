@@ -40,7 +40,7 @@ from ..runtime.zero import ShardedOptimizer
 from ..topology import Topology, Worker
 from .ds_checkpoint_engine import install as install_checkpoint_engine
 from .ds_instructions import ActionSchedule, IRAction
-from .ds_checkpoints import export_stage, save_on_survivors
+from .ds_checkpoints import export_stage, load, save
 from .ds_evaluation import evaluate
 from .ds_loss import LossPost, aggregate_loss, park, step_validator
 from .ds_optimizer import (OptimizerRequest, ZeroStage, build_optimizer, on_membership, reshard_loaded,
@@ -482,23 +482,10 @@ class ResilientPipelineEngine(PipelineEngine):
         the survivors' group, and the survivor that reports writes ``latest``. The result loads
         into a full-size job (DeepSpeed's or ours) after the repair.
         """
-        if not save_dir:
-            raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
-        self._resilient(self.executor.resolve)
-        sharded = self.sharded_optimizer
-        if sharded is not None and self.alive:  # ZeRO-1: the files hold the stage's whole optimizer state
-            sharded.saving = self._resilient(lambda: sharded.consolidated_state_dict(self.executor.groups.stage))
-        try:
-            if not self._world_unsafe():
-                return super().save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
-                                               exclude_frozen_parameters=exclude_frozen_parameters)
-            if not self.alive:
-                return True  # a worker left idle holds no state worth saving
-            return self._resilient(lambda: save_on_survivors(self, save_dir, tag, client_state, save_latest,
-                                                             exclude_frozen_parameters))
-        finally:
-            if sharded is not None:
-                sharded.saving = None
+        return save(self, lambda: super(ResilientPipelineEngine, self).save_checkpoint(
+            save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
+            exclude_frozen_parameters=exclude_frozen_parameters), save_dir, tag, client_state, save_latest,
+            exclude_frozen_parameters)
 
     def zero_optimization(self) -> bool:
         """ZeRO-1 is ours (``runtime/zero.py``): DeepSpeed sees a plain optimizer, so its checkpoint
@@ -514,27 +501,10 @@ class ResilientPipelineEngine(PipelineEngine):
         files; the broadcast that re-synchronizes tied weights over the world is skipped, as every
         copy is read from the same checkpoint). The in-memory tier keeps its snapshots: the next
         one is the loaded state."""
-        self.executor.forget_pending()  # the loaded state replaces whatever step awaited validation
-        if self.persistent_engine is not None and self.checkpoint_engine is self.persistent_engine:
-            self.persistent_engine.flush()  # this job's own saves are complete and `latest` is current
-        unsafe = self._world_unsafe()
-        if unsafe and not self.alive:
-            return None, None
-        sync = self.module._synchronize_tied_weights
-        if unsafe:
-            self.module._synchronize_tied_weights = lambda: None
-        try:
-            result = super().load_checkpoint(load_dir, tag=tag, load_module_strict=load_module_strict,
-                                             load_optimizer_states=load_optimizer_states,
-                                             load_lr_scheduler_states=load_lr_scheduler_states,
-                                             load_module_only=load_module_only, custom_load_fn=custom_load_fn)
-        finally:
-            if unsafe:
-                self.module._synchronize_tied_weights = sync
-        self._reshard_loaded()
-        if unsafe:
-            self._survivor_barrier()
-        return result
+        return load(self, lambda: super(ResilientPipelineEngine, self).load_checkpoint(
+            load_dir, tag=tag, load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+            custom_load_fn=custom_load_fn))
 
     def survivor_group(self):
         """The surviving workers' process group, for your own collectives after a failure.
