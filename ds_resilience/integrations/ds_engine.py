@@ -40,6 +40,7 @@ from ..runtime.zero import ShardedOptimizer
 from ..topology import Topology, Worker
 from .ds_checkpoint_engine import install as install_checkpoint_engine
 from .ds_instructions import ActionSchedule, IRAction
+from .ds_fused_adam import resumed_as_loaded
 from .ds_checkpoints import export_stage, load, save
 from .ds_evaluation import evaluate
 from .ds_loss import LossPost, aggregate_loss, park, step_validator
@@ -501,10 +502,12 @@ class ResilientPipelineEngine(PipelineEngine):
         files; the broadcast that re-synchronizes tied weights over the world is skipped, as every
         copy is read from the same checkpoint). The in-memory tier keeps its snapshots: the next
         one is the loaded state."""
-        return load(self, lambda: super(ResilientPipelineEngine, self).load_checkpoint(
+        result = load(self, lambda: super(ResilientPipelineEngine, self).load_checkpoint(
             load_dir, tag=tag, load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
             load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
             custom_load_fn=custom_load_fn))
+        resumed_as_loaded(self.optimizer)  # the next steps as vanilla DeepSpeed's after its own load
+        return result
 
     def survivor_group(self):
         """The surviving workers' process group, for your own collectives after a failure.

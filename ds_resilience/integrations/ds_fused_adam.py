@@ -12,6 +12,10 @@ to round the other way and the run to leave the fault-free one's trajectory.
 :func:`align_bias_correction` walks the op through steps ``1..n`` on a one-element tensor before
 such a process's first step, so it holds the very product a process that trained throughout holds.
 The CUDA op recomputes the powers every step and needs nothing; the call is then a no-op.
+
+A user's own ``load_checkpoint`` is different: there the reference is vanilla DeepSpeed resuming
+from the same files, whose op takes whatever its process's history gives it, so after a load the
+walk is skipped (:func:`resumed_as_loaded`) and the steps go on exactly as vanilla's.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["align_bias_correction", "fused_cpu_adam"]
+__all__ = ["align_bias_correction", "fused_cpu_adam", "resumed_as_loaded"]
 
 _WALKED: dict[int, int] = {}  # Adam mode -> the step the op's powers were walked to or last stepped at
 
@@ -65,3 +69,11 @@ def align_bias_correction(optimizer: Any) -> int:
         walked = n
     _WALKED[mode] = n + 1  # the step about to be taken
     return walked
+
+
+def resumed_as_loaded(optimizer: Any) -> None:
+    """After a user's ``load_checkpoint``: the next steps go on as vanilla DeepSpeed's after its own
+    load would (no walk), whatever step the checkpoint holds."""
+    adam = fused_cpu_adam(optimizer)
+    if adam is not None:
+        _WALKED[int(adam.adam_w_mode)] = _step_count(adam)
