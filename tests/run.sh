@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up (idempotent) and run the tests.
-#   bash tests/run.sh                              the whole suite (CI): unit and dist on two
+#   bash tests/run.sh                              the whole suite (CI): unit and dist on three
 #                                                  workers, then live on two workers (a test file
 #                                                  per worker: live jobs spend much of their time
 #                                                  in paced steps and detection waits)
@@ -10,13 +10,20 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 bash .ci/setup_env.sh || exit 1
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+# DeepSpeed's JIT ops (FusedAdam, the shm comm op) built once per checkout's venv and shared by every
+# test: ~/.cache/torch_extensions is shared by every DeepSpeed install (they rebuild in turn, and a
+# build killed mid-way leaves a lock that hangs the next job); benchmarks/gpu_engine_check.py and
+# examples/main_job.sh use the same place
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.venv/torch_extensions}"
 PYTEST=(.venv/bin/python -m pytest -c tests/pytest.ini -q)
 if [ $# -gt 0 ]; then
   exec "${PYTEST[@]}" "$@"
 fi
 reports=$(mktemp -d)
 t0=$SECONDS
-"${PYTEST[@]}" -n 2 --dist loadfile -m "not live" --junitxml="$reports/unit_dist.xml"
+# three workers on two cores: the dist tier's jobs spend most of their time starting processes and
+# waiting on each other (the whole suite used a quarter of the machine's CPU time on two workers)
+"${PYTEST[@]}" -n 3 --dist loadfile -m "not live" --junitxml="$reports/unit_dist.xml"
 first=$?
 echo "unit and dist tiers: exit $first in $((SECONDS - t0)) s"
 t1=$SECONDS
