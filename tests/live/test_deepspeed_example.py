@@ -24,7 +24,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "deepspeed_pipe"
 STEPS = 6
-LINE = re.compile(r"^\[rank (\d+)\] step (\d+) loss (\S+) eval_loss (\S+)$", re.M)
+# no anchors: a worker's stdout is unbuffered (``python -u``), so ``print`` writes the line and its
+# newline apart, and output from another thread of the process (gloo's C++ warnings, a logger) can
+# land between them; the line's own text is written whole
+LINE = re.compile(r"\[rank (\d+)\] step (\d+) loss (\d+\.\d{6}) eval_loss (\d+\.\d{6})")
 
 
 def _run(tmp: Path, name: str, faults=(), *, extra=(), agent=(), steps=STEPS, config=None
@@ -48,6 +51,15 @@ def _run(tmp: Path, name: str, faults=(), *, extra=(), agent=(), steps=STEPS, co
     for rank, step, loss, eval_loss in LINE.findall(text):
         assert lines.setdefault(int(rank), {}).setdefault(int(step), (loss, eval_loss)) == (loss, eval_loss)
     return out.returncode, text, lines
+
+
+def _unlike(text: str, rank: int, got: dict | None, want: dict) -> tuple:
+    """An assertion message: the steps where ``rank`` differs from ``want``, with every output line
+    that mentions them (a line mangled by another writer shows here)."""
+    got = got or {}
+    steps = sorted(s for s in set(got) | set(want) if got.get(s) != want.get(s))
+    near = [ln for ln in text.splitlines() if any(f"step {s} " in ln for s in steps)]
+    return rank, steps, {s: (got.get(s), want.get(s)) for s in steps}, near[:20]
 
 
 def _fault_free(tmp, extra=(), steps=STEPS):
@@ -83,7 +95,7 @@ def test_the_deepspeed_example_prints_the_fault_free_losses_through_a_sigkill(tm
     assert re.search(rf"rank {rank} crashed \(killed by SIGKILL\)", text), text[-3000:]
     survivors = sorted(set(range(4)) - {rank})
     for r in survivors:
-        assert lines.get(r) == fault_free, (r, lines.get(r), fault_free)
+        assert lines.get(r) == fault_free, _unlike(text, r, lines.get(r), fault_free)
     # (the fault's step counts iterations from 0: the rank printed steps 1..step before it died)
     assert set(lines.get(rank, {})) == set(range(1, step + 1)), sorted(lines.get(rank, {}))
     # save_checkpoint every other step went on after the failure: the last tag is the last even step
@@ -105,7 +117,7 @@ def test_its_own_data_iter_through_a_sigkill_and_a_rejoin(tmp_path, data_iter_fa
     assert code == 0, text[-6000:]
     assert "rank 1 re-joins" in text, text[-3000:]
     for r in (0, 2, 3):
-        assert lines.get(r) == reference, (r, lines.get(r), reference)
+        assert lines.get(r) == reference, _unlike(text, r, lines.get(r), reference)
     assert lines[1] == {s: reference[s] for s in lines[1]} and steps in lines[1], lines[1]
     skipped = re.search(r"relaunched at iteration (\d+): skipped the first (\d+) items", text)
     assert skipped and int(skipped.group(2)) == int(skipped.group(1)) * 4 > 0, text[-3000:]  # 4 micro-batches a step
