@@ -7,14 +7,26 @@ deepspeed. :class:`AsyncCheckpointWriter` writes the files like this:
 
 * ``save(state_dict, path)`` copies every tensor to host memory at once (a snapshot: training may
   go on and mutate the live tensors), then a background thread ``torch.save`` s it to
-  ``path + ".tmp-<pid>"`` and ``os.replace`` s it to ``path``: a reader never sees a torn file, and
-  a crash leaves only a ``.tmp-*`` file that DeepSpeed's loaders never glob.
-* ``commit(info)`` waits (bounded) for this rank's writes of that tag, then writes the marker
-  ``<save_dir>/<tag>/.complete-rank<R>``, naming the ranks expected to mark the tag (every rank,
-  or after a failure the survivors: :attr:`AsyncCheckpointWriter.participants`).
+  ``path + ".tmp-<pid>"`` (counting its size and CRC-32 on the way), fsyncs it and ``os.replace``
+  s it to ``path``: a reader never sees a torn file, and a crash leaves only a ``.tmp-*`` file that
+  DeepSpeed's loaders never glob.
+* Before a tag's first file, the background thread writes ``<tag>/.saving-rank<R>`` (durably):
+  a tag with it and no marker is a save that never finished, not DeepSpeed's own files.
+* ``commit(info)`` waits (bounded) for this rank's writes of that tag, fsyncs the directories they
+  were renamed in (and the save directory, which holds the tag's entry), then writes the marker
+  ``<save_dir>/<tag>/.complete-rank<R>`` durably (tmp, fsync, rename, directory fsync), naming the
+  ranks expected to mark the tag (every rank, or after a failure the survivors:
+  :attr:`AsyncCheckpointWriter.participants`) and each file's size and CRC-32; then it removes
+  ``.saving-rank<R>``.
 * The finalizer (global rank 0, or the first survivor once it died) writes ``<save_dir>/latest``
-  (atomically) only once every expected rank's marker of a tag exists, and then deletes complete
-  tags older than the newest ``keep_last`` complete ones.
+  (durably, the same way) only once every expected rank's marker of a tag exists and its files
+  have the recorded sizes, and then deletes complete tags older than the newest ``keep_last``
+  complete ones.
+
+So the order on disk is data, data fsync, rename, directory fsync, marker, ``latest``: after a
+machine crash ``latest`` never names files whose bytes did not reach the disk. A load of
+``latest`` goes through :func:`~ds_resilience.checkpoint.tag_check.resolve_load_tag`, which falls
+back to the newest complete tag when the one ``latest`` names is not (see :mod:`.tag_check`).
 * :meth:`~AsyncCheckpointWriter.poll` commits what has finished without blocking;
   :meth:`~AsyncCheckpointWriter.flush` (collective) and ``wait()`` force the commits.
 
@@ -29,17 +41,19 @@ import concurrent.futures as cf
 import copy
 import json
 import os
-import re
 import shutil
 import threading
 import time
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
+from ..durable import fsync_dir
 from ..errors import ResilienceError
+from .tag_check import MARKER_PREFIX, SAVING_PREFIX, complete_tags, latest_complete_tag, resolve_load_tag
 
 __all__ = [
     "AsyncCheckpointWriter",
@@ -47,10 +61,10 @@ __all__ = [
     "CommitInfo",
     "complete_tags",
     "latest_complete_tag",
+    "resolve_load_tag",
 ]
 
 ENGINE_NAME = "AsyncPersistentCheckpointEngine"
-MARKER_PREFIX = ".complete-rank"
 DEFAULT_TIMEOUT_S = 600.0
 
 # path -> future of the write in flight, shared by every engine of this process, so a load (by any
@@ -112,63 +126,32 @@ def _snapshot(obj: Any, memo: dict[int, Any]) -> Any:
 
 
 def _atomic_write_text(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` atomically and durably: tmp file, fsync, rename, directory fsync."""
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as fd:
         fd.write(text)
         fd.flush()
         os.fsync(fd.fileno())
     os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path) or ".")
 
 
-def _read_markers(tag_dir: str) -> dict[int, dict]:
-    out: dict[int, dict] = {}
-    try:
-        names = os.listdir(tag_dir)
-    except OSError:
-        return out
-    for name in names:
-        if name.startswith(MARKER_PREFIX) and ".tmp-" not in name:
-            try:
-                rank = int(name[len(MARKER_PREFIX):])
-                with open(os.path.join(tag_dir, name)) as fd:
-                    out[rank] = json.load(fd)
-            except (ValueError, OSError):
-                continue
-    return out
+class _Counting:
+    """A write-only file wrapper that counts the bytes and their CRC-32 as ``torch.save`` writes them."""
 
+    def __init__(self, f) -> None:
+        self._f = f
+        self.size = 0
+        self.crc32 = 0
 
-def complete_tags(save_dir: str, world_size: int) -> list[str]:
-    """Tags of ``save_dir`` with a completion marker of every expected rank, oldest first (ordered
-    by the time their save began). The expected ranks are those the markers name (the survivors that
-    saved the tag); markers that name none expect every rank ``0..world_size-1``."""
-    found = []
-    try:
-        names = os.listdir(save_dir)
-    except OSError:
-        return []
-    for tag in names:
-        tag_dir = os.path.join(save_dir, tag)
-        if not os.path.isdir(tag_dir):
-            continue
-        markers = _read_markers(tag_dir)
-        named = {int(r) for m in markers.values() for r in (m.get("expected") or ())}
-        expected = named or set(range(world_size))
-        if markers and all(r in markers for r in expected):
-            created = max(int(m.get("created_ns", 0)) for m in markers.values())
-            found.append((created, _step_of(tag), tag))
-    found.sort()
-    return [t for *_, t in found]
+    def write(self, data) -> int:
+        n = self._f.write(data)
+        self.crc32 = zlib.crc32(data, self.crc32)
+        self.size += memoryview(data).nbytes
+        return n
 
-
-def latest_complete_tag(save_dir: str, world_size: int) -> str | None:
-    """The newest tag complete for every rank, or None."""
-    tags = complete_tags(save_dir, world_size)
-    return tags[-1] if tags else None
-
-
-def _step_of(tag: str) -> int:
-    m = re.fullmatch(r"global_step(\d+)", tag)
-    return int(m.group(1)) if m else -1
+    def flush(self) -> None:
+        self._f.flush()
 
 
 class _PendingTag:
@@ -237,6 +220,10 @@ class AsyncCheckpointWriter:
         snapshot = _snapshot(state_dict, {})  # synchronous: the live tensors may change after return
         # register while holding the lock: the writer's own cleanup takes it too, so a write that
         # finishes (or fails) at once cannot unregister before it is registered
+        with self._lock:
+            current = self._current
+            if current is not None and not current.writes:  # the tag's first file: say a save began
+                self._executor.submit(self._begin, os.path.join(current.info.save_dir, current.info.tag))
         with _INFLIGHT_LOCK:
             future = self._executor.submit(self._write, snapshot, path)
             _INFLIGHT[path] = future
@@ -289,9 +276,18 @@ class AsyncCheckpointWriter:
         rank, world = _rank_world()
         tag_dir = os.path.join(entry.info.save_dir, entry.info.tag)
         os.makedirs(tag_dir, exist_ok=True)
+        # the renames of the data files, and the tag's own entry, reach the disk before the marker
+        for d in sorted({os.path.dirname(p) or "." for p, _ in entry.writes} | {tag_dir, entry.info.save_dir}):
+            fsync_dir(d)
+        checks = {os.path.basename(p): f.result() for p, f in entry.writes if isinstance(f.result(), dict)}
         marker = {"rank": rank, "world_size": world, "tag": entry.info.tag, "created_ns": entry.created_ns,
-                  "files": [os.path.basename(p) for p, _ in entry.writes], "expected": self._expected()}
-        _atomic_write_text(os.path.join(tag_dir, f"{MARKER_PREFIX}{rank}"), json.dumps(marker))
+                  "files": [os.path.basename(p) for p, _ in entry.writes], "expected": self._expected(),
+                  "checks": checks}
+        self._write_marker(os.path.join(tag_dir, f"{MARKER_PREFIX}{rank}"), marker)
+        try:
+            os.unlink(os.path.join(tag_dir, f"{SAVING_PREFIX}{rank}"))  # the marker says it all now
+        except OSError:
+            pass
         with self._lock:
             self._pending.pop((entry.info.save_dir, entry.info.tag), None)
             if self._current is entry:
@@ -362,7 +358,25 @@ class AsyncCheckpointWriter:
                 return
             time.sleep(0.05)
 
+    def resolve_load_tag(self, load_dir: str, tag=None, *, checksums: bool = True):
+        """The tag a load of ``load_dir`` should read (see
+        :func:`~ds_resilience.checkpoint.tag_check.resolve_load_tag`): ``latest``'s tag, or the
+        newest complete one when that is incomplete (logged); call after :meth:`flush`."""
+        return resolve_load_tag(load_dir, tag, _rank_world()[1], checksums=checksums)
+
     # --- internals -----------------------------------------------------------------------------
+    def _begin(self, tag_dir: str) -> None:
+        """``<tag>/.saving-rank<R>``, durably, before the tag's data: a tag left with neither a
+        marker nor this file is not ours (DeepSpeed's own files, an export), one with it is a save
+        that never finished."""
+        os.makedirs(tag_dir, exist_ok=True)
+        _atomic_write_text(os.path.join(tag_dir, f"{SAVING_PREFIX}{_rank_world()[0]}"), "")
+        fsync_dir(os.path.dirname(tag_dir) or ".")
+
+    def _write_marker(self, path: str, marker: dict) -> None:
+        """The commit point of a rank's part of a tag (after its data files are durable)."""
+        _atomic_write_text(path, json.dumps(marker))
+
     def _find(self, info) -> _PendingTag | None:
         with self._lock:
             if _is_commit_info(info):
@@ -374,16 +388,23 @@ class AsyncCheckpointWriter:
                     return entry
         return None
 
-    def _write(self, snapshot, path: str) -> None:
+    def _write(self, snapshot, path: str) -> dict:
+        """Write ``path`` (tmp file, fsync, rename); returns its size and CRC-32 for the marker. The
+        directory is fsynced by :meth:`commit`, once per tag, before the marker."""
         t0 = time.perf_counter()
         tmp = f"{path}.tmp-{os.getpid()}"
         try:
-            torch.save(snapshot, tmp, _use_new_zipfile_serialization=self.zipfile_serialization)
+            with open(tmp, "wb") as f:
+                out = _Counting(f)
+                torch.save(snapshot, out, _use_new_zipfile_serialization=self.zipfile_serialization)
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(tmp, path)
         finally:
             with _INFLIGHT_LOCK:
                 _INFLIGHT.pop(path, None)
         self.write_seconds.append(time.perf_counter() - t0)
+        return {"size": out.size, "crc32": out.crc32}
 
     @staticmethod
     def _result(path: str, future: cf.Future, timeout: float) -> None:

@@ -22,6 +22,11 @@ How it hooks into DeepSpeed 0.19.8 (``runtime/engine.py``):
   (research note pitfall 4), so there is exactly one copy.
 * ``is_data_parallel_writer`` is the base rule (DP rank 0), so ``save_non_zero_checkpoint``,
   derived from it once at engine init, stays right when the engine is swapped in later.
+* ``load_checkpoint`` reads ``latest`` with a plain ``open``, so :func:`install` also wraps
+  ``engine.load_checkpoint``: it flushes this engine's saves (collective, as the load is), then
+  passes the tag :meth:`~AsyncPersistentCheckpointEngine.resolve_load_tag` picks: ``latest``'s, or
+  the newest complete tag when that one is incomplete (a truncated file, a missing marker; logged
+  with what was wrong), and a clear error when no complete tag exists.
 """
 
 from __future__ import annotations
@@ -87,7 +92,25 @@ def install(engine, *, keep_last: int = 2, timeout_s: float = DEFAULT_TIMEOUT_S)
 
         _take_model_step.__ds_resilience_orig__ = orig
         engine._take_model_step = _take_model_step
+    load = getattr(engine, "load_checkpoint", None)
+    if load is not None:
+        engine.load_checkpoint = _checked_load(engine, getattr(load, "__ds_resilience_orig__", load))
     return ce
+
+
+def _checked_load(engine, orig):
+    """``engine.load_checkpoint`` that never reads an incomplete tag through ``latest``."""
+
+    def load_checkpoint(load_dir, tag=None, *args, **kwargs):
+        ce = engine.checkpoint_engine
+        universal = getattr(engine, "load_universal_checkpoint", lambda: False)()
+        if isinstance(ce, AsyncPersistentCheckpointEngine) and not universal:
+            ce.flush()  # this job's own saves are committed and `latest` is current
+            tag = ce.resolve_load_tag(load_dir, tag)
+        return orig(load_dir, tag, *args, **kwargs)
+
+    load_checkpoint.__ds_resilience_orig__ = orig
+    return load_checkpoint
 
 
 def _finish_at_exit(ref: "weakref.ref[AsyncPersistentCheckpointEngine]") -> None:
