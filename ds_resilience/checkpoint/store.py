@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from ..durable import fsync_dir
 from ..errors import ResilienceError
 from ..kernels.checksum import checksum_reference
 from ..accelerator import on_device
@@ -141,11 +142,24 @@ def _parse_layout(data: bytes, owner: str, step: int) -> Layout:
         raise CheckpointCorrupt(f"{owner}@{step}: {exc}") from None
 
 
-def _write_atomic(path: Path, data: bytes | memoryview) -> None:
+def _write_atomic(path: Path, data: bytes | memoryview, durable: bool = False) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "wb") as f:
         f.write(data)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, path)
+    if durable:
+        fsync_dir(path.parent)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # also writes back the pages of a shared mapping of the file
+    finally:
+        os.close(fd)
 
 
 class SnapshotStore:
@@ -161,10 +175,14 @@ class SnapshotStore:
         keep_mapped: keep each payload file's shared mapping while the store holds the file, and
             with it the page-locking a device state's copy needs (``cudaHostRegister``), so a
             recycled file costs neither again; ``False`` maps and page-locks per snapshot.
+        durable: a disk tier: payload and layout are fsynced, and their directory, before the
+            manifest is written (itself fsynced), so after a machine crash a manifest never names
+            bytes that did not reach the disk (tmpfs has nothing to sync: off by default).
     """
 
     def __init__(self, root: Path | str | None = None, *, keep: int = 2, job_id: str = "default",
-                 pipeline: StagingPipeline | None = None, recycle: bool = True, keep_mapped: bool = True) -> None:
+                 pipeline: StagingPipeline | None = None, recycle: bool = True, keep_mapped: bool = True,
+                 durable: bool = False) -> None:
         if keep < 1:
             raise CheckpointError(f"keep must be >= 1, got {keep}")
         self.root = Path(root) if root is not None else self.default_root(job_id)
@@ -183,6 +201,7 @@ class SnapshotStore:
         self._metas: dict[tuple[str, int], tuple[TensorMeta, ...]] = {}
         self.reused = 0
         self.recycle = recycle
+        self.durable = durable
         self._pins: dict[tuple[str, int], int] = {}  # versions mapped by open_version: never recycled
 
     @staticmethod
@@ -210,7 +229,10 @@ class SnapshotStore:
     def _commit(self, vdir: Path, owner: str, step: int, nbytes: int, checksum: int, layout_bytes: bytes) -> SnapshotInfo:
         manifest = {"format": 1, "owner": owner, "step": step, "nbytes": nbytes, "checksum": checksum,
                     "layout_sha256": hashlib.sha256(layout_bytes).hexdigest()}
-        _write_atomic(vdir / MANIFEST, json.dumps(manifest, sort_keys=True).encode())
+        if self.durable:  # the payload's and layout's renames reach the disk before the manifest
+            fsync_dir(vdir)
+            fsync_dir(vdir.parent)
+        _write_atomic(vdir / MANIFEST, json.dumps(manifest, sort_keys=True).encode(), self.durable)
         info = SnapshotInfo(owner, step, nbytes, checksum, vdir)
         self._verified[(owner, step)] = self._stats(vdir)  # we just wrote and checksummed these bytes
         self._prune(owner, step)
@@ -267,10 +289,12 @@ class SnapshotStore:
         if checksum is None:
             checksum = checksum_reference(
                 torch.from_file(str(pending.tmp), shared=False, size=pending.layout.nbytes, dtype=torch.uint8))
+        if self.durable:
+            _fsync_file(pending.tmp)
         os.replace(pending.tmp, pending.vdir / PAYLOAD)
         self._metas[(pending.owner, pending.step)] = pending.layout.tensors
         layout_bytes = pending.layout.to_json()
-        _write_atomic(pending.vdir / LAYOUT, layout_bytes)
+        _write_atomic(pending.vdir / LAYOUT, layout_bytes, self.durable)
         return self._commit(pending.vdir, pending.owner, pending.step, pending.layout.nbytes, checksum, layout_bytes)
 
     def receive(self, owner: str, step: int, nbytes: int, layout_bytes: bytes, checksum: int,
@@ -318,11 +342,13 @@ class SnapshotStore:
                 except OSError:
                     break
             raise
+        if self.durable:
+            _fsync_file(tmp)
         self._begin(owner, step)  # verified: only now does a held version of this step stop existing
         os.replace(tmp, vdir / PAYLOAD)
         if mapping is not None:
             self._hold(owner, step, mapping)
-        _write_atomic(vdir / LAYOUT, bytes(layout_bytes))
+        _write_atomic(vdir / LAYOUT, bytes(layout_bytes), self.durable)
         self._metas[(owner, step)] = metas
         return self._commit(vdir, owner, step, nbytes, checksum, bytes(layout_bytes))
 
