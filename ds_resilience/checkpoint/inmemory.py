@@ -19,7 +19,11 @@
 
 Placement: ranks ``r`` live on machine ``r // ranks_per_machine``; Gemini's group placement of the
 machines (``planning/placement.py``) decides which machines hold each machine's snapshots, and
-rank ``r``'s replicas go to the ranks with its local index on those machines.
+rank ``r``'s replicas go to the ranks with its local index on those machines (``targets.py``).
+When ranks fail (:meth:`InMemoryCheckpointer.drop`), the placement is recomputed over the machines
+left at the next iteration boundary (:meth:`InMemoryCheckpointer.at_boundary`) and a background
+thread switches the replicator to it: a replica target that died is replaced, so a second failure
+loses at most the iteration in flight.
 """
 
 from __future__ import annotations
@@ -42,12 +46,12 @@ from ..comm.transport import recv_header, recv_payload, send_message
 from ..config import CheckpointConfig
 from ..errors import ConfigError
 from ..launch import DEFAULT_HOST_DIR, snapshot_root
-from ..planning.placement import place
 from .interval import SnapshotInterval
 from .replication import IdleGate, Replicator
 from .restore_plan import LOCAL, PEER, PERSISTENT, RestorePlan, plan_restore
 from .staging import StagingPipeline
 from .store import CheckpointError, SnapshotStore
+from .targets import RankTargets, replica_targets
 
 __all__ = ["DEFAULT_HOST_DIR", "InMemoryCheckpointer", "host_root", "owner_name"]
 
@@ -74,7 +78,7 @@ class InMemoryCheckpointer:
         name: unique name for this attempt's replication groups.
         replicate: build the replicator (a re-joining worker cannot: its peers' groups are gone).
         group_store, timeout_s: rendezvous store and per-message timeout of the replication groups.
-        exclude: ranks gone for good (lost before a re-grid): neither replicated to nor from.
+        exclude: ranks gone for good (lost before a re-grid): the placement is over the others.
         machine_key: sorts the machines, by their first rank, into the order in which group
             placement groups them (consecutive ones form a group; default: machine index). Under
             independent failures every grouping is equally good; the engine sorts pipeline-major,
@@ -91,6 +95,7 @@ class InMemoryCheckpointer:
                  machine_key: Callable[[int], Any] | None = None, exclude: Sequence[int] = ()) -> None:
         self.cfg, self.rank, self.world = cfg, rank, world
         self.timeout_s = timeout_s
+        self._cond = threading.Condition()
         rpm = cfg.ranks_per_machine or local_world_size
         if world % rpm:
             raise ConfigError("resilience.checkpoint.ranks_per_machine",
@@ -108,19 +113,16 @@ class InMemoryCheckpointer:
                 f"{cfg.replicas} copies need {cfg.replicas} machines, this job has {machines} ({world} ranks, "
                 f"{rpm} per machine); allowed: 1..{machines}, or fewer ranks_per_machine")
         self.rpm, self.machines = rpm, machines
-        self.machine, local = divmod(rank, rpm)
-        order = sorted(range(machines), key=lambda m: m if machine_key is None else machine_key(m * rpm))
-        self.placement = place(machines, cfg.replicas)  # over positions in ``order``
-        slot = {m: i for i, m in enumerate(order)}
-
-        def holders(m: int) -> list[int]:
-            return [order[h] for h in self.placement.stored_on(slot[m])]
-
-        self.holders = {m: holders(m) for m in range(machines)}
-        gone = set(exclude)
-        self.send_to = [h * rpm + local for h in self.holders[self.machine] if h != self.machine and h * rpm + local not in gone]
-        self.recv_from = [m * rpm + local for m in range(machines)
-                          if m != self.machine and self.machine in self.holders[m] and m * rpm + local not in gone]
+        self.machine = rank // rpm
+        self.machine_key = machine_key
+        self.name = name
+        self.group_store = group_store
+        self._replicate = replicate
+        self._gone = frozenset(int(r) for r in exclude)  # the ranks the current placement leaves out
+        self._failed: set[int] = set(self._gone)  # every rank reported failed (grows; applied at a boundary)
+        self.placement_map = self._targets(self._gone)
+        mine = self.placement_map.get(rank, RankTargets(send_to=(), recv_from=()))
+        self.send_to, self.recv_from = list(mine.send_to), list(mine.recv_from)
         self.root = host_root(cfg.host_dir, job_id)
         pipeline = StagingPipeline(cfg.gpu_buffer_mb, cfg.num_sub_buffers)
         self.store = SnapshotStore(self.root / f"machine{self.machine}", keep=2, pipeline=pipeline)
@@ -131,11 +133,11 @@ class InMemoryCheckpointer:
         self.gate = IdleGate(enabled=cfg.interleave)
         self.replicator: Replicator | None = None
         if replicate and self.send_to + self.recv_from:
-            self.replicator = Replicator(self.store, rank=rank, owner_of=owner_name, send_to=self.send_to,
-                                         recv_from=self.recv_from, name=name,
-                                         chunk_bytes=max(64, int(cfg.chunk_mb * (1 << 20)) // 64 * 64),
-                                         timeout_s=timeout_s, gate=self.gate, group_store=group_store,
-                                         interface=cfg.interface)
+            self.replicator = self._replicator(mine, name)
+        self.placements = 0  # re-placements switched to (after failures)
+        self._switch_to: frozenset[int] | None = None  # the placement the switch thread is asked for
+        self._switch_busy = False
+        self._switcher: threading.Thread | None = None
         # one schedule for every rank of the attempt: grows when captures exceed the budget
         self.schedule = SnapshotInterval(cfg.interval, store=group_store, key=store_keys.snapshot_interval(name), rank=rank)
         self._noted_step = 0
@@ -146,10 +148,123 @@ class InMemoryCheckpointer:
         self.last_captured: int | None = None
         self.persisted: int | None = None
         self.errors: list[str] = []
+        self._closing = False
         self._commits: queue.Queue = queue.Queue()
-        self._cond = threading.Condition()
         self._committer = threading.Thread(target=self._commit_loop, name="dsr-ckpt-commit", daemon=True)
         self._committer.start()
+
+    # --- placement ---------------------------------------------------------------------------------
+    def _targets(self, gone: frozenset[int]) -> dict[int, RankTargets]:
+        return replica_targets(self.world, self.rpm, self.cfg.replicas, gone=gone, machine_key=self.machine_key)
+
+    def _replicator(self, mine: RankTargets, name: str, old: Replicator | None = None) -> Replicator:
+        return Replicator(self.store, rank=self.rank, owner_of=owner_name, send_to=mine.send_to,
+                          recv_from=mine.recv_from, name=name,
+                          chunk_bytes=max(64, int(self.cfg.chunk_mb * (1 << 20)) // 64 * 64),
+                          timeout_s=self.timeout_s, gate=self.gate, group_store=self.group_store,
+                          interface=self.cfg.interface, stats=old.stats if old is not None else None,
+                          chunk_seconds=old.chunk_seconds if old is not None else 0.0)
+
+    def drop(self, ranks: Sequence[int]) -> None:
+        """Ranks that failed (any thread): stop replicating to them now (frees a thread blocked on
+        them); the placement over the machines left is applied at the next :meth:`at_boundary`."""
+        replicator = self.replicator
+        if replicator is not None:
+            replicator.drop(ranks)
+        with self._cond:
+            self._failed.update(int(r) for r in ranks)
+
+    def at_boundary(self) -> None:
+        """An iteration boundary (the training thread; never blocks): when ranks failed since the
+        current placement was made and the placement over the machines left differs, a background
+        thread replaces the replicator by one for the new placement (every survivor does the same
+        at its own boundary: the new pair groups rendezvous by name)."""
+        with self._cond:
+            if not self._replicate or self._failed <= self._gone or self.rank in self._failed:
+                return
+            gone = frozenset(self._failed)
+        new = self._targets(gone)
+        alive = set(new)
+        if {r: t for r, t in self.placement_map.items() if r in alive} == new:
+            with self._cond:
+                self._gone = gone  # the failed ranks were nobody's target (nor source)
+            return
+        logger.info("rank %d: ranks %s failed: replicas re-placed over the %d machines left: sends to %s "
+                    "(was %s), receives from %s", self.rank, sorted(gone - self._gone),
+                    len({r // self.rpm for r in alive}), list(new[self.rank].send_to), self.send_to,
+                    list(new[self.rank].recv_from))
+        with self._cond:
+            self._gone, self.placement_map = gone, new
+            self.send_to, self.recv_from = list(new[self.rank].send_to), list(new[self.rank].recv_from)
+            self._switch_to = gone
+            self._switch_busy = True
+            if self._switcher is None:
+                self._switcher = threading.Thread(target=self._switch_loop, name="dsr-repl-place", daemon=True)
+                self._switcher.start()
+            self._cond.notify_all()
+
+    def _switch_loop(self) -> None:
+        while True:
+            with self._cond:
+                while self._switch_to is None:
+                    self._cond.wait()
+                gone, self._switch_to = self._switch_to, None
+                closing = self._closing
+            old = self.replicator
+            if old is not None:
+                old.abort()
+            self.replicator = None
+            if closing:
+                with self._cond:
+                    self._switch_busy = False
+                    self._cond.notify_all()
+                return
+            mine = self._targets(gone).get(self.rank, RankTargets(send_to=(), recv_from=()))
+            name = f"{self.name}/placed-{'-'.join(map(str, sorted(gone)))}"
+            new = None
+            if mine.send_to or mine.recv_from:
+                try:
+                    new = self._replicator(mine, name, old)
+                except Exception as exc:  # noqa: BLE001 - a peer gone meanwhile: the next failure re-places
+                    self.errors.append(f"{self.owner}: re-placement without ranks {sorted(gone)}: {exc}")
+                    logger.warning("rank %d: replicator for the placement without ranks %s not built: %s",
+                                   self.rank, sorted(gone), exc)
+            with self._cond:
+                self.replicator = new
+                self.placements += 1
+                if self._switch_to is None:
+                    self._switch_busy = False
+                self._cond.notify_all()
+                committed = self.committed
+            if new is not None and committed is not None:
+                new.offer(committed)  # the newest version goes to the new holders at once
+
+    @property
+    def replicating(self) -> bool:
+        """Whether this rank replicates (or is switching to a new placement's replicator)."""
+        return self.replicator is not None or self._switch_busy
+
+    def wait_placed(self, timeout_s: float) -> bool:
+        """Block until no re-placement is in progress (its replicator built), or the timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._switch_busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def wait_replicated(self, step: int, timeout_s: float) -> bool:
+        """Block until version ``step`` (or newer) reached every live holder of the current
+        placement (after a re-placement in progress), or the timeout."""
+        deadline = time.monotonic() + timeout_s
+        if not self.wait_placed(timeout_s):
+            return False
+        replicator = self.replicator
+        if replicator is None:
+            return not (self._replicate and (self.send_to or self.recv_from))
+        return replicator.wait_replicated(step, max(0.0, deadline - time.monotonic()))
 
     # --- capture -------------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
@@ -287,6 +402,10 @@ class InMemoryCheckpointer:
         self.gate.open(None)  # training is over: the last version may use the link freely
         self._commits.put(None)
         self._committer.join(30.0)
+        with self._cond:
+            self._closing = True  # a re-placement not started yet is not built any more
+            self._cond.notify_all()
+        self.wait_placed(self.timeout_s)  # one being built is closed with the others
         if self.replicator is not None:
             self.replicator.close()
 

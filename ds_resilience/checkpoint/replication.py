@@ -16,6 +16,14 @@ chunk (its measured send time); the engine opens the gate while it runs an actio
 as link-idle (``ir/windows.py``), for the measured length of that action times ``idle_fraction``. When
 the spans are too short for a version, it simply takes more iterations: the sender always sends the
 newest committed version when it starts one, so intermediate versions are skipped, never queued.
+A chunk slower than every span of the last two iterations still goes in their longest one (the
+gate's ``longest`` forgets older iterations, see :meth:`IdleGate.mark_iteration`), so a chunk time
+measured while the machine was loaded cannot starve replication once the iterations got shorter.
+
+Re-placement: a replicator serves one placement. When a peer fails, the checkpointer builds a new
+one for the placement over the machines left (new pair groups, under a new name) and
+:meth:`Replicator.abort` ends the old one at once: its pairs are closed, a version in flight is
+abandoned (the receiver keeps its previous one) and the new replicator sends the newest version.
 """
 
 from __future__ import annotations
@@ -47,8 +55,9 @@ class IdleGate:
     """Lets replication chunks through only while the training link is idle.
 
     ``open(seconds)`` starts an idle span that ends after ``seconds`` (``None``: unknown length) or
-    at ``close()``; :meth:`acquire` blocks until a span has at least the time one chunk needs. A
-    disabled gate (``interleave: false``) is always open.
+    at ``close()``; :meth:`acquire` blocks until a span has at least the time one chunk needs, or
+    half the longest span of this and the previous iteration (:meth:`mark_iteration`). A disabled
+    gate (``interleave: false``) is always open.
     """
 
     def __init__(self, enabled: bool = True) -> None:
@@ -56,13 +65,30 @@ class IdleGate:
         self._cond = threading.Condition()
         self._deadline: float | None = None  # monotonic end of the open span; None: closed
         self._stopped = False
-        self.longest = 0.0  # the longest span opened: a chunk slower than every span still goes in it
+        # the longest span opened in this iteration and the previous one: a chunk slower than every
+        # span still goes in it (an all-time longest kept a chunk time measured under load above
+        # every later span: replication starved)
+        self._longest_now = 0.0
+        self._longest_before = 0.0
+
+    @property
+    def longest(self) -> float:
+        return max(self._longest_now, self._longest_before)
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
+    def mark_iteration(self) -> None:
+        """An iteration boundary: spans older than the previous iteration stop counting."""
+        with self._cond:
+            self._longest_before, self._longest_now = self._longest_now, 0.0
 
     def open(self, seconds: float | None) -> None:
         with self._cond:
             self._deadline = float("inf") if seconds is None else time.monotonic() + seconds
             if seconds is not None:
-                self.longest = max(self.longest, seconds)
+                self._longest_now = max(self._longest_now, seconds)
             self._cond.notify_all()
 
     def close(self) -> None:
@@ -74,16 +100,23 @@ class IdleGate:
             self._stopped = True
             self._cond.notify_all()
 
-    def acquire(self, need_s: float) -> bool:
-        """Wait for an open span with ``need_s`` seconds left; ``False`` once stopped."""
+    def acquire(self, need_s: float, timeout_s: float | None = None) -> bool:
+        """Wait for an open span with ``need_s`` seconds left; ``False`` once stopped, or after
+        ``timeout_s`` (``None``: no limit)."""
         if not self.enabled:
             return not self._stopped
+        end = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
             while not self._stopped:
-                need = min(need_s, 0.5 * self.longest) if self.longest > 0 else need_s
-                if self._deadline is not None and self._deadline - time.monotonic() >= need:
+                longest = self.longest
+                need = min(need_s, 0.5 * longest) if longest > 0 else need_s
+                now = time.monotonic()
+                if self._deadline is not None and self._deadline - now >= need:
                     return True
-                self._cond.wait(0.005 if self._deadline is not None else 0.1)
+                if end is not None and now >= end:
+                    return False
+                wait = 0.005 if self._deadline is not None else 0.1
+                self._cond.wait(wait if end is None else max(0.0, min(wait, end - now)))
             return False
 
 
@@ -117,24 +150,27 @@ class Replicator:
         gate: the idle gate (default: always open).
         group_store: the store the pair groups rendezvous in (default: the default group's).
         interface: the network interface the pair groups use (``checkpoint.interface``).
+        stats, chunk_seconds: carried over from the replicator of the previous placement.
     """
 
     def __init__(self, store: SnapshotStore, *, rank: int, owner_of: Callable[[int], str], send_to: Sequence[int],
                  recv_from: Sequence[int], name: str, chunk_bytes: int, timeout_s: float = 60.0,
-                 gate: IdleGate | None = None, group_store=None, interface: str | None = None) -> None:
+                 gate: IdleGate | None = None, group_store=None, interface: str | None = None,
+                 stats: ReplicationStats | None = None, chunk_seconds: float = 0.0) -> None:
         if chunk_bytes < 64:
             raise CheckpointError(f"replication chunk must be at least 64 bytes, got {chunk_bytes}")
         self.store, self.rank, self.owner_of = store, rank, owner_of
         self.send_to, self.recv_from = tuple(send_to), tuple(recv_from)
         self.chunk_bytes = chunk_bytes
         self.gate = gate or IdleGate(enabled=False)
-        self.stats = ReplicationStats()
-        self.chunk_seconds = 0.0  # measured time of one chunk (moving average), what a span must hold
+        self.stats = stats if stats is not None else ReplicationStats()
+        self.chunk_seconds = chunk_seconds  # measured time of one chunk (moving average), what a span must hold
         self._cond = threading.Condition()
         self._offered: int | None = None
         self._sent: int | None = None
         self._current: int | None = None  # the step being sent
         self._closing = False
+        self._aborted = False
         self._dead: set[int] = set()
         self._groups: dict[int, Group] = {}
         for peer in sorted(set(self.send_to) | set(self.recv_from)):  # global order: (min, max) pairs
@@ -173,6 +209,18 @@ class Replicator:
                 self._dead.add(r)
                 self._groups[r].poison()
 
+    def abort(self) -> None:
+        """Replaced by another placement's replicator: stop now, without waiting (the version in
+        flight is abandoned; its receivers keep their previous version) and without touching the
+        shared gate. Closing the pairs frees the peers' threads on them too."""
+        with self._cond:
+            self._aborted = self._closing = True
+            self._cond.notify_all()
+        for peer, group in self._groups.items():
+            if peer not in self._dead:
+                self._dead.add(peer)
+                group.poison()
+
     def close(self, timeout_s: float = 5.0) -> None:
         """Finish the version in flight (up to ``timeout_s``), say goodbye, and stop the threads."""
         with self._cond:
@@ -196,14 +244,15 @@ class Replicator:
             with self._cond:
                 while not self._closing and (self._offered is None or self._offered == self._sent):
                     self._cond.wait()
-                if self._offered is None or self._offered == self._sent:
+                if self._aborted or self._offered is None or self._offered == self._sent:
                     break  # closing with nothing new
                 step = self._current = self._offered
             try:
                 self._send_version(owner, step)
             except Exception as exc:  # noqa: BLE001 - a replication error must never stop training
-                self.stats.errors.append(f"send {owner}@{step}: {exc}")
-                logger.warning("replication of %s@%d failed: %s", owner, step, exc)
+                if not self._aborted:
+                    self.stats.errors.append(f"send {owner}@{step}: {exc}")
+                    logger.warning("replication of %s@%d failed: %s", owner, step, exc)
             with self._cond:
                 self._current = None
                 self._sent = step if self._sent is None else max(self._sent, step)
@@ -231,7 +280,12 @@ class Replicator:
         fields = {"owner": owner, "step": step, "layout": layout.decode("utf-8")}
 
         def gate() -> bool:
-            return self.gate.acquire(self.chunk_seconds)
+            while not self._aborted:
+                if self.gate.acquire(self.chunk_seconds, timeout_s=0.25):
+                    return not self._aborted
+                if self.gate.stopped:
+                    return False
+            return False
 
         def measured(nbytes: int, seconds: float) -> None:
             self.chunk_seconds = seconds if not self.chunk_seconds else 0.8 * self.chunk_seconds + 0.2 * seconds
@@ -249,6 +303,8 @@ class Replicator:
             except Exception:
                 self._dead.add(dst)  # the pair is broken for good; recovery finds older replicas
                 raise
+        if self._aborted:
+            return
         self.stats.send_seconds += time.perf_counter() - started
         self.stats.versions_sent += 1
 
@@ -282,9 +338,12 @@ class Replicator:
                 self.store.receive(owner, step, message.nbytes, layout.encode("utf-8"), message.checksum or 0, fill)
                 self.stats.versions_received += 1
             except CheckpointError as exc:
+                if self._aborted:
+                    return
                 self.stats.rejected += 1
                 self.stats.errors.append(f"recv {owner}@{step}: {exc}")
                 logger.warning("rejected replica %s@%d: %s", owner, step, exc)
             except Exception as exc:  # noqa: BLE001 - peer died mid-version: the previous one stays
-                self.stats.errors.append(f"recv {owner}@{step}: {exc}")
+                if not self._aborted:
+                    self.stats.errors.append(f"recv {owner}@{step}: {exc}")
                 return

@@ -89,7 +89,7 @@ class CheckpointTier:
 
     def action_window(self, index: int) -> ContextManager[None]:
         mem = self.memory
-        if mem is None or mem.replicator is None or index not in self._windows:
+        if mem is None or not mem.replicating or index not in self._windows:
             return contextlib.nullcontext()
         return self._window(index)
 
@@ -116,9 +116,15 @@ class CheckpointTier:
                 self.fault_hook("in_snapshot", steps)  # the copy into host memory is in flight
 
     def begin_iteration(self, schedule: Schedule, worker_index: int, cost: CostModel) -> None:
-        """Compute the replication windows when the schedule changed."""
+        """An iteration boundary: switch to the replica placement over the machines left when
+        peers failed (``inmemory.py``, in the background); compute the replication windows when
+        the schedule changed."""
         mem = self.memory
-        if mem is not None and mem.replicator is not None and mem.cfg.interleave and self._windows_of is not schedule:
+        if mem is None:
+            return
+        mem.at_boundary()
+        mem.gate.mark_iteration()
+        if mem.replicating and mem.cfg.interleave and self._windows_of is not schedule:
             self._windows = {w.index: w for w in replication_windows(schedule, worker_index, cost)}
             self._windows_of = schedule
             self._measured.clear()
@@ -153,12 +159,12 @@ class CheckpointTier:
         return True
 
     def drop(self, ranks) -> None:
-        """Peers that failed: stop replicating to them (frees a thread blocked on them), and take
-        their snapshot-interval needs out of the job's schedule (``checkpoint/interval.py``)."""
+        """Peers that failed: stop replicating to them (frees a thread blocked on them; at the next
+        iteration boundary the replicas are re-placed over the machines left), and take their
+        snapshot-interval needs out of the job's schedule (``checkpoint/interval.py``)."""
         if self.memory is None:
             return
-        if self.memory.replicator is not None:
-            self.memory.replicator.drop(ranks)
+        self.memory.drop(ranks)
         try:
             self.memory.schedule.forget(ranks)
         except Exception as exc:  # noqa: BLE001 - the store unreachable: the schedule keeps their needs
@@ -175,7 +181,7 @@ class CheckpointTier:
             mem.capture(step, self.state().to_tree())
         committed = mem.wait_committed(step)
         mem.gate.open(None)  # no training traffic any more: replicate freely
-        replicated = mem.replicator.wait_replicated(step, 5.0) if mem.replicator is not None else True
+        replicated = mem.wait_replicated(step, 5.0)
         return {"committed": committed, "replicated": replicated}
 
     def restore(self, stage_of: dict[int, int] | None) -> dict[str, Any]:
