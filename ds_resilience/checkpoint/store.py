@@ -31,10 +31,10 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from ..durable import fsync_dir
 from ..errors import ResilienceError
 from ..kernels.checksum import checksum_reference
 from ..accelerator import on_device
+from .disk_sync import fsync_dir, fsync_file
 from .layout import Layout, LayoutError, TensorMeta, unflatten
 from .staging import StagingPipeline, register_host, unregister_host
 
@@ -152,14 +152,6 @@ def _write_atomic(path: Path, data: bytes | memoryview, durable: bool = False) -
     os.replace(tmp, path)
     if durable:
         fsync_dir(path.parent)
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # also writes back the pages of a shared mapping of the file
-    finally:
-        os.close(fd)
 
 
 class SnapshotStore:
@@ -290,7 +282,7 @@ class SnapshotStore:
             checksum = checksum_reference(
                 torch.from_file(str(pending.tmp), shared=False, size=pending.layout.nbytes, dtype=torch.uint8))
         if self.durable:
-            _fsync_file(pending.tmp)
+            fsync_file(pending.tmp)
         os.replace(pending.tmp, pending.vdir / PAYLOAD)
         self._metas[(pending.owner, pending.step)] = pending.layout.tensors
         layout_bytes = pending.layout.to_json()
@@ -343,7 +335,7 @@ class SnapshotStore:
                     break
             raise
         if self.durable:
-            _fsync_file(tmp)
+            fsync_file(tmp)
         self._begin(owner, step)  # verified: only now does a held version of this step stop existing
         os.replace(tmp, vdir / PAYLOAD)
         if mapping is not None:
