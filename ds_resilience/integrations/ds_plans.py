@@ -31,7 +31,7 @@ from ..runtime.plan_agreement import PublisherLost, adopt_published, announce, a
 from ..runtime.recovery import Generation
 from ..topology import Topology, Worker
 
-__all__ = ["PlanAgreement", "PlanSettings", "adopting_provider", "agreed_plans", "first_generation", "healthy_schedule",
+__all__ = ["EnginePlans", "PlanAgreement", "PlanSettings", "adopting_provider", "agreed_plans", "first_generation", "healthy_schedule",
            "joined_plans", "plans_timeout_s", "publisher_failed", "replan", "schedule_provider"]
 
 log = get_logger(__name__)
@@ -60,6 +60,40 @@ class PlanAgreement:
     scope: str  # ``attempt<restart>[-grid<n>]``: one agreement per launch attempt and grid
     fire: Callable[[str, int], Any]  # the fault injector's ``maybe_fire``
     step: Callable[[], int]  # the optimizer steps taken
+
+
+@dataclass
+class EnginePlans:
+    """A worker's plan tables: the table of a build (0 at start, 1 after the self-profile), agreed
+    with the grid's first rank under the agent (``coordinator`` set) or built here otherwise, and a
+    re-joining worker's copy of the newest published one."""
+
+    settings: PlanSettings
+    rank: int
+    scope: str  # ``attempt<restart>[-grid<n>]`` under the agent
+    coordinator: Any | None  # the live stage's coordinator (its store carries the agreement)
+    fire: Callable[[str, int], Any]  # the fault injector's ``maybe_fire``
+    step: Callable[[], int]  # the optimizer steps taken
+    joined_record: dict | None = None  # what :meth:`joined` read
+
+    def agreement(self) -> PlanAgreement:
+        return PlanAgreement(settings=self.settings, store=self.coordinator.store, rank=self.rank, scope=self.scope,
+                             fire=self.fire, step=self.step)
+
+    def build(self, build: int, cost=None, solver: str | None = None) -> ScheduleProvider:
+        """The plan table and planner of ``build`` (:func:`agreed_plans` under the agent).
+
+        Raises:
+            PublisherLost: the publisher failed before it published (no rank took this build).
+        """
+        if self.coordinator is None:
+            return schedule_provider(self.settings, self.settings.config_dir, cost=cost, solver=solver)
+        return agreed_plans(self.agreement(), build, cost=cost, solver=solver)
+
+    def joined(self) -> ScheduleProvider | None:
+        """A re-joining worker's plans: rank 0's newest published (``None``: nothing published)."""
+        self.joined_record, provider = joined_plans(self.agreement())
+        return provider
 
 
 def schedule_provider(settings: PlanSettings, base_dir: Path | None, cost=None, solver: str | None = None,

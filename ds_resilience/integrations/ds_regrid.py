@@ -34,9 +34,7 @@ micro-batch as the first grid numbered it, layer), and the new engine takes the 
 from __future__ import annotations
 
 import json
-import logging
 import os
-import sys
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
@@ -45,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm.standin import init_stand_in
+from ..logs import get_logger
 from ..checkpoint.fetch import fetch_versions
 from ..checkpoint.inmemory import owner_name
 from ..checkpoint.layer_state import layer_trees, stage_state
@@ -69,7 +68,7 @@ HORIZON = 20
 """Iterations over which a re-grid must beat re-routing, its own pause (taken as two fault-free
 iterations) included, before the survivors re-form the grid around failures re-routing covers."""
 
-logger = logging.getLogger("ds_resilience.recovery")
+logger = get_logger("ds_resilience.recovery")
 
 
 class RegridError(ResilienceError):
@@ -173,7 +172,6 @@ def _module_class(bounds: tuple[int, ...]):
 
 def _log(engine: Any, text: str) -> None:
     logger.info("rank %d %s", engine.rank, text)
-    print(f"[ds_resilience] rank {engine.rank} {text}", file=sys.stderr, flush=True)
 
 
 def regrid(engine: Any, record: Any, plan: RecoveryPlan) -> None:

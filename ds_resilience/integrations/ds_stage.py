@@ -14,6 +14,7 @@ from typing import Any
 
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
+from ..errors import ConfigError
 from .ds_data import IteratorSource
 from .ds_fused_adam import align_bias_correction
 
@@ -143,3 +144,25 @@ def tied_layout(module: Any) -> tuple[tuple[tuple[int, ...], ...], dict[int, lis
                      for key in by_stages[stages] for attr in module.tied_weight_attrs[key]]
         params[g] = [p for p in params[g] if p.requires_grad]
     return groups, params
+
+
+def refuse_unsupported(model_parallel_size: int, module: Any, resilience: Any, micro_batches: int) -> None:
+    """What the engine cannot train resiliently, refused at construction with what to do instead."""
+    if model_parallel_size != 1:
+        raise ConfigError("resilience", "tensor parallelism is not supported yet (model_parallel_size must be 1)")
+    if getattr(module, "seed_layers", False):
+        raise ConfigError("PipelineModule(seed_layers=True)", "its per-layer seeds count the forwards a worker has "
+                          "run, which re-routing and activation recomputation change; ds_resilience seeds every "
+                          "micro-batch's forward from (resilience.seed, iteration, pipeline, micro-batch, stage) "
+                          "instead: build the module with seed_layers=False")
+    if resilience.microbatches is not None and resilience.microbatches != micro_batches:
+        raise ConfigError("resilience.microbatches",
+                          f"{resilience.microbatches} differs from gradient_accumulation_steps={micro_batches}")
+
+
+def refuse_unsupported_live(live: bool, zero_stage: int, resilience: Any) -> None:
+    """What the engine cannot recover from under the agent."""
+    if live and zero_stage == 1 and not resilience.checkpoint.enabled:
+        raise ConfigError("resilience.checkpoint.enabled", "false with zero_optimization.stage 1 under the agent: "
+                          "a dead replica's optimizer shard comes back from the in-memory snapshots; enable "
+                          "them, or use stage 0")

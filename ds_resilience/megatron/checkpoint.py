@@ -31,7 +31,6 @@ import torch.distributed as dist
 
 from .. import store_keys
 from ..errors import ResilienceError
-from ..topology import Worker
 
 __all__ = ["CHECKPOINT_VERSION", "TRACKER", "checkpoint_file", "load_checkpoint", "save_checkpoint", "write_shard"]
 

@@ -195,7 +195,7 @@ class ResilientForwardBackward:
             self.iteration = self.steps
             while self.iteration < target:
                 rt.losses = []
-                rt.live.iteration(lambda: self.iteration, lambda: self._run_actions(rt), self.cost)
+                rt.live.iteration(self.iteration, lambda: rt.executor.run(rt.live.actions), self.cost)
                 self.iteration += 1
             return True
 
@@ -205,12 +205,6 @@ class ResilientForwardBackward:
             return []
         self._reader.keep_from(self.iteration - 1)  # one back: a replay
         return rt.losses if ex.is_last else []
-
-    @staticmethod
-    def _run_actions(rt: _Runtime) -> None:
-        execute = rt.executor.execute
-        for action in rt.live.actions:
-            execute(action)
 
     def _step(self, *, zero_grad: bool = True, skip: bool = False) -> None:
         """The executor's step: the optimizer's, and the stage's step count (the tier's counters)."""

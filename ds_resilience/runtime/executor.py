@@ -307,12 +307,12 @@ class Executor:
         self.wstore = WeightGradStore(count_bytes=self.count_w_bytes)  # fresh peaks per iteration
 
     def run(self, actions: Sequence[Action]) -> IterationStats:
-        """Run a whole action list (one iteration) through the handler table (after
-        :meth:`begin_iteration`, which names its early receive posts)."""
+        """Run a whole action list (one iteration) through the handler table, between
+        :meth:`begin_iteration` (which names its early receive posts) and :meth:`end_iteration`
+        (``LiveStage.iteration`` calls both)."""
         started = time.perf_counter()
         for action in actions:
             self.execute(action)
-        self.end_iteration()
         self.stats.seconds = time.perf_counter() - started
         return self.stats
 

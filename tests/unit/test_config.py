@@ -492,17 +492,15 @@ def test_the_engine_picks_the_variant_before_pricing_the_step_check():
     which makes the unit model no longer equal ``CostModel.unit()``: the variant must be chosen from
     the configured costs first, or a job without a cost model would plan ``auto`` (about three times
     the first re-plan's time) on costs that cannot tell the variants apart."""
-    from types import SimpleNamespace
-
     from ds_resilience.costs import CostModel
-    from ds_resilience.integrations.ds_engine import ResilientPipelineEngine
+    from ds_resilience.integrations.ds_plans import PlanSettings, schedule_provider
     from ds_resilience.topology import Topology
 
     def provider(limit: float, cost=None, **config):
-        fake = SimpleNamespace(resilience=ResilienceConfig(max_failures=1, cost_model="unit", **config),
-                               gradient_clipping=lambda: limit, fp16_enabled=lambda: False,
-                               topology=Topology(dp=2, pp=2), micro_batches=4, tied_groups=[])
-        return ResilientPipelineEngine._schedule_provider(fake, None, cost=cost, solver="heuristic")
+        # what the engine's plans are built from (ds_engine._plan_settings)
+        settings = PlanSettings(config=ResilienceConfig(max_failures=1, cost_model="unit", **config),
+                                topology=Topology(dp=2, pp=2), microbatches=4, tied=[], clipping=limit > 0, fp16=False)
+        return schedule_provider(settings, None, cost=cost, solver="heuristic")
 
     clipped = provider(1.0)
     assert clipped.variant == "recycle" and clipped.cost.step_check == "speculative"

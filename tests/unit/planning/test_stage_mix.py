@@ -3,7 +3,6 @@ their fused backward (ds_resilience.planning.stage_mix), planned, bounded and ru
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
@@ -176,33 +175,31 @@ def test_the_solver_applies_the_same_margin_to_its_schedules():
 @pytest.mark.parametrize("schedule_name, failed, switched", [("decoupled", (), True), ("1f1b", (), False),
                                                             ("decoupled", (Worker(pipeline=1, stage=1),), False)])
 def test_after_the_profile_a_healthy_run_switches_to_the_profiled_fault_free_schedule(schedule_name, failed, switched):
-    """The engine's re-plan (``_replan``, after the self-profile) re-lists a healthy run's schedule
+    """The engine's re-plan (``_replan``, after the self-profile; ``ds_plans.healthy_schedule``) re-lists a healthy run's schedule
     with the profiled costs: ``schedule: decoupled`` starts fully split (unit costs) and runs the
     mixed schedule from the next iteration, and says so. 1F1B does not change, and a run that is
     re-routing around a failure keeps its plan (the profile is only taken when healthy)."""
-    from types import SimpleNamespace
-
-    from ds_resilience.integrations.ds_engine import ResilientPipelineEngine
+    from ds_resilience.integrations.ds_plans import healthy_schedule
     from ds_resilience.planning.generators import generate
     from ds_resilience.planning.provider import ScheduleProvider
     from ds_resilience.runtime.recovery import Generation
 
     topology = Topology(dp=2, pp=2)
     start = generate(schedule_name, 2, 2, 6, CostModel.unit())
-    engine = SimpleNamespace(generation=Generation(
-        epoch=0, topology=topology.without(failed), schedule=start, source="planner" if failed else "fault-free",
-        lookup_s=0.0, figures=None, groups=None))
-    engine.provider = ScheduleProvider.build(topology, 6, COSTLY_LAST, schedule=schedule_name, variant="recycle",
+    generation = Generation(epoch=0, topology=topology.without(failed), schedule=start,
+                            source="planner" if failed else "fault-free", lookup_s=0.0, figures=None, groups=None)
+    provider = ScheduleProvider.build(topology, 6, COSTLY_LAST, schedule=schedule_name, variant="recycle",
                                              solver="heuristic", time_limit_s=1.0, memory_cap=None, max_failures=0,
                                              all_coverable=False, cache_dir=None, workers=1)
-    said = ResilientPipelineEngine._healthy_schedule_from_profile(engine)
+    # what the engine's _adopt_plans does with the re-plan's table
+    generation, said = healthy_schedule(generation, provider)
     if switched:
-        assert _backwards(engine.generation.schedule) == {0: {"B", "W"}, 1: {"BW"}}
+        assert _backwards(generation.schedule) == {0: {"B", "W"}, 1: {"BW"}}
         assert said == ("; the healthy decoupled schedule re-listed with them (fused backward on stage(s) 1; "
                         "a split must be predicted 5.0% faster to run (fixed margin))")
-        assert engine.generation.epoch == 0 and engine.generation.source == "fault-free"
+        assert generation.epoch == 0 and generation.source == "fault-free"
     else:
-        assert said == "" and engine.generation.schedule is start
+        assert said == "" and generation.schedule is start
 
 
 def test_fuse_turns_bs_into_bws_and_drops_ws_on_the_chosen_stages_only():
