@@ -14,6 +14,7 @@ The tiers (``tests/README.md``), marked here from where a test lives, so ``-m`` 
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -52,6 +53,23 @@ TIERS = {"dist": ("dist",), "live": ("dist", "live")}
 ALONE = ("live/test_megatron_example.py",)
 
 
+# each test file's measured seconds (``tests/tools/durations.py .test-reports/*.xml --write
+# tests/durations.json``): the suite orders files longest first, and tests/run.sh has pytest-xdist
+# keep that order (--no-loadscope-reorder; its default puts files with the most tests first), so a
+# long file never starts last and leaves the other workers idle while it runs. A file not in the
+# table counts as UNMEASURED_S.
+DURATIONS = os.path.join(TESTS, "durations.json")
+UNMEASURED_S = 10.0
+
+
+def measured_seconds() -> dict[str, float]:
+    try:
+        with open(DURATIONS) as f:
+            return {str(k): float(v) for k, v in json.load(f).items()}
+    except FileNotFoundError:
+        return {}
+
+
 def _cuda_devices() -> int:
     try:
         import torch
@@ -78,6 +96,10 @@ def tier(path) -> str:
 
 
 def pytest_collection_modifyitems(config, items):
+    seconds = measured_seconds()
+    # stable: a file's tests keep their order (and their module fixtures with them)
+    items.sort(key=lambda item: -seconds.get(os.path.relpath(str(item.path), TESTS).replace(os.sep, "/"),
+                                             UNMEASURED_S))
     gpus = None
     for item in items:
         for name in TIERS.get(tier(item.path), ()):

@@ -21,13 +21,15 @@ if [ $# -gt 0 ]; then
 fi
 reports=$(mktemp -d)
 t0=$SECONDS
-# three workers on two cores: the dist tier's jobs spend most of their time starting processes and
+# --no-loadscope-reorder: files go to the workers longest first, as conftest.py orders them from
+# tests/durations.json (xdist's default hands out the files with the most tests first, which left a
+# long file of few tests to start last). Three workers on two cores: the dist tier's jobs spend most of their time starting processes and
 # waiting on each other (the whole suite used a quarter of the machine's CPU time on two workers)
-"${PYTEST[@]}" -n 3 --dist loadfile -m "not live" --junitxml="$reports/unit_dist.xml"
+"${PYTEST[@]}" -n 3 --dist loadfile --no-loadscope-reorder -m "not live" --junitxml="$reports/unit_dist.xml"
 first=$?
 echo "unit and dist tiers: exit $first in $((SECONDS - t0)) s"
 t1=$SECONDS
-"${PYTEST[@]}" -n 2 --dist loadfile -m "live and not alone" --junitxml="$reports/live.xml"
+"${PYTEST[@]}" -n 2 --dist loadfile --no-loadscope-reorder -m "live and not alone" --junitxml="$reports/live.xml"
 second=$?
 # the tests marked alone (conftest.ALONE): their recovery fails under a second job's load
 "${PYTEST[@]}" -m "live and alone" --junitxml="$reports/live_alone.xml" || second=1
