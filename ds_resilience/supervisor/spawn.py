@@ -65,6 +65,22 @@ def fork_context(modules: Sequence[str]):
     return ctx
 
 
+def zombie_status(pid: int) -> int | None:
+    """The exit status of ``pid`` if it has exited and awaits its parent's ``wait`` (a zombie), as
+    :attr:`subprocess.Popen.returncode` gives it (``-N``: killed by signal N); ``None`` while it runs
+    (or where ``/proc`` does not say: Linux >= 3.5 keeps the status in ``/proc/PID/stat``)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) ": state is field 3, exit_code field 52
+    if not fields or fields[0] != "Z" or len(fields) < 50:
+        return None
+    status = int(fields[49])
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
 class _ForkedProc:
     """A worker forked from the fork server, with :class:`subprocess.Popen`'s process methods."""
 
@@ -74,8 +90,11 @@ class _ForkedProc:
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
-        if self.returncode is None and not self._p.is_alive():
-            self.returncode = self._p.exitcode
+        if self.returncode is None:
+            if not self._p.is_alive():
+                self.returncode = self._p.exitcode
+            else:  # the fork server (its parent) reaps it and only then reports: seconds late under load
+                self.returncode = zombie_status(self.pid)
         return self.returncode
 
     def kill(self) -> None:

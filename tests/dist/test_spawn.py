@@ -139,3 +139,33 @@ def test_the_preload_list_comes_from_the_argument_or_the_environment():
     assert preload_modules(None, {"DSR_PRELOAD": "a,b"}) == ("a", "b")
     assert preload_modules(None, {}) == ()
     assert preload_modules("", {"DSR_PRELOAD": "a"}) == ()  # an explicit empty list turns it off
+
+
+def test_a_dead_forked_worker_is_seen_before_its_parent_reaps_it():
+    """A forked worker's parent is the fork server, which reaps it and only then reports its exit
+    (seconds late on a loaded machine: the agent then took a SIGKILLed worker for hung). Until the
+    reap the worker is a zombie, and ``/proc`` holds its status: ``-N`` for signal N, else the code."""
+    from ds_resilience.supervisor.spawn import zombie_status
+
+    children = {}
+    for name, how in (("sigkill", lambda: os.kill(os.getpid(), signal.SIGKILL)), ("exit3", lambda: os._exit(3)),
+                      ("exit0", lambda: os._exit(0))):
+        pid = os.fork()
+        if pid == 0:
+            how()
+        children[name] = pid
+    running = os.fork()
+    if running == 0:
+        time.sleep(30)
+        os._exit(0)
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(zombie_status(p) is None for p in children.values()):
+            time.sleep(0.01)
+        assert {n: zombie_status(p) for n, p in children.items()} == {"sigkill": -9, "exit3": 3, "exit0": 0}
+        assert zombie_status(running) is None
+    finally:
+        os.kill(running, signal.SIGKILL)
+        for pid in [*children.values(), running]:
+            os.waitpid(pid, 0)
+    assert zombie_status(running) is None  # reaped: gone from /proc
