@@ -14,9 +14,10 @@ from typing import Any
 
 from .errors import ResilienceError
 
-__all__ = ["EPOCH_KINDS", "EpochRecord", "MembershipError", "WorkerInfo"]
+__all__ = ["EPOCH_KINDS", "STOP_KINDS", "EpochRecord", "MembershipError", "WorkerInfo"]
 
-EPOCH_KINDS = ("start", "crash", "hang", "rejoin", "stop")
+EPOCH_KINDS = ("start", "crash", "hang", "rejoin", "stop", "interrupt")
+STOP_KINDS = ("stop", "interrupt")
 
 
 class MembershipError(ResilienceError):
@@ -41,12 +42,14 @@ class EpochRecord:
         failed: global ranks gone at this epoch (cumulative; a re-joined rank leaves it).
         alive: global ranks that are members (disjoint from ``failed``).
         joining: ranks (a subset of ``alive``) that re-join in this epoch and need state.
-        stop: the job must stop (a stage lost every replica): save a checkpoint and exit 0.
+        stop: the job must stop (a stage lost every replica, or the job was interrupted): save a
+            checkpoint and exit 0.
         restart: with ``stop``: the agent restarts every worker from the in-memory snapshots, so
             survivors only make sure their newest snapshot is committed, then exit 0.
         reason: a human-readable cause, e.g. ``"rank 2 crashed (killed by SIGKILL)"``.
         detected_at: the agent's ``time.time()`` when it detected the change.
-        kind: ``"start" | "crash" | "hang" | "rejoin" | "stop"``.
+        kind: ``"start" | "crash" | "hang" | "rejoin" | "stop" | "interrupt"`` (a graceful stop on
+            SIGTERM or SIGINT: every stage saves).
     """
 
     epoch: int
@@ -70,7 +73,7 @@ class EpochRecord:
             raise MembershipError(f"joining ranks {self.joining} must be alive ({self.alive})")
         if self.kind not in EPOCH_KINDS:
             raise MembershipError(f"kind must be one of {EPOCH_KINDS}, got {self.kind!r}")
-        if bool(self.stop) != (self.kind == "stop"):
+        if bool(self.stop) != (self.kind in STOP_KINDS):
             raise MembershipError(f"stop={self.stop!r} contradicts kind={self.kind!r}")
         if self.restart and not self.stop:
             raise MembershipError("restart=True needs stop=True")
@@ -102,6 +105,9 @@ class WorkerInfo:
     pp: int = 0
     heartbeat_interval_s: float | None = None  # the rate it actually beats at
     grid: int = 0  # how many times the survivors re-formed the grid before this registration
+    # what the agent needs of the worker's resilience config, however the script was given it
+    # (``max_restarts``, ``regrid``, ``host_dir``): see ``runtime/live_stage.agent_settings``
+    settings: dict | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

@@ -34,7 +34,8 @@ from .epochs import MembershipError
 from .errors import ConfigError
 
 __all__ = [
-    "DEFAULT_HOST_DIR", "FAULTS_VAR", "LaunchEnv", "LaunchError", "launch_env", "faults_from_env", "snapshot_root",
+    "DEFAULT_HOST_DIR", "FAULTS_VAR", "LaunchEnv", "LaunchError", "launch_env", "faults_from_env", "job_checkpoint_dir",
+    "snapshot_root",
 ]
 
 DEFAULT_HOST_DIR = "/dev/shm/ds_resilience"
@@ -52,6 +53,14 @@ def snapshot_root(host_dir: str | os.PathLike[str] | None, job_id: str) -> Path:
     The agent creates and removes it; workers write it; it outlives their crashes.
     """
     return Path(host_dir or DEFAULT_HOST_DIR) / job_id
+
+
+def job_checkpoint_dir(persistent_dir: str | os.PathLike[str] | None, job_id: str | None) -> str:
+    """Where a job's stops (an interrupt, beyond tolerance) write its checkpoints, in the front
+    end's layout with ``latest``: ``<resilience.checkpoint.persistent_dir or ./checkpoints>/<job_id>``
+    (without a job id, the base itself). A job started again under the same job id resumes from it."""
+    base = os.fspath(persistent_dir) if persistent_dir else os.path.join(os.getcwd(), "checkpoints")
+    return os.path.join(base, job_id) if job_id else base
 
 
 def faults_from_env(env: Mapping[str, str] | None = None) -> tuple[FaultInjection, ...] | None:
@@ -91,7 +100,10 @@ class LaunchEnv:
         agent_pid: the agent's pid (``None`` if it did not say).
         local_rank, local_world_size: position on the node (``None`` if not given).
         restart: how many times the agent restarted every worker from the snapshots so far.
-        job_id: names the job's host-memory directory (``None``: the engine makes one up).
+        job_id: names the job's host-memory directory and its stop checkpoints (``None``: the
+            engine makes one up).
+        resume: the job id was named (``--job_id``, or the scheduler's job id): a fresh start
+            resumes from the newest checkpoint its stops left (:func:`job_checkpoint_dir`).
         heartbeat_timeout_s: the silence after which the agent declares a worker hung.
         faults: faults to inject (``DSR_FAULTS``), replacing the config's; ``None`` if unset.
     """
@@ -110,6 +122,7 @@ class LaunchEnv:
     job_id: str | None = None
     heartbeat_timeout_s: float | None = None
     faults: tuple[FaultInjection, ...] | None = None
+    resume: bool = False
 
     @property
     def first_attempt(self) -> bool:
@@ -127,6 +140,7 @@ class LaunchEnv:
             "DSR_INCARNATION": str(self.incarnation),
             "DSR_REJOIN": "1" if self.rejoin else "0",
             "DSR_RESTART": str(self.restart),
+            "DSR_RESUME": "1" if self.resume else "0",
         }
         optional = {
             "LOCAL_RANK": self.local_rank,
@@ -171,6 +185,7 @@ def launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv | None:
             local_world_size=_opt(env, "LOCAL_WORLD_SIZE", int),
             restart=int(env.get("DSR_RESTART") or 0),
             job_id=env.get("DSR_JOB_ID") or None,
+            resume=env.get("DSR_RESUME") == "1",
             heartbeat_timeout_s=_opt(env, "DSR_HEARTBEAT_TIMEOUT_S", float),
             faults=faults_from_env(env),
         )

@@ -45,6 +45,7 @@ LATEST_EPOCH = f"{ROOT}/epoch/latest"
 REGRID_FAILED = f"{ROOT}/regrid_failed"
 REGRIDDED = f"{ROOT}/regridded"
 TRAINING_OVER = f"{ROOT}/training_over"
+STOP_REQUEST = f"{ROOT}/stop_request"  # a worker received SIGTERM/SIGINT itself: the agent stops the job gracefully
 
 
 def hb(rank: int) -> str:

@@ -52,7 +52,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..errors import ResilienceError
-from .disk_sync import fsync_dir
+from ..durable import fsync_dir
 from .tag_check import MARKER_PREFIX, SAVING_PREFIX, complete_tags, latest_complete_tag, resolve_load_tag
 
 __all__ = [

@@ -34,7 +34,7 @@ import torch
 from ..errors import ResilienceError
 from ..kernels.checksum import checksum_reference
 from ..accelerator import on_device
-from .disk_sync import fsync_dir, fsync_file
+from ..durable import fsync_dir, fsync_file
 from .layout import Layout, LayoutError, TensorMeta, unflatten
 from .staging import StagingPipeline, register_host, unregister_host
 

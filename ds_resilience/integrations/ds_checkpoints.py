@@ -6,8 +6,8 @@ per stage with the optimizer, scheduler and counters, ``latest``), but each stag
 surviving replica plays data-parallel rank 0, so the whole model is there once whoever died, and
 every wait is on the survivors' group. :func:`save` and :func:`load` are the engine's
 ``save_checkpoint`` and ``load_checkpoint`` (DeepSpeed's own where the world group is safe to wait
-on). :func:`export_stage` writes a stage's layers and optimizer
-state when a job stops beyond tolerance (for the user to load; not a transfer between ranks).
+on). :func:`export_stage` writes a stage in the same layout when a job stops (beyond tolerance, or
+interrupted), and :func:`export_done` names it in ``latest``.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
 
+from ..durable import save_durably, write_durably
 from ..errors import ResilienceError
 from .ds_reporting import is_reporter
 
-__all__ = ["export_stage", "load", "save", "save_layers", "save_on_survivors"]
+__all__ = ["export_done", "export_stage", "load", "save", "save_layers", "save_on_survivors"]
 
 
 def save(engine: Any, deepspeed_save: Callable[[], Any], save_dir: str, tag, client_state: dict, save_latest: bool,
@@ -124,31 +124,41 @@ def save_layers(engine: Any, path: str, exclude_frozen: bool) -> None:
 
 
 def export_stage(engine: Any, ckpt_dir: str, step: int, *, writer: bool = True) -> None:
-    """This stage's layers (DeepSpeed's file names) and optimizer state, written atomically.
+    """This stage at optimizer step ``step`` when the job stops (beyond tolerance, or interrupted),
+    in DeepSpeed's layout: ``ckpt_dir`` is ``<save_dir>/<tag>``, the writer writes the stage's layer
+    files and its ``mp_rank_XX_model_states.pt`` (optimizer, scheduler, counters), durably, as
+    ``save_checkpoint`` would; :func:`export_done` then writes ``latest``, so ``load_checkpoint
+    (save_dir)`` (ours or vanilla DeepSpeed's) resumes from it.
 
-    Under ZeRO-1 each replica holds a shard of the optimizer state: every replica writes its own
-    ``stage<S>-pipeline<P>-optim_states.pt`` (the writer, ``writer=True``, the layers too)."""
+    Under ZeRO-1 each replica holds a shard of the optimizer state, which a stop cannot gather (the
+    groups are down): every replica writes its own ``stage<S>-pipeline<P>-optim_states.pt``
+    beside the layer files and the model-states file without the optimizer."""
     Path(ckpt_dir).mkdir(parents=True, exist_ok=True)
     sharded = getattr(engine, "sharded_optimizer", None)
+    if sharded is not None:
+        _save_optimizer(engine, os.path.join(ckpt_dir, f"stage{engine.stage_id}-pipeline{engine.me.pipeline}-"
+                                                       f"optim_states.pt"), step)
     if not writer:
-        if sharded is not None:
-            _save_optimizer(engine, os.path.join(ckpt_dir, f"stage{engine.stage_id}-pipeline{engine.me.pipeline}-"
-                                                           f"optim_states.pt"), step)
         return
     for idx, layer in enumerate(engine.module.forward_funcs):
         if not hasattr(layer, "state_dict"):
             continue
-        path = engine.module.ckpt_layer_path(ckpt_dir, idx)
-        tmp = f"{path}.tmp{os.getpid()}"
-        torch.save({k: v.detach().clone() for k, v in layer.state_dict().items()}, tmp)
-        os.replace(tmp, path)
-    name = (f"stage{engine.stage_id}-pipeline{engine.me.pipeline}-optim_states.pt" if sharded is not None
-            else f"stage{engine.stage_id}-optim_states.pt")
-    _save_optimizer(engine, os.path.join(ckpt_dir, name), step)
+        save_durably({k: v.detach().clone() for k, v in layer.state_dict().items()},
+                     engine.module.ckpt_layer_path(ckpt_dir, idx))
+    save_dir, tag = os.path.split(os.path.normpath(ckpt_dir))
+    state = engine._common_checkpoint_state(None, False, False)
+    if sharded is not None:
+        state["optimizer"] = None  # in the shard files above
+    save_durably(state, engine._get_ckpt_name(save_dir, tag))
+
+
+def export_done(ckpt_dir: str, step: int) -> None:
+    """Every stage's export is written: ``latest`` names it (durably, after the data)."""
+    save_dir, tag = os.path.split(os.path.normpath(ckpt_dir))
+    write_durably(os.path.join(save_dir, "latest"), tag)
 
 
 def _save_optimizer(engine: Any, optim_path: str, step: int) -> None:
-    tmp = f"{optim_path}.tmp{os.getpid()}"
-    torch.save({"step": step, "optimizer": engine.optimizer.state_dict(),
-                "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None}, tmp)
-    os.replace(tmp, optim_path)
+    save_durably({"step": step, "optimizer": engine.optimizer.state_dict(),
+                  "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None},
+                 optim_path)

@@ -19,18 +19,19 @@ The work is done by composed parts, each with one owner:
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ..config import ResilienceConfig
-from ..errors import ConfigError, ResilienceError
+from ..errors import ConfigError
 from ..ir import Action, ActionKind, Schedule
 from ..runtime.plan_agreement import check_joined
-from ..launch import LaunchEnv
+from ..launch import LaunchEnv, job_checkpoint_dir
+from ..logs import STDOUT, get_logger, log_dist
 from ..planning.provider import ScheduleProvider
 from ..runtime.executor import BatchSource, Executor, StageSpec
 from ..runtime.live_stage import LiveStage, RecoveryHooks, StageDescription, StartMode
@@ -40,23 +41,24 @@ from ..runtime.zero import ShardedOptimizer
 from ..topology import Topology, Worker
 from .ds_checkpoint_engine import install as install_checkpoint_engine
 from .ds_instructions import ActionSchedule, IRAction
-from .ds_fused_adam import resumed_as_loaded
-from .ds_checkpoints import export_stage, load, save
+from .ds_checkpoints import export_done, export_stage
 from .ds_evaluation import evaluate
 from .ds_loss import LossPost, aggregate_loss, park, step_validator
 from .ds_optimizer import (OptimizerRequest, ZeroStage, build_optimizer, on_membership, reshard_loaded,
                            restore_after_restart, sharded_of, stage_members)
-from .ds_plans import (PlanAgreement, PlanSettings, agreed_plans, first_generation, healthy_schedule, joined_plans,
-                       replan, schedule_provider)
+from .ds_plans import EnginePlans, PlanSettings, first_generation, healthy_schedule, replan
 from .ds_seeds import LayerSeeds
 from .ds_profile import from_engine as profile_from_engine, requested as profile_requested
 from .ds_reporting import is_reporter, plan_line, report
 from .ds_data import DataIterFactory, engine_batch_source, unfed_by
 from .ds_relay import TrainingRelay, starved
 from .ds_regrid import RegridContext, regrid, regrid_blocker, regrid_pays_for
-from .ds_stage import DeepSpeedStage, activation_checkpointing, tied_layout
+from .ds_survivor_api import SurvivorAPI
+from .ds_stage import DeepSpeedStage, activation_checkpointing, refuse_unsupported, refuse_unsupported_live, tied_layout
 
 __all__ = ["ResilientPipelineEngine"]
+
+log = get_logger(__name__)
 
 
 def _plan_settings(engine: Any) -> PlanSettings:
@@ -66,7 +68,7 @@ def _plan_settings(engine: Any) -> PlanSettings:
                         fp16=bool(engine.fp16_enabled()), config_dir=getattr(engine, "_config_dir", None))
 
 
-class ResilientPipelineEngine(PipelineEngine):
+class ResilientPipelineEngine(SurvivorAPI, PipelineEngine):
     """A PipelineEngine that runs IR schedules (fault-free or re-routed around failed workers).
 
     Extra keyword arguments:
@@ -93,16 +95,7 @@ class ResilientPipelineEngine(PipelineEngine):
         super().__init__(*args, **kwargs)
         self.resilience, self.launch = resilience, launch
         self._rebuild = rebuild
-        if self.grid.model_parallel_size != 1:
-            raise ConfigError("resilience", "tensor parallelism is not supported yet (model_parallel_size must be 1)")
-        if getattr(self.module, "seed_layers", False):
-            raise ConfigError("PipelineModule(seed_layers=True)", "its per-layer seeds count the forwards a worker has "
-                              "run, which re-routing and activation recomputation change; ds_resilience seeds every "
-                              "micro-batch's forward from (resilience.seed, iteration, pipeline, micro-batch, stage) "
-                              "instead: build the module with seed_layers=False")
-        if resilience.microbatches is not None and resilience.microbatches != self.micro_batches:
-            raise ConfigError("resilience.microbatches",
-                              f"{resilience.microbatches} differs from gradient_accumulation_steps={self.micro_batches}")
+        refuse_unsupported(self.grid.model_parallel_size, self.module, resilience, self.micro_batches)
         self.topology = Topology(dp=self.grid.data_parallel_size, pp=self.num_stages,
                                  ranks=regrid_from.ranks if regrid_from is not None else None)
         self.origin_topology = regrid_from.origin if regrid_from is not None else self.topology
@@ -118,10 +111,7 @@ class ResilientPipelineEngine(PipelineEngine):
         mode = StartMode.of(launch, simulated=bool(failed), regrid=regrid_from is not None)
         live, rejoin = mode.live, mode is StartMode.REJOIN
         self.alive = self.me not in failed
-        if live and self.zero_optimization_stage() == 1 and not resilience.checkpoint.enabled:
-            raise ConfigError("resilience.checkpoint.enabled", "false with zero_optimization.stage 1 under the agent: "
-                              "a dead replica's optimizer shard comes back from the in-memory snapshots; enable "
-                              "them, or use stage 0")
+        refuse_unsupported_live(live, self.zero_optimization_stage(), resilience)
         self.iteration_log: list[dict[str, Any]] = []
         self.recovery_log: list[dict[str, Any]] = regrid_from.recovery_log if regrid_from is not None else []
         self._idle_iteration = 0
@@ -154,9 +144,13 @@ class ResilientPipelineEngine(PipelineEngine):
             coordinator=regrid_from.coordinator if regrid_from is not None else None,
             progress=regrid_from.progress if regrid_from is not None else None)
         # under the agent every worker answers a failure from rank 0's table (runtime/plan_agreement.py)
-        self.provider = self._joined_plans() if rejoin else None
+        self.plans = EnginePlans(_plan_settings(self), rank=self.rank, coordinator=self.coordinator,
+                                 scope=f"attempt{launch.restart}" + (f"-grid{self.regrids}" if self.regrids else "")
+                                 if launch is not None else "local",
+                                 fire=self.faults.maybe_fire, step=lambda: self.global_steps)
+        self.provider = self.plans.joined() if rejoin else None
         if self.provider is None:
-            self.provider = self._plans(build=0, solver="heuristic" if profiling else None)
+            self.provider = self.plans.build(0, solver="heuristic" if profiling else None)
         recompute, reentrant = activation_checkpointing(self.module)
         unfed = unfed_by(self.num_stages, resilience, live=live,
                          simulated=self.topology.without(failed) if failed else None)
@@ -184,7 +178,8 @@ class ResilientPipelineEngine(PipelineEngine):
         self._relay = TrainingRelay(me=self.my_index, rank_of=self._rank_of, dp=self.topology.dp,
                                     microbatches=self.micro_batches, timeout_s=resilience.detector.pg_timeout_s)
         self.live.attach(executor, self.provider, RecoveryHooks(
-            export=functools.partial(export_stage, self), adopted=self._adopted, on_membership=self._on_membership,
+            export=functools.partial(export_stage, self), exported=export_done, adopted=self._adopted,
+            on_membership=self._on_membership,
             view=SurvivorView(self.topology, self.me) if regrid_from is not None else None,
             regrid=functools.partial(regrid, self) if resilience.regrid else None,
             prefer_regrid=functools.partial(regrid_pays_for, self) if resilience.regrid else None,
@@ -219,11 +214,18 @@ class ResilientPipelineEngine(PipelineEngine):
             if self.tier.memory is not None:
                 self.tier.capture_due()
         else:
+            if mode is StartMode.LIVE and launch.resume:  # a named job started again: its last stop's checkpoint
+                resumed = job_checkpoint_dir(resilience.checkpoint.persistent_dir, launch.job_id)
+                tag = self.resume_job(resumed)
+                if tag is not None:
+                    log_dist(f"job {launch.job_id} resumes from {resumed}/{tag} (step {self.global_steps})", ranks=[0])
+                    self.recovery_log.append({"kind": "resume", "checkpoint_dir": os.path.join(resumed, tag),
+                                              "resume_step": self.global_steps})
             restored = self.live.start(restore=self._restore_after_restart)
             if restored is not None:
                 self.recovery_log.append(restored)
         if rejoin and self.alive:
-            check_joined(self.coordinator.store, self._plan_scope(), self._joined_record, rank=self.rank)
+            check_joined(self.coordinator.store, self.plans.scope, self.plans.joined_record, rank=self.rank)
         # the profile (DSR_PROFILE_OUT, set by `ds-resilience profile`): a fresh, fault-free start only
         self.profiler = profile_from_engine(self, on_done=self._replan) if fresh else None
 
@@ -272,49 +274,17 @@ class ResilientPipelineEngine(PipelineEngine):
                            self.tier)
 
     # --- the plan table (ds_plans.py) -------------------------------------------------------------
-    def _plan_agreement(self) -> PlanAgreement:
-        return PlanAgreement(settings=_plan_settings(self), store=self.coordinator.store, rank=self.rank,
-                             scope=self._plan_scope(), fire=self.faults.maybe_fire, step=lambda: self.global_steps)
-
     def _replan(self, cost) -> None:
         """The profile is in (``resilience.profile_steps``): plan every failure set with it."""
-        replan(self._plans, cost, rank=self.rank, adopt=self._adopt_plans, reporter=lambda: is_reporter(self))
+        replan(self.plans.build, cost, rank=self.rank, adopt=self._adopt_plans, reporter=lambda: is_reporter(self))
 
     def _adopt_plans(self, provider: ScheduleProvider) -> str:
+        """The re-plan's table, and the fault-free schedule of the profiled costs (``ds_plans.healthy_schedule``)."""
         self.provider = provider
         if self.recovery is not None:
             self.recovery.provider = self.provider
-        return self._healthy_schedule_from_profile()
-
-    def _healthy_schedule_from_profile(self) -> str:
-        """The fault-free schedule of the profiled costs (``ds_plans.healthy_schedule``)."""
         self.generation, said = healthy_schedule(self.generation, self.provider)
         return said
-
-    def _plan_scope(self) -> str:
-        return f"attempt{self.launch.restart}" + (f"-grid{self.regrids}" if self.regrids else "")
-
-    def _plans(self, build: int, cost=None, solver: str | None = None) -> ScheduleProvider:
-        """The plan table and planner of ``build`` (0 at start, 1 after the profile), agreed with
-        rank 0 under the agent (``ds_plans.agreed_plans``).
-
-        Raises:
-            PublisherLost: the publisher failed before it published (no rank took this build).
-        """
-        if self.coordinator is None:
-            return self._schedule_provider(self._config_dir, cost=cost, solver=solver)
-        return agreed_plans(self._plan_agreement(), build, cost=cost, solver=solver)
-
-    def _joined_plans(self) -> ScheduleProvider | None:
-        """A re-joining worker plans with rank 0's newest published plans (None: nothing published)."""
-        self._joined_record, provider = joined_plans(self._plan_agreement())
-        return provider
-
-    def _schedule_provider(self, base_dir: Path | None, cost=None, solver: str | None = None,
-                           variant: str | None = None, table: bool = True) -> ScheduleProvider:
-        """The plan table and planner for ``cost`` (``ds_plans.schedule_provider``)."""
-        return schedule_provider(_plan_settings(self), base_dir, cost=cost, solver=solver, variant=variant,
-                                 table=table)
 
     def _starved(self, failed: frozenset[Worker]) -> str | None:
         """Why a failed set leaves micro-batches no worker can load (``ds_relay.starved``)."""
@@ -328,7 +298,7 @@ class ResilientPipelineEngine(PipelineEngine):
         figures = generation.figures
         if figures and generation.groups is not None and is_reporter(self):
             failed = ",".join(sorted(str(w) for w in generation.topology.failed)) or "none"
-            print(f"[ds_resilience] {plan_line(figures, self.provider.cost.name, failed)}", flush=True)
+            log.info("%s", plan_line(figures, self.provider.cost.name, failed), extra=STDOUT)
 
     # --- what the rest of the code reads ----------------------------------------------------------------
     # the live stage's parts (runtime/live_stage.py), read by this engine's helpers
@@ -422,7 +392,7 @@ class ResilientPipelineEngine(PipelineEngine):
                 self.profiler.after()
             return loss
 
-        loss, elapsed = self.live.iteration(lambda: self.global_steps, lambda: self._exec_schedule(self._train_schedule()),
+        loss, elapsed = self.live.iteration(self.global_steps, lambda: self._exec_schedule(self._train_schedule()),
                                             self.provider.cost, before=before, after=after)
         if self.persistent_engine is not None and self.checkpoint_engine is self.persistent_engine:
             self.persistent_engine.poll()  # finalize finished writes (commit markers, keep_last)
@@ -459,88 +429,7 @@ class ResilientPipelineEngine(PipelineEngine):
         finally:
             self.module.train()
 
-    # --- checkpoints -----------------------------------------------------------------------------
-    def _world_unsafe(self) -> bool:
-        """Whether DeepSpeed's default (world) group must not be waited on: under the agent (a member
-        may die during the wait, and a re-joined worker's default group is a stand-in), or once any
-        worker failed or was left idle. The survivors' groups are used instead."""
-        return self.coordinator is not None or bool(self.current.failed) or self.generation.epoch > 0
-
-    def _survivor_barrier(self) -> None:
-        if self._world_unsafe():
-            if self.generation.groups is not None:
-                self.generation.groups.world.barrier()
-        elif dist.get_world_size() > 1:
-            dist.barrier()
-
-    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
-        """DeepSpeed's ``save_checkpoint``, also after a failure.
-
-        Without the agent and fault-free it is DeepSpeed's own. Under the agent, or once a worker
-        has failed, the survivors write the same files DeepSpeed writes, the whole model once: for
-        each stage its first surviving replica plays data-parallel rank 0 (the layer files ``layer_XX-model_states.pt`` and the stage's
-        ``mp_rank_XX_model_states.pt`` with optimizer, scheduler and counters), every wait is on
-        the survivors' group, and the survivor that reports writes ``latest``. The result loads
-        into a full-size job (DeepSpeed's or ours) after the repair.
-        """
-        return save(self, lambda: super(ResilientPipelineEngine, self).save_checkpoint(
-            save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
-            exclude_frozen_parameters=exclude_frozen_parameters), save_dir, tag, client_state, save_latest,
-            exclude_frozen_parameters)
-
-    def zero_optimization(self) -> bool:
-        """ZeRO-1 is ours (``runtime/zero.py``): DeepSpeed sees a plain optimizer, so its checkpoint
-        files are the ZeRO-0 layout with the stage's optimizer state consolidated into one shard,
-        loadable by a ZeRO-1 job of any data-parallel size (each replica keeps its range)."""
-        if self.zero_optimization_stage() == 1:
-            return False
-        return super().zero_optimization()
-
-    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
-                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
-        """DeepSpeed's ``load_checkpoint``, also after a failure (each survivor reads its stage's
-        files; the broadcast that re-synchronizes tied weights over the world is skipped, as every
-        copy is read from the same checkpoint). The in-memory tier keeps its snapshots: the next
-        one is the loaded state."""
-        result = load(self, lambda: super(ResilientPipelineEngine, self).load_checkpoint(
-            load_dir, tag=tag, load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
-            load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
-            custom_load_fn=custom_load_fn))
-        resumed_as_loaded(self.optimizer)  # the next steps as vanilla DeepSpeed's after its own load
-        return result
-
-    def survivor_group(self):
-        """The surviving workers' process group, for your own collectives after a failure.
-
-        DeepSpeed's and torch's collectives on the default group would wait for a dead worker
-        forever; pass this group instead: ``torch.distributed.all_reduce(t, group=engine.survivor_group())``
-        (also ``deepspeed.comm.all_reduce`` and ``barrier``). It is a new group after every
-        membership change, so ask for it at each use. Collectives that name a source or
-        destination rank (``broadcast``, ``reduce``) need :meth:`survivors` to pick a rank, and
-        :attr:`ds_resilience.comm.Group` methods (``engine.generation.groups.world``) take global
-        ranks directly.
-        """
-        if self.generation.groups is None:
-            raise ResilienceError("this worker is not a member of the current generation (left idle)")
-        return self.generation.groups.world.pg
-
-    def survivors(self) -> tuple[int, ...]:
-        """Global ranks of the surviving workers (the members of :meth:`survivor_group`)."""
-        return tuple(self.topology.rank(w) for w in self.current.alive_workers())
-
-    def close_snapshots(self) -> None:
-        """Validate the last step and stop the checkpoint tier's threads (the snapshots stay in host
-        memory for the agent)."""
-        self._resilient(self.executor.resolve)
-        self.tier.close()
-
     # --- the loss without a global barrier, the idle workers' parking (ds_loss.py) -------------------
     def _loss_post(self) -> LossPost:
         return LossPost(session=self.session, rank=self.rank, coordinator=self.coordinator,
                         store_timeout_s=self.resilience.detector.store_timeout_s)
-
-    def _store(self):
-        return self._loss_post().store()
-
-    def _wait_store(self, key: str, timeout_s: float, what: str) -> bytes:
-        return self._loss_post().wait(key, timeout_s, what)

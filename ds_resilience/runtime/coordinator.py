@@ -50,7 +50,7 @@ class Coordinator:
 
     Args:
         launch: the agent's contract (store address, incarnation, heartbeat interval, its pid).
-        info: what the worker registers: ``pipeline``, ``stage``, ``dp``, ``pp``.
+        info: what the worker registers: ``pipeline``, ``stage``, ``dp``, ``pp``, ``settings``.
         heartbeat_interval_s: the interval when the agent set none (the config's).
         store_timeout_s: how long a store wait may take before it is an error.
         on_epoch: called from the watcher thread right after a new epoch is latched (the engine
@@ -82,6 +82,7 @@ class Coordinator:
         membership.register_worker(store, membership.WorkerInfo(
             rank=rank, pipeline=info["pipeline"], stage=info["stage"], pid=os.getpid(),
             incarnation=launch.incarnation, dp=info.get("dp", 0), pp=info.get("pp", 0), heartbeat_interval_s=interval,
+            settings=info.get("settings"),
         ))
         self._heartbeat = membership.Heartbeat(store, rank, interval, agent_pid=launch.agent_pid, progress=progress)
         self._watcher = membership.EpochWatcher(store, self._latch, after=self.applied)
@@ -95,6 +96,10 @@ class Coordinator:
             if getattr(record, "kind", None) != "rejoin":
                 self._disruptive = max(self._disruptive, record.epoch)
         self.on_epoch(record)
+
+    def request_stop(self, reason: str) -> None:
+        """Ask the agent for a graceful stop of the whole job (see :meth:`Heartbeat.request_stop`)."""
+        self._heartbeat.request_stop(reason)
 
     def close(self) -> None:
         """Stop heartbeats (telling the agent this is an exit, not a hang) and the watcher."""

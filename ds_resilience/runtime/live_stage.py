@@ -34,12 +34,13 @@ from ..epochs import EpochRecord
 from ..errors import ConfigError
 from ..ir import Action
 from ..ir.pairs import early_posts
-from ..launch import LaunchEnv
+from ..launch import LaunchEnv, job_checkpoint_dir
 from ..topology import Topology, Worker
 from .coordinator import Coordinator
 from .executor import Executor
 from .faults import FaultInjector
 from .progress import Progress
+from . import stop_signals
 from .recovery import Generation, LiveRecovery, RecoveryHooks, is_failure, release_on_epoch
 
 __all__ = ["LiveStage", "RecoveryHooks", "StageDescription", "StartMode"]
@@ -113,6 +114,14 @@ class StageDescription:
     info: dict[str, Any] = field(default_factory=dict)
 
 
+def agent_settings(config: ResilienceConfig) -> dict[str, Any]:
+    """What the agent needs of the config, registered by every worker: the agent reads it there,
+    however the script was given its config (a file, a dict in code, a launcher flag)."""
+    ckpt = config.checkpoint
+    return {"max_restarts": ckpt.max_restarts if ckpt.enabled else 0, "regrid": bool(config.regrid),
+            "host_dir": str(ckpt.host_dir) if ckpt.host_dir else None}
+
+
 class LiveStage:
     """A stage's progress, coordinator, fault injector, checkpoint tier, recovery and generation.
 
@@ -125,14 +134,18 @@ class LiveStage:
                  progress: Progress | None = None) -> None:
         self.desc = desc
         self.mode = desc.mode
+        self._restore_signals: Callable[[], None] = lambda: None
         cfg = desc.config
         det = cfg.detector
         live = desc.mode.live
         self.progress = progress if progress is not None else Progress(det.stall_timeout_s) if live else None
         if coordinator is None and live:
-            coordinator = Coordinator(launch=desc.launch, info=desc.info, heartbeat_interval_s=det.heartbeat_interval_s,
+            coordinator = Coordinator(launch=desc.launch, info={**desc.info, "settings": agent_settings(cfg)},
+                                      heartbeat_interval_s=det.heartbeat_interval_s,
                                       store_timeout_s=det.store_timeout_s, on_epoch=self._on_epoch,
                                       progress=self.progress)
+            # SIGTERM / SIGINT (a scheduler's preemption, Ctrl-C) ask the agent for a graceful stop
+            self._restore_signals = stop_signals.install(coordinator.request_stop, desc.rank)
         elif coordinator is not None:
             coordinator.on_epoch = self._on_epoch  # a re-formed grid's: its epochs release this stage's groups
         self.coordinator = coordinator
@@ -177,7 +190,8 @@ class LiveStage:
             topology=desc.topology, me=desc.me, coordinator=self.coordinator, executor=executor, tier=self.tier,
             provider=provider, session=desc.session, timeout_s=det.pg_timeout_s,
             grace_s=det.heartbeat_timeout_s + 5.0, adopt=self.adopt,
-            persistent_dir=desc.config.checkpoint.persistent_dir, hooks=hooks, fault_hook=self.faults.maybe_fire)
+            persistent_dir=job_checkpoint_dir(desc.config.checkpoint.persistent_dir, desc.launch.job_id), hooks=hooks,
+            fault_hook=self.faults.maybe_fire)
 
     def start(self, restore: Callable[[], dict[str, Any] | None] | None = None) -> dict[str, Any] | None:
         """The snapshots' start, by mode: a first start captures the initial state (step 0); a
@@ -213,10 +227,11 @@ class LiveStage:
         return self.desc.topology.worker_index(self.desc.me)
 
     def _derive(self) -> tuple[tuple[Action, ...], dict[int, tuple[int, ...]]]:
-        schedule = self.generation.schedule
-        if self._derived is None or self._derived[0] is not schedule:
-            posts = early_posts(schedule)[self.index] if self.generation.groups is not None else {}
-            self._derived = (schedule, schedule.workers[self.index], posts)
+        generation = self.generation  # its schedule and, for the posts, whether it has groups
+        if self._derived is None or self._derived[0] is not generation:
+            schedule = generation.schedule
+            posts = early_posts(schedule)[self.index] if generation.groups is not None else {}
+            self._derived = (generation, schedule.workers[self.index], posts)
         return self._derived[1], self._derived[2]
 
     @property
@@ -230,17 +245,17 @@ class LiveStage:
         return self._derive()[1]
 
     # --- running ---------------------------------------------------------------------------------------
-    def iteration(self, step: Callable[[], int], run: Callable[[], None], cost: Any, *,
+    def iteration(self, step: int, run: Callable[[], None], cost: Any, *,
                   before: Callable[[], None] | None = None, after: Callable[[], Any] | None = None) -> tuple[Any, float]:
-        """One iteration of the current schedule: ``before()`` (the front end's preparation),
-        then at optimizer step ``step()`` the actions, which ``run()`` executes the front end's
+        """One iteration of the current schedule at optimizer step ``step``: ``before()`` (the
+        front end's preparation), then the actions, which ``run()`` executes the front end's
         way, timed by the progress watch, then ``after()`` (what the front end does with the
         iteration's results). Returns ``after()``'s value and the iteration's seconds."""
         ex = self.executor
         started = time.perf_counter()
         if before is not None:
             before()
-        ex.begin_iteration(step(), self.actions, self.posts)
+        ex.begin_iteration(step, self.actions, self.posts)
         self.tier.begin_iteration(self.generation.schedule, self.index, cost)
         if self.progress is None:
             run()
@@ -286,3 +301,4 @@ class LiveStage:
             self.tier.close()
         if heartbeats and self.coordinator is not None:
             self.coordinator.close()
+            self._restore_signals()

@@ -324,6 +324,13 @@ class Heartbeat(_Loop):
         self._progress = progress  # runtime.progress.Progress: no beat while the main thread is stalled
         self.stalled = False
         self.beats = 0
+        self._stop_request: str | None = None  # posted to the agent by this thread (request_stop)
+        self._stop_posted = False
+
+    def request_stop(self, reason: str) -> None:
+        """Ask the agent to stop the job gracefully (this worker received SIGTERM or SIGINT); safe
+        from a signal handler: the thread posts it with its own store connection at its next beat."""
+        self._stop_request = reason
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop beating, then tell the agent the silence to come is an exit, not a hang."""
@@ -352,6 +359,9 @@ class Heartbeat(_Loop):
             try:
                 self._store.add(self._key, 1)
                 self.beats += 1
+                if self._stop_request is not None and not self._stop_posted:
+                    self._store.set(keys.STOP_REQUEST, self._stop_request)
+                    self._stop_posted = True
             except Exception as exc:  # noqa: BLE001 - never raise into the process
                 self._log_error("heartbeat", exc)
             self._stop_event.wait(self._interval_s)

@@ -20,9 +20,7 @@ After the agent publishes a new epoch (``runtime/coordinator.py``):
 from __future__ import annotations
 
 import json
-import logging
 import os
-import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -33,19 +31,21 @@ from ..checkpoint.handover import recv_state, send_state
 from ..checkpoint.state import apply
 from ..checkpoint.tier import CheckpointTier
 from ..comm.groups import CommError, GenerationGroups, build_groups
+from ..durable import write_durably
 from ..epochs import EpochRecord
 from ..errors import ResilienceError
 from ..ir import Schedule
+from ..logs import get_logger
 from ..planning.provider import ScheduleProvider
 from ..planning.recovery import RecoveryPlan, plan_recovery, voters
 from ..topology import Topology, Worker
 from .coordinator import Coordinator, Reconfigure
 from .executor import Executor
 
-__all__ = ["BeyondTolerance", "Generation", "LiveRecovery", "RankView", "RecoveryHooks", "STICKY_CUDA_ERRORS", "SurvivorView",
+__all__ = ["BeyondTolerance", "Generation", "JobInterrupted", "LiveRecovery", "RankView", "RecoveryHooks", "STICKY_CUDA_ERRORS", "SurvivorView",
            "is_failure", "is_fatal"]
 
-logger = logging.getLogger("ds_resilience.recovery")
+logger = get_logger("ds_resilience.recovery")
 
 
 class BeyondTolerance(ResilienceError):
@@ -66,6 +66,15 @@ class BeyondTolerance(ResilienceError):
         self.step = step
         self.lost_stages = lost_stages
         self.restart = restart
+
+
+class JobInterrupted(BeyondTolerance, SystemExit):
+    """The job was interrupted (SIGTERM or SIGINT to the agent or a worker) and stopped gracefully:
+    every stage saved the newest step they all committed to ``checkpoint_dir``. Uncaught, it ends
+    the script with status 0 (a ``SystemExit``); a loop that catches :class:`BeyondTolerance` sees
+    it too."""
+
+    code = 0
 
 
 STICKY_CUDA_ERRORS = ("illegal memory access", "device-side assert", "unspecified launch failure",
@@ -154,8 +163,9 @@ class SurvivorView(RankView):
                        joining=tuple(r for r in record.joining if keep(r)))
 
 
-_DEEPSPEED_EXPORT = ("deepspeed layer files (layer_XX-model_states.pt) + stageN-optim_states.pt (ZeRO-1: "
-                     "stageN-pipelineP-optim_states.pt, each replica's shard)")
+_DEEPSPEED_EXPORT = ("deepspeed checkpoint (layer_XX-model_states.pt + mp_rank_XX_model_states.pt per stage, "
+                     "`latest` beside the tag; ZeRO-1: the optimizer in stageN-pipelineP-optim_states.pt, each "
+                     "replica's shard)")
 
 
 @dataclass
@@ -164,8 +174,11 @@ class RecoveryHooks:
 
     Attributes:
         export: ``export(directory, step, writer=True)`` writes this stage in the front end's own
-            checkpoint layout (when the job stops beyond tolerance without a restart); the other
-            replicas of the stage call it with ``writer=False`` (their ZeRO-1 optimizer shards).
+            checkpoint layout (when the job stops beyond tolerance without a restart, or on an
+            interrupt); the other replicas of the stage call it with ``writer=False`` (their
+            ZeRO-1 optimizer shards).
+        exported: ``exported(directory, step)``, called once by the leader when every stage's
+            export is written (DeepSpeed's: ``latest`` names it).
         export_format: what ``export`` writes, for the stop's manifest (default: DeepSpeed's layout).
         adopted: called with each new :class:`Generation` once the stage adopted it (reporting).
         on_membership: ``on_membership(record, plan, previous, generation, joining=...)`` after the
@@ -184,6 +197,7 @@ class RecoveryHooks:
 
     export: Callable[..., None]
     export_format: str | None = None
+    exported: Callable[[str, int], None] | None = None
     adopted: Callable[[Generation], None] | None = None
     on_membership: Callable[..., None] | None = None
     groups_for: Callable[[Topology, int], GenerationGroups] | None = None
@@ -205,7 +219,7 @@ class LiveRecovery:
         session: names the process groups; ``timeout_s`` bounds their operations.
         grace_s: how long an in-band error may wait for the agent's epoch before it is a real error.
         adopt: installs a new :class:`Generation` in the stage.
-        persistent_dir: where a stop's export goes (default ``./checkpoints``).
+        persistent_dir: where a stop's export goes (``global_step<N>`` in it; default ``./checkpoints``).
         fault_hook: ``fault_hook(point, step)`` at ``in_recovery`` and ``in_rejoin`` (tests).
         hooks: what the front end does in a recovery (:class:`RecoveryHooks`).
     """
@@ -217,6 +231,7 @@ class LiveRecovery:
         view, groups_for, regrid, prefer_regrid, unfed = (hooks.view, hooks.groups_for, hooks.regrid,
                                                           hooks.prefer_regrid, hooks.unfed)
         export, on_membership, export_format = hooks.export, hooks.on_membership, hooks.export_format
+        self.exported = hooks.exported
         self.topology, self.me = topology, me
         self.view = view or RankView(topology, me)
         self.rank = self.view.rank
@@ -282,8 +297,8 @@ class LiveRecovery:
             if record is None:
                 raise exc  # an error without a membership change is a real error
             if record.kind == "rejoin":
-                print(f"[ds_resilience] rank {self.rank}: a peer applying re-join epoch {record.epoch} released this "
-                      f"rank from its iteration ({type(exc).__name__})", file=sys.stderr, flush=True)
+                logger.info("rank %d: a peer applying re-join epoch %d released this rank from its iteration (%s)",
+                            self.rank, record.epoch, type(exc).__name__)
         while True:
             try:
                 self.apply(record)
@@ -296,8 +311,8 @@ class LiveRecovery:
                 newer = self.coordinator.wait_pending(self.grace_s)
                 if newer is None or newer.epoch == record.epoch:
                     raise  # no newer membership change explains it: a real error
-                print(f"[ds_resilience] rank {self.rank}: epoch {record.epoch} interrupted ({failed}); applying "
-                      f"epoch {newer.epoch}", file=sys.stderr, flush=True)
+                logger.warning("rank %d: epoch %d interrupted (%s); applying epoch %d", self.rank, record.epoch, failed,
+                               newer.epoch)
                 record = newer
 
     def plan(self, record: EpochRecord) -> RecoveryPlan:
@@ -375,8 +390,8 @@ class LiveRecovery:
         self.retired = True
         self.coordinator.mark_applied(record)
         self.log.append({"epoch": record.epoch, "kind": "retired", "failed": list(record.failed)})
-        print(f"[ds_resilience] rank {self.rank}: replica {self.me} lost a rank (failed ranks {list(record.failed)}); "
-              f"this rank leaves the membership and idles", file=sys.stderr, flush=True)
+        logger.warning("rank %d: replica %s lost a rank (failed ranks %s); this rank leaves the membership and idles",
+                       self.rank, self.me, list(record.failed))
 
     # --- re-join -----------------------------------------------------------------------------------
     def join(self) -> None:
@@ -432,6 +447,7 @@ class LiveRecovery:
             )
         base = self.persistent_dir or os.path.join(os.getcwd(), "checkpoints")
         ckpt_dir = os.path.join(base, f"global_step{step}")
+        interrupted = record.kind == "interrupt" and not lost  # SIGTERM / SIGINT: every stage saves
         failed = self.view.workers(record).failed
         target = self.topology.without(frozenset(self.topology.coord(r)[0] for r in failed))
         writers = {s: min(target.stage_peers(s)) for s in range(target.pp) if s not in lost}
@@ -454,15 +470,20 @@ class LiveRecovery:
                 "format": self.export_format,
             }
             Path(ckpt_dir).mkdir(parents=True, exist_ok=True)
-            tmp = Path(ckpt_dir) / "manifest.json.tmp"
-            tmp.write_text(json.dumps(manifest, indent=1))
-            os.replace(tmp, Path(ckpt_dir) / "manifest.json")
-            store.set(keys.saved_manifest(record.epoch), "1")
+            write_durably(Path(ckpt_dir) / "manifest.json", json.dumps(manifest, indent=1))
+            if self.exported is not None:
+                self.exported(ckpt_dir, step)
+            store.set(keys.saved_manifest(record.epoch), ckpt_dir)
         else:
             self.coordinator.wait_key(keys.saved_manifest(record.epoch))
         self.coordinator.mark_applied(record)
         self.log.append({"epoch": record.epoch, "kind": "stop", "resume_step": step, "plan": plan.to_dict(),
                          "checkpoint_dir": ckpt_dir})
+        if interrupted:
+            message = (f"{record.reason or 'interrupted'}: stopped gracefully after step {step}, every stage saved "
+                       f"to {ckpt_dir}")
+            logger.warning("rank %d: %s", self.rank, message)
+            raise JobInterrupted(message, checkpoint_dir=ckpt_dir, step=step, lost_stages=[])
         raise BeyondTolerance(
             f"{_beyond(plan)} (failed ranks {list(record.failed)}): re-routing cannot cover this; "
             f"stopped cleanly after step {step}, surviving stages saved to {ckpt_dir}"
@@ -497,4 +518,3 @@ def _log_plan(plan: RecoveryPlan, rank: int, failed_ranks: tuple[int, ...]) -> N
     else:
         line = json.dumps({**plan.to_dict(), "failed_ranks": list(failed_ranks)}, sort_keys=True)
     logger.info("rank %d recovery plan %s", rank, line)
-    print(f"[ds_resilience] rank {rank} recovery plan {line}", file=sys.stderr, flush=True)

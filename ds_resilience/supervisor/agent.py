@@ -15,6 +15,14 @@ Never inside a worker (a dead worker would take the store down with it). The age
   ``rejoin`` epoch once the new process has registered; not after the survivors re-formed the grid
   (a relaunched worker joins the first grid, which is gone; the ranks left out stay out).
 
+* on SIGTERM or SIGINT (a scheduler's preemption or time limit, Ctrl-C), or when a worker that
+  received one asks for it, publishes an ``interrupt`` epoch: every worker saves its stage (the
+  newest step all stages committed, in the front end's checkpoint layout, under
+  ``job_checkpoint_dir``) and exits; after ``term_grace_s`` what is left is killed. A second
+  signal kills at once. The snapshots in host memory are removed only once a stop's checkpoint is
+  complete; a job started again under the same named job id (``job_id``, or the scheduler's)
+  resumes from it.
+
 Exit codes: 0 all live workers finished, 1 a worker failed before registering (a start-up error),
 3 stopped beyond tolerance, 128+n interrupted by signal n. Children are killed on every way out.
 """
@@ -42,14 +50,29 @@ from ..config import DetectorConfig
 from ..errors import ResilienceError
 from ..launch import LaunchEnv, snapshot_root
 from ..planning.recovery import lost_stages
+from ..epochs import STOP_KINDS
 from ..runtime import membership as mb
 from .events import AgentEvent, event_table
 from .nodes import RemoteProc, post_launch
 from .spawn import WorkerProcess, preload_modules, start_worker
 
-__all__ = ["Agent", "AgentEvent", "AgentError", "EXIT_OK", "EXIT_STARTUP", "EXIT_STOPPED"]
+__all__ = ["Agent", "AgentEvent", "AgentError", "EXIT_OK", "EXIT_STARTUP", "EXIT_STOPPED", "SCHEDULER_JOB_VARS",
+           "named_job_id"]
 
 EXIT_OK, EXIT_STARTUP, EXIT_STOPPED = 0, 1, 3
+SCHEDULER_JOB_VARS = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "FLUX_JOB_ID", "COBALT_JOBID")
+"""Where a scheduler names the job: a requeued job keeps its id, so it finds its checkpoints."""
+
+
+def named_job_id(explicit: str | None, env: Mapping[str, str]) -> str | None:
+    """The job id a later run can name again: ``explicit`` (``--job_id``), else ``DSR_JOB_ID``, else
+    the scheduler's; ``None`` when nothing names the job."""
+    for value in (explicit, env.get("DSR_JOB_ID"), *(env.get(var) for var in SCHEDULER_JOB_VARS)):
+        if value:
+            if "/" in value or value in (".", ".."):
+                raise AgentError(f"job id {value!r} must not contain '/' (it names a directory)")
+            return value
+    return None
 
 
 class AgentError(ResilienceError, ValueError):
@@ -117,12 +140,21 @@ class Agent:
             stay silent beyond the heartbeat timeout before it counts as hung.
         max_join_attempts: relaunches of one rank that may die before re-joining before giving up.
         max_restarts: when a failure is beyond tolerance, restart every worker from the in-memory
-            snapshots up to this many times (0: stop with exit code 3 instead).
+            snapshots up to this many times (0: stop with exit code 3 instead; ``None``: what the
+            workers register from their config, ``resilience.checkpoint.max_restarts``).
         host_dir: the host-memory directory of the snapshots; the agent owns ``host_dir/<job id>``
-            (workers write it, it outlives them) and removes it when it exits.
+            (workers write it, it outlives them) and removes it when it exits (after a stop, only
+            once the stop's checkpoint is complete). ``None``: what the workers register, else
+            ``/dev/shm/ds_resilience``.
         keep_snapshots: leave the snapshots in host memory when the agent exits (for inspection).
         regrid: the workers re-form a smaller grid when a stage loses every replica
-            (``resilience.regrid``): such a failure is then published as any other, not as a stop.
+            (``resilience.regrid``): such a failure is then published as any other, not as a stop
+            (``None``: what the workers register).
+        job_id: names the job (its snapshots' directory, its stop checkpoints); default
+            ``DSR_JOB_ID``, else the scheduler's job id (``SLURM_JOB_ID``, ...), else a new one. A
+            named job resumes from its newest stop checkpoint when started again.
+        term_grace_s: after SIGTERM / SIGINT, how long the workers get to save and exit before
+            they are killed (torchrun's default, 30 s).
         env: extra environment for the workers (overrides the agent's own, not the protocol's).
         log_dir: when set, worker ``r``'s output goes to ``log_dir/rank{r}.{incarnation}.log``
             (``.restart{n}.log`` after the n-th restart).
@@ -139,7 +171,8 @@ class Agent:
                  max_restarts: int = 0, host_dir: str | os.PathLike[str] | None = None, keep_snapshots: bool = False,
                  env: Mapping[str, str] | None = None, log_dir: str | os.PathLike[str] | None = None,
                  echo: Callable[[str], None] | None = None, nnodes: int = 1, local_rank_arg: bool = True,
-                 regrid: bool = False, preload: Sequence[str] | None = None) -> None:
+                 regrid: bool | None = False, preload: Sequence[str] | None = None, job_id: str | None = None,
+                 term_grace_s: float = 30.0) -> None:
         if num_workers < 1:
             raise AgentError(f"num_workers must be >= 1, got {num_workers}")
         if nnodes < 1:
@@ -165,15 +198,25 @@ class Agent:
         self.heartbeat_interval_s, self.heartbeat_timeout_s = heartbeat_interval_s, heartbeat_timeout_s
         self.rejoin_after_s, self.stop_grace_s, self.store_timeout_s = rejoin_after_s, stop_grace_s, store_timeout_s
         self.exit_grace_s, self.max_join_attempts = exit_grace_s, max_join_attempts
-        if max_restarts < 0:
+        if max_restarts is not None and max_restarts < 0:
             raise AgentError(f"max_restarts must be >= 0, got {max_restarts}")
-        if nnodes > 1 and max_restarts:  # a restart hosts a new store, which the followers would not find
-            max_restarts = 0
+        if not term_grace_s >= 0:
+            raise AgentError(f"term_grace_s must be >= 0, got {term_grace_s}")
         self.env = dict(env or {})
-        self.max_restarts, self.restarts = max_restarts, 0
-        self.regrid = regrid
+        # None: learnt from the workers' registrations (their config, however it was given)
+        self._given = {"max_restarts": max_restarts, "regrid": regrid, "host_dir": host_dir}
+        self.max_restarts, self.restarts = max_restarts or 0, 0
+        if nnodes > 1:  # a restart hosts a new store, which the followers would not find
+            self.max_restarts = self._given["max_restarts"] = 0
+        self.regrid = bool(regrid)
         self.preload = preload_modules(preload)
-        self.job_id = self.env.get("DSR_JOB_ID") or f"job-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        named = named_job_id(job_id, {**os.environ, **self.env})
+        self.resume = named is not None  # a named job resumes from its stop checkpoints
+        self.job_id = named or f"job-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.term_grace_s = term_grace_s
+        self._signal: int | None = None  # a SIGTERM / SIGINT not acted on yet
+        self._interrupted: mb.EpochRecord | None = None  # the interrupt epoch, once published
+        self.checkpoint_dir: str | None = None  # where a stop's checkpoint was saved (complete)
         self.host_dir = host_dir
         self.keep_snapshots = keep_snapshots
         self._restart_pending = False
@@ -210,7 +253,8 @@ class Agent:
             self._start_attempt()
             self.exit_code = self._monitor()
         except _Interrupted as exc:
-            self.message = f"interrupted by {signal.Signals(exc.signum).name}; workers killed"
+            self.message = (f"interrupted by {signal.Signals(exc.signum).name}"
+                            + ("" if self._interrupted is None else " again") + "; workers killed")
             self.exit_code = 128 + exc.signum
         finally:
             for signum, old in handlers.items():
@@ -222,10 +266,23 @@ class Agent:
                     time.sleep(2 * self.tick_s + 0.5)  # let them read it before the store goes
                 except RuntimeError:
                     pass
-            if not self.keep_snapshots:
-                shutil.rmtree(snapshot_root(self.host_dir, self.job_id), ignore_errors=True)
+            self._release_snapshots()
         self._summary()
         return self.exit_code
+
+    def _release_snapshots(self) -> None:
+        """Remove the job's snapshots from host memory, unless asked to keep them or a stop's
+        checkpoint is missing (they are then the only copy of the newest state)."""
+        if self.store is not None:
+            self._learn_settings()  # where the workers put them
+        root = snapshot_root(self.host_dir, self.job_id)
+        if self.keep_snapshots or not root.exists():
+            return
+        stopped = self._interrupted is not None or self.exit_code == EXIT_STOPPED
+        if stopped and self.checkpoint_dir is None and not self._restart_pending:
+            self.message += f"; no complete checkpoint was written: the snapshots stay in {root}"
+            return
+        shutil.rmtree(root, ignore_errors=True)
 
     def _start_attempt(self) -> None:
         """Host a fresh store and launch every rank (the first attempt, or a restart)."""
@@ -258,7 +315,40 @@ class Agent:
 
     # --- launching ------------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: Any) -> None:
-        raise _Interrupted(signum)
+        """The first SIGTERM / SIGINT is a graceful stop (``_monitor`` publishes it); a second one,
+        or one before the workers run, kills at once."""
+        if self.store is None or self._signal is not None or self._interrupted is not None:
+            raise _Interrupted(signum)
+        self._signal = signum
+
+    def _interrupt(self, reason: str, signum: int, under_way: float | None) -> float:
+        """Publish the graceful stop (or, with a stop ``under_way``, let that one save within the
+        grace, and restart nothing); returns the deadline."""
+        self._restart_pending = False
+        self._rejoin_due.clear()
+        for w in self._workers.values():
+            if w.state == "joining":  # it would wait for donors that are leaving
+                w.proc.kill()
+        self.exit_code = 128 + signum
+        deadline = time.monotonic() + self.term_grace_s
+        if under_way is not None:
+            self._interrupted = next(r for r in reversed(self.epochs) if r.stop)
+            self.message += f"; {reason}"
+            self._event("interrupt", epoch=self._interrupted.epoch, detail=f"{reason} while stopping")
+            return min(under_way, deadline)
+        self.message = reason
+        self._interrupted = self._publish("interrupt", reason)
+        return deadline
+
+    def _stop_requested(self) -> tuple[str, int] | None:
+        """A SIGTERM / SIGINT to the agent, or to a worker (its ``STOP_REQUEST``): (reason, signal)."""
+        if self._signal is not None:
+            return f"interrupted by {signal.Signals(self._signal).name}", self._signal
+        if self.store.check([keys.STOP_REQUEST]):
+            reason = self.store.get(keys.STOP_REQUEST).decode(errors="replace")
+            signum = signal.SIGINT if "SIGINT" in reason else signal.SIGTERM
+            return f"interrupted: {reason}", signum
+        return None
 
     def _launch(self, rank: int, incarnation: int) -> _Child:
         node, local = divmod(rank, self.nproc)
@@ -266,7 +356,7 @@ class Agent:
                              incarnation=incarnation, rejoin=incarnation > 0,
                              heartbeat_interval_s=self.heartbeat_interval_s, agent_pid=os.getpid(), local_rank=local,
                              local_world_size=self.nproc, restart=self.restarts, job_id=self.job_id,
-                             heartbeat_timeout_s=self.heartbeat_timeout_s)
+                             heartbeat_timeout_s=self.heartbeat_timeout_s, resume=self.resume)
         protocol = {**contract.to_environ(), "GROUP_RANK": str(node), "TORCHELASTIC_USE_AGENT_STORE": "True"}
         suffix = f".restart{self.restarts}" if self.restarts else ""
         log = self.log_dir / f"rank{rank}.{incarnation}{suffix}.log" if self.log_dir is not None else None
@@ -303,6 +393,8 @@ class Agent:
                 for w in self._workers.values():
                     w.hb_changed = woke
             last_tick = woke
+            if self._interrupted is None and (asked := self._stop_requested()) is not None:
+                stop_deadline = self._interrupt(*asked, under_way=stop_deadline)
             failures = self._reap(woke, stopping=stop_deadline is not None) + self._check_heartbeats()
             if failures and stop_deadline is None:
                 stop_deadline = self._on_failures(failures)
@@ -322,12 +414,14 @@ class Agent:
                 self.message = "all live workers finished" + (f" ({len(self._failed)} failed)" if self._failed else "")
                 return EXIT_OK
             if stop_deadline is not None and (not live or time.monotonic() > stop_deadline):
+                self._saved()
                 if self._restart_pending:
                     self._restart()
                     stop_deadline = None
                     continue
                 if live:
-                    self.message += f"; survivors did not exit within {self.stop_grace_s:.0f} s and were killed"
+                    grace = self.term_grace_s if self._interrupted is not None else self.stop_grace_s
+                    self.message += f"; {len(live)} worker(s) did not exit within {grace:.0f} s and were killed"
                 return self.exit_code if self.exit_code is not None else EXIT_STOPPED
             fds = [w.pidfd for w in live if w.pidfd is not None]
             if fds:
@@ -440,8 +534,27 @@ class Agent:
         else:
             self._event("giveup", w.rank, detail=f"{self.max_join_attempts} relaunches failed; not retrying")
 
+    def _learn_settings(self) -> None:
+        """The config values the agent was not given (``None``), from the workers' registrations:
+        the config the workers run with, however the script was given it."""
+        if all(v is not None for v in self._given.values()):
+            return
+        for rank in range(self.num_workers):
+            info = mb.read_worker(self.store, rank)
+            if info is None or not info.settings:
+                continue
+            settings = info.settings
+            if self._given["max_restarts"] is None:
+                self.max_restarts = int(settings.get("max_restarts") or 0)
+            if self._given["regrid"] is None:
+                self.regrid = bool(settings.get("regrid"))
+            if self._given["host_dir"] is None and settings.get("host_dir"):
+                self.host_dir = settings["host_dir"]
+            return
+
     def _on_failures(self, failures: list[_Failure]) -> float | None:
         """Publish the epoch for a batch of failures; return a stop deadline when beyond tolerance."""
+        self._learn_settings()
         self._failed.update(f.rank for f in failures)
         reason = "; ".join(f.reason for f in failures)
         code, lost = self._beyond_tolerance()
@@ -545,19 +658,31 @@ class Agent:
                         detail=f"incarnation {w.incarnation} admitted: it trains with the survivors")
         return w.admitted
 
+    def _saved(self) -> None:
+        """Where the stop's checkpoint went, once its leader wrote the manifest (every stage saved)."""
+        stop = self._interrupted or next((r for r in reversed(self.epochs) if r.stop), None)
+        if stop is None or self.checkpoint_dir is not None:
+            return
+        if self.store.check([keys.saved_manifest(stop.epoch)]):
+            self.checkpoint_dir = self.store.get(keys.saved_manifest(stop.epoch)).decode(errors="replace")
+            self.message += f"; checkpoint saved to {self.checkpoint_dir}"
+            self._event("saved", epoch=stop.epoch, detail=self.checkpoint_dir)
+        elif self._interrupted is not None:
+            self.message += "; no checkpoint was saved"
+
     # --- helpers --------------------------------------------------------------------------------
     def _publish(self, kind: str, reason: str, joining: tuple[int, ...] = (), restart: bool = False) -> mb.EpochRecord:
         alive = tuple(r for r in range(self.num_workers) if r not in self._failed)
         record = mb.EpochRecord(epoch=len(self.epochs) + 1, failed=tuple(self._failed), alive=alive,
-                                joining=joining, stop=kind == "stop", reason=reason, detected_at=time.time(),
+                                joining=joining, stop=kind in STOP_KINDS, reason=reason, detected_at=time.time(),
                                 kind=kind, restart=restart)
         mb.publish_epoch(self.store, record)
         self.epochs.append(record)
         self._echo(f"[ds_resilience agent] epoch {record.epoch} ({kind}): {reason}; alive {list(alive)}")
         if kind == "start":
             self._event("start", epoch=record.epoch, detail=reason)
-        elif kind == "stop":
-            self._event("stop", epoch=record.epoch, detail=reason)
+        elif kind in STOP_KINDS:
+            self._event(kind, epoch=record.epoch, detail=reason)
         return record
 
     def _event(self, kind: str, rank: int | None = None, **fields: Any) -> None:

@@ -1,7 +1,9 @@
 """``ds-resilience run``: the agent's command line (its argument parser and entry point).
 
 :func:`main_run` reads the script's resilience settings (DeepSpeed's ``--deepspeed_config`` or
-Megatron's ``--resilience-config``) for the detector's timing and the restart budget, then runs the
+Megatron's ``--resilience-config``) for the detector's timing (the agent learns the rest, the restart
+budget, the re-grid and the host-memory directory, from the workers' registrations, however the
+script was given its config), then runs the
 leader :class:`~.agent.Agent` (node 0) or a follower :class:`~.nodes.NodeAgent` (``--node_rank``
 k > 0) and returns its exit code. :func:`build_parser` imports nothing heavy (no torch): the
 package's CLI reference is rendered from it; the agent (torch) is imported when it runs.
@@ -39,6 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="relaunch a failed worker S seconds after its failure (default: never)")
     p.add_argument("--stop_grace", type=float, default=300.0, metavar="S",
                    help="time survivors get to save a checkpoint and exit after a stop")
+    p.add_argument("--term_grace_s", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM / SIGINT the workers save a checkpoint and stop; after S seconds what is left is "
+                        "killed (a second signal kills at once)")
+    p.add_argument("--job_id", default=None,
+                   help="names the job: its snapshots in host memory and the checkpoints its stops write "
+                        "(under resilience.checkpoint.persistent_dir); a job started again with the same id resumes "
+                        "from its newest one (default: the scheduler's job id, e.g. SLURM_JOB_ID, else a new id)")
     p.add_argument("--log_dir", default=None, help="write each worker's output to LOG_DIR/rank{r}.{n}.log")
     p.add_argument("--no_local_rank", action="store_true",
                    help="do not pass --local_rank to the script (as DeepSpeed's launcher: Megatron-LM scripts "
@@ -78,13 +87,12 @@ def main_run(argv: Sequence[str]) -> int:
 
             num = device_count() or 1  # one process per accelerator (one on a CPU machine)
         interval, timeout, store_timeout = args.heartbeat_interval, args.heartbeat_timeout, None
-        max_restarts, host_dir, regrid = 0, None, False
+        max_restarts = 0
         resilience = _script_resilience(args.script_args)
         if resilience is not None:
-            regrid = resilience.regrid
             detector = resilience.detector
             if resilience.checkpoint.enabled:
-                max_restarts, host_dir = resilience.checkpoint.max_restarts, resilience.checkpoint.host_dir
+                max_restarts = resilience.checkpoint.max_restarts
             interval = detector.heartbeat_interval_s if interval is None else interval
             timeout = detector.heartbeat_timeout_s if timeout is None else timeout
             store_timeout = detector.store_timeout_s
@@ -102,8 +110,8 @@ def main_run(argv: Sequence[str]) -> int:
                       master_port=args.master_port, heartbeat_interval_s=interval,
                       heartbeat_timeout_s=timeout, rejoin_after_s=args.rejoin_after,
                       stop_grace_s=args.stop_grace, store_timeout_s=store_timeout, log_dir=args.log_dir,
-                      max_restarts=max_restarts, host_dir=host_dir, local_rank_arg=not args.no_local_rank,
-                      regrid=regrid, preload=preload)
+                      max_restarts=None, host_dir=None, regrid=None, local_rank_arg=not args.no_local_rank,
+                      preload=preload, job_id=args.job_id, term_grace_s=args.term_grace_s)
         return agent.run()
     except ResilienceError as exc:
         print(f"ds-resilience run: error: {exc}", file=sys.stderr)

@@ -346,12 +346,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _cli_agent(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
+def _cli_agent(tmp_path: Path, *extra: str, env: dict | None = None) -> tuple[subprocess.Popen, list[int]]:
     """`ds-resilience run` in a subprocess with 2 long-running workers; returns it and their pids."""
     code = "import sys; from ds_resilience.supervisor.cli import main_run; sys.exit(main_run(sys.argv[1:]))"
-    env = {**os.environ, "DSR_TEST_OUT": str(tmp_path)}
+    env = {**os.environ, "DSR_TEST_OUT": str(tmp_path), **(env or {})}
     proc = subprocess.Popen([sys.executable, "-c", code, "--num_gpus", "2", "--master_port", str(_free_port()),
-                             "--heartbeat_interval", "0.1", "--heartbeat_timeout", "2", str(WORKER), "--steps", "2000"],
+                             "--heartbeat_interval", "0.1", "--heartbeat_timeout", "2", *extra, str(WORKER), "--steps",
+                             "2000"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 40
     while time.monotonic() < deadline:
@@ -365,12 +366,40 @@ def _cli_agent(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
 
 
 @pytest.mark.timeout(60)
-def test_sigterm_to_the_agent_kills_the_workers(tmp_path):
-    proc, pids = _cli_agent(tmp_path)
+def test_sigterm_to_the_agent_stops_gracefully_then_kills_what_is_left_after_the_grace(tmp_path):
+    """SIGTERM publishes an interrupt epoch (the engines save and exit: tests/live/test_graceful_stop.py);
+    workers that do not stop are killed after --term_grace_s."""
+    proc, pids = _cli_agent(tmp_path, "--term_grace_s", "1", env={"DSR_TEST_IGNORE_INTERRUPT": "1"})
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=20) == 128 + signal.SIGTERM
     assert all(dead(pid) for pid in pids)
-    assert "interrupted by SIGTERM" in proc.stderr.read().decode()
+    err = proc.stderr.read().decode()
+    assert "epoch 2 (interrupt): interrupted by SIGTERM" in err, err
+    assert "2 worker(s) did not exit within 1 s and were killed" in err and "no checkpoint was saved" in err, err
+
+
+@pytest.mark.timeout(60)
+def test_workers_that_stop_on_the_interrupt_exit_on_their_own(tmp_path):
+    proc, pids = _cli_agent(tmp_path, "--term_grace_s", "300")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=20) == 128 + signal.SIGTERM  # not the 300 s grace: they exited
+    assert all(dead(pid) for pid in pids)
+    logs = read_logs(tmp_path)
+    for r in (0, 1):
+        assert any(e["ev"] == "saved" for e in logs[f"rank{r}.0"]), logs[f"rank{r}.0"][-3:]
+    assert "did not exit" not in proc.stderr.read().decode()
+
+
+@pytest.mark.timeout(60)
+def test_a_second_sigterm_kills_at_once(tmp_path):
+    proc, pids = _cli_agent(tmp_path, "--term_grace_s", "300", env={"DSR_TEST_IGNORE_INTERRUPT": "1"})
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(1.0)  # the interrupt epoch is out; the workers ignore it
+    assert proc.poll() is None
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=20) == 128 + signal.SIGTERM  # long before the 300 s grace
+    assert all(dead(pid) for pid in pids)
+    assert "interrupted by SIGTERM again; workers killed" in proc.stderr.read().decode()
 
 
 @pytest.mark.timeout(60)

@@ -141,8 +141,10 @@ def test_a_pipeline_losing_both_ends_of_its_data_iter_stops_with_every_stage_sav
     saved = re.search(r"stopped cleanly after step (\d+), surviving stages saved to (\S+) \(every stage\)", text)
     assert saved, text[-4000:]
     files = {p.name for p in Path(saved.group(2)).iterdir()}
-    # the whole model: all 15 layers but the lambda (layer 9), and both stages' optimizer states
+    # the whole model in DeepSpeed's layout: all 15 layers but the lambda (layer 9), and both stages'
+    # model states (optimizer, scheduler, counters), named by `latest`
     assert files >= {f"layer_{i:02d}-model_states.pt" for i in range(15) if i != 9} | \
-           {"stage0-optim_states.pt", "stage1-optim_states.pt", "manifest.json"}, sorted(files)
+           {"mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt", "manifest.json"}, sorted(files)
+    assert (Path(saved.group(2)).parent / "latest").read_text() == Path(saved.group(2)).name
     assert "restart 1 from the in-memory snapshots" in text, text[-3000:]
     assert lines[0] == {s: data_iter_fault_free[s] for s in range(1, steps + 1)}, lines[0]

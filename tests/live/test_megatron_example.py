@@ -132,6 +132,13 @@ def test_a_megatron_rank_whose_main_thread_stalls_is_taken_for_hung_and_the_job_
     _assert_same_losses(survived, healthy)
 
 
+def _stop_dir(tmp_path, tag: str):
+    """Where a stop wrote its checkpoint: ``./checkpoints/<job id>/<tag>`` (one job per test)."""
+    found = list((tmp_path / "checkpoints").glob(f"*/{tag}"))
+    assert len(found) == 1, found
+    return found[0]
+
+
 @pytest.mark.timeout(600)
 def test_beyond_tolerance_the_surviving_stage_is_saved_in_megatrons_layout_and_the_job_stops(tmp_path):
     """Both replicas of stage 0 die (rank 1 in iteration 1, rank 0 in iteration 2) and no restart is
@@ -141,10 +148,11 @@ def test_beyond_tolerance_the_surviving_stage_is_saved_in_megatrons_layout_and_t
 
     out = _stopped(tmp_path, first=1, second=0, args=ARGS, nproc=4)
     assert "stopped cleanly after step 2" in out.stdout
-    manifest = json.loads((tmp_path / "checkpoints" / "global_step2" / "manifest.json").read_text())
+    stop_dir = _stop_dir(tmp_path, "global_step2")
+    manifest = json.loads((stop_dir / "manifest.json").read_text())
     assert manifest["stages_saved"] == [1] and manifest["stages_lost"] == [0]
     assert "Megatron-LM torch layout" in manifest["format"]
-    shard = torch.load(tmp_path / "checkpoints" / "global_step2" / "iter_0000002" / "mp_rank_00_001" /
+    shard = torch.load(stop_dir / "iter_0000002" / "mp_rank_00_001" /
                        "model_optim_rng.pt", weights_only=False)
     assert shard["iteration"] == 2 and shard["checkpoint_version"] == 3.0
     assert "output_layer.weight" in shard["model"] and shard["optimizer"]["state"]
@@ -208,9 +216,10 @@ def test_with_tensor_parallelism_a_stage_is_lost_once_each_replica_lost_one_rank
     tensor-parallel shards in Megatron's layout."""
     out = _stopped(tmp_path, first=3, second=0, args=TP2, nproc=8)
     assert "stage 0 lost every replica" in out.stdout + out.stderr
-    manifest = json.loads((tmp_path / "checkpoints" / "global_step2" / "manifest.json").read_text())
+    stop_dir = _stop_dir(tmp_path, "global_step2")
+    manifest = json.loads((stop_dir / "manifest.json").read_text())
     assert manifest["stages_saved"] == [1] and manifest["stages_lost"] == [0]
-    shards = sorted(p.parent.name for p in (tmp_path / "checkpoints" / "global_step2").glob("iter_*/*/*.pt"))
+    shards = sorted(p.parent.name for p in (stop_dir).glob("iter_*/*/*.pt"))
     assert shards == ["mp_rank_00_001", "mp_rank_01_001"]
 
 

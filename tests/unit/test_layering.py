@@ -31,6 +31,7 @@ LAYERS: dict[str, int] = {
     "ds_resilience.store_keys": 0,
     "ds_resilience.epochs": 0,
     "ds_resilience.logs": 0,
+    "ds_resilience.durable": 0,
     "ds_resilience.ir": 0,
     # L1: schedule generators, the planner, the plan table, placement
     "ds_resilience.planning": 1,

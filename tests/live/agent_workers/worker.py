@@ -8,6 +8,7 @@ goes as one JSON line to ``$DSR_TEST_OUT/rank{r}.{incarnation}.jsonl``.
 A relaunched worker marks itself admitted (``membership.mark_admitted``) when it sees its own
 re-join epoch, as the engine does once a donor's state arrived. On a stop epoch it writes ``saved.{r}`` into ``$DSR_TEST_OUT`` (a stand-in checkpoint) and exits 0.
 With ``--until_epoch K`` it keeps stepping past ``--steps`` until it has seen epoch K.
+``DSR_TEST_IGNORE_INTERRUPT=1`` makes it go on through an interrupt epoch (a worker that does not stop);
 ``DSR_TEST_DIE_EARLY=r`` makes rank r exit with code 5 before registering;
 ``DSR_TEST_DIE_IF_REJOIN=1`` makes every relaunched worker exit with code 5 at once;
 ``DSR_TEST_START_DELAY_IF_REJOIN=S`` makes it sleep S seconds before it starts (a slow start-up);
@@ -82,7 +83,7 @@ def main() -> int:
         emit("epoch", record=json.loads(record.to_json()))
         if settings.rejoin and rank in record.joining:  # its own re-join epoch: "admitted" at once
             mb.mark_admitted(store, rank, settings.incarnation)
-        if record.stop:
+        if record.stop and not (record.kind == "interrupt" and os.environ.get("DSR_TEST_IGNORE_INTERRUPT") == "1"):
             stop.set()
 
     watcher = mb.EpochWatcher(store, on_epoch, after=0)
