@@ -140,7 +140,10 @@ class ResilientPipelineEngine(SurvivorAPI, PipelineEngine):
                 # pipeline-major: a placement group spans stages, so a lost stage keeps its snapshots
                 machine_key=lambda rank: (topology.coord(rank)[0].pipeline, topology.coord(rank)[0].stage),
                 exclude=self.gone, info={"pipeline": self.me.pipeline, "stage": self.me.stage, "dp": self.topology.dp,
-                                         "pp": self.topology.pp}),
+                                         "pp": self.topology.pp,
+                                         # beyond tolerance with no restart left, the agent restarts once
+                                         # to save every stage (this engine restores, then saves on the interrupt)
+                                         "settings": {"export_restart": True}}),
             coordinator=regrid_from.coordinator if regrid_from is not None else None,
             progress=regrid_from.progress if regrid_from is not None else None)
         # under the agent every worker answers a failure from rank 0's table (runtime/plan_agreement.py)

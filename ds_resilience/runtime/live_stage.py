@@ -119,7 +119,7 @@ def agent_settings(config: ResilienceConfig) -> dict[str, Any]:
     however the script was given its config (a file, a dict in code, a launcher flag)."""
     ckpt = config.checkpoint
     return {"max_restarts": ckpt.max_restarts if ckpt.enabled else 0, "regrid": bool(config.regrid),
-            "host_dir": str(ckpt.host_dir) if ckpt.host_dir else None}
+            "host_dir": str(ckpt.host_dir) if ckpt.host_dir else None, "snapshots": bool(ckpt.enabled)}
 
 
 class LiveStage:
@@ -140,7 +140,8 @@ class LiveStage:
         live = desc.mode.live
         self.progress = progress if progress is not None else Progress(det.stall_timeout_s) if live else None
         if coordinator is None and live:
-            coordinator = Coordinator(launch=desc.launch, info={**desc.info, "settings": agent_settings(cfg)},
+            settings = {**agent_settings(cfg), **desc.info.get("settings", {})}  # the front end's own flags too
+            coordinator = Coordinator(launch=desc.launch, info={**desc.info, "settings": settings},
                                       heartbeat_interval_s=det.heartbeat_interval_s,
                                       store_timeout_s=det.store_timeout_s, on_epoch=self._on_epoch,
                                       progress=self.progress)

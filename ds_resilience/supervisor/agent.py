@@ -48,11 +48,12 @@ import torch.distributed as dist
 from .. import store_keys as keys
 from ..config import DetectorConfig
 from ..errors import ResilienceError
-from ..launch import LaunchEnv, snapshot_root
+from ..launch import DEFAULT_HOST_DIR, LaunchEnv, snapshot_root
 from ..planning.recovery import lost_stages
 from ..epochs import STOP_KINDS
 from ..runtime import membership as mb
 from .events import AgentEvent, event_table
+from .host_memory import claim, disown, reclaim_orphans
 from .nodes import RemoteProc, post_launch
 from .spawn import WorkerProcess, preload_modules, start_worker
 
@@ -218,8 +219,11 @@ class Agent:
         self._interrupted: mb.EpochRecord | None = None  # the interrupt epoch, once published
         self.checkpoint_dir: str | None = None  # where a stop's checkpoint was saved (complete)
         self.host_dir = host_dir
+        self._claimed: Path | None = None  # the job's directory in host memory this agent recorded itself in
         self.keep_snapshots = keep_snapshots
         self._restart_pending = False
+        self._export_pending = False  # a stop beyond tolerance restarts once more to save every stage
+        self._exporting = ""  # that restart's reason, while it runs
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self._echo = echo or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.tick_s = min(heartbeat_interval_s / 2, 0.05)
@@ -250,6 +254,10 @@ class Agent:
             for signum in (signal.SIGINT, signal.SIGTERM):
                 handlers[signum] = signal.signal(signum, self._on_signal)
         try:
+            # the snapshots a dead agent left in host memory go; this one records itself as the owner
+            reclaim_orphans(self.host_dir or DEFAULT_HOST_DIR)
+            self._claimed = snapshot_root(self.host_dir, self.job_id)
+            claim(self._claimed, self.job_id)
             self._start_attempt()
             self.exit_code = self._monitor()
         except _Interrupted as exc:
@@ -276,10 +284,17 @@ class Agent:
         if self.store is not None:
             self._learn_settings()  # where the workers put them
         root = snapshot_root(self.host_dir, self.job_id)
-        if self.keep_snapshots or not root.exists():
+        claimed = self._claimed if self._claimed is not None and self._claimed != root else None
+        if claimed is not None:  # the host_dir the workers registered is another one
+            shutil.rmtree(claimed, ignore_errors=True)
+        if self.keep_snapshots:
+            disown(root)
+            return
+        if not root.exists():
             return
         stopped = self._interrupted is not None or self.exit_code == EXIT_STOPPED
         if stopped and self.checkpoint_dir is None and not self._restart_pending:
+            # the only copy of the newest state: kept, and reclaimed by the next agent that starts
             self.message += f"; no complete checkpoint was written: the snapshots stay in {root}"
             return
         shutil.rmtree(root, ignore_errors=True)
@@ -299,19 +314,38 @@ class Agent:
         for rank in range(self.num_workers):
             self._launch(rank, 0)
 
-    def _restart(self) -> None:
-        """Every worker is gone after a stop with restart: start them all again, same job id."""
+    def _restart(self, export: bool = False) -> None:
+        """Every worker is gone after a stop with restart: start them all again, same job id.
+        ``export``: a stop beyond tolerance with no restart left, restarted once so that every stage
+        (the lost ones from their snapshots) is saved, then stopped (exit code 3)."""
         self._kill_all()
         self.restarts += 1
-        self._event("restart", detail=f"attempt {self.restarts} of {self.max_restarts}: all workers restore "
-                                      f"the newest snapshot held for every rank")
+        self._exporting = self.message.split(";")[0] if export else ""
+        self._event("restart", detail=(
+            "to save every stage: all workers restore the newest snapshot held for every rank, then stop" if export
+            else f"attempt {self.restarts} of {self.max_restarts}: all workers restore the newest snapshot held for "
+                 f"every rank"))
         self._workers, self._failed, self.epochs = {}, set(), []
         self._rejoin_due.clear()
         self._join_attempts.clear()
-        self._restart_pending = False
+        self._restart_pending = self._export_pending = False
         self._finished = self._regridded = False
         self.exit_code, self.message = None, ""
         self._start_attempt()
+
+    def _can_export(self) -> bool:
+        """Whether a restart can restore every stage to save it: one node (a restart hosts a new
+        store), snapshots on, and a front end that saves on an interrupt (its registration says so)."""
+        if self.nnodes > 1 or self._exporting:
+            return False
+        for rank in range(self.num_workers):
+            info = mb.read_worker(self.store, rank)
+            if info is not None and info.settings:
+                return bool(info.settings.get("snapshots")) and bool(info.settings.get("export_restart"))
+        return False
+
+    def _all_registered(self) -> bool:
+        return all(mb.read_worker(self.store, r) is not None for r in range(self.num_workers))
 
     # --- launching ------------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: Any) -> None:
@@ -321,15 +355,17 @@ class Agent:
             raise _Interrupted(signum)
         self._signal = signum
 
-    def _interrupt(self, reason: str, signum: int, under_way: float | None) -> float:
+    def _interrupt(self, reason: str, signum: int | None, under_way: float | None, *,
+                   exit_code: int | None = None) -> float:
         """Publish the graceful stop (or, with a stop ``under_way``, let that one save within the
-        grace, and restart nothing); returns the deadline."""
-        self._restart_pending = False
+        grace, and restart nothing); returns the deadline. The exit code is ``128 + signum``, or
+        ``exit_code`` (the export after a stop beyond tolerance)."""
+        self._restart_pending = self._export_pending = False
         self._rejoin_due.clear()
         for w in self._workers.values():
             if w.state == "joining":  # it would wait for donors that are leaving
                 w.proc.kill()
-        self.exit_code = 128 + signum
+        self.exit_code = exit_code if signum is None else 128 + signum
         deadline = time.monotonic() + self.term_grace_s
         if under_way is not None:
             self._interrupted = next(r for r in reversed(self.epochs) if r.stop)
@@ -395,6 +431,10 @@ class Agent:
             last_tick = woke
             if self._interrupted is None and (asked := self._stop_requested()) is not None:
                 stop_deadline = self._interrupt(*asked, under_way=stop_deadline)
+            elif self._exporting and self._interrupted is None and stop_deadline is None and self._all_registered():
+                # the export restart's workers restored the snapshots: every stage saves, then stops
+                stop_deadline = self._interrupt(f"{self._exporting}; every stage restored from the in-memory "
+                                                f"snapshots is saved", None, None, exit_code=EXIT_STOPPED)
             failures = self._reap(woke, stopping=stop_deadline is not None) + self._check_heartbeats()
             if failures and stop_deadline is None:
                 stop_deadline = self._on_failures(failures)
@@ -415,8 +455,8 @@ class Agent:
                 return EXIT_OK
             if stop_deadline is not None and (not live or time.monotonic() > stop_deadline):
                 self._saved()
-                if self._restart_pending:
-                    self._restart()
+                if self._restart_pending or self._export_pending:
+                    self._restart(export=self._export_pending)
                     stop_deadline = None
                     continue
                 if live:
@@ -564,11 +604,16 @@ class Agent:
             lost = ""
         if lost:
             self._restart_pending = code == EXIT_STOPPED and self.restarts < self.max_restarts
+            # no restart left: one more, to export every stage, the lost ones from their snapshots
+            self._export_pending = code == EXIT_STOPPED and not self._restart_pending and self._can_export()
             then = ("restarting all workers from the in-memory snapshots" if self._restart_pending else
+                    "restarting all workers from the in-memory snapshots to save every stage, then stopping"
+                    if self._export_pending else
                     "stopping after a checkpoint" if code == EXIT_STOPPED else "stopping all workers")
             self.message = f"beyond tolerance: {lost}. {reason}; {then}"
             self.exit_code = code
-            self._record_failures(failures, self._publish("stop", self.message, restart=self._restart_pending))
+            self._record_failures(failures, self._publish("stop", self.message,
+                                                          restart=self._restart_pending or self._export_pending))
             for w in self._workers.values():
                 if w.state == "joining":
                     w.proc.kill()

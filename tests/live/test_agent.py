@@ -403,14 +403,30 @@ def test_a_second_sigterm_kills_at_once(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_workers_exit_when_the_agent_is_sigkilled(tmp_path):
-    proc, pids = _cli_agent(tmp_path)
+def test_workers_exit_when_the_agent_is_sigkilled_and_the_next_agent_reclaims_its_host_memory(tmp_path):
+    from ds_resilience.launch import DEFAULT_HOST_DIR
+
+    job = f"killed-agent-{os.getpid()}"
+    root = Path(DEFAULT_HOST_DIR) / job
+    proc, pids = _cli_agent(tmp_path, "--job_id", job)
+    (root / "rank0").mkdir(parents=True, exist_ok=True)  # what its workers' snapshots would hold
+    (root / "rank0" / "snapshot").write_bytes(b"x" * 4096)
     proc.kill()
     proc.wait(timeout=10)
     deadline = time.monotonic() + 10
     while not all(dead(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert all(dead(pid) for pid in pids), "orphaned workers outlived their agent"
+    assert (root / "rank0" / "snapshot").exists()  # nobody cleaned up after the SIGKILL
+    out = tmp_path / "next"
+    out.mkdir()
+    proc, _ = _cli_agent(out, "--term_grace_s", "0")  # any agent of the machine
+    try:
+        assert not root.exists()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=20)
+    assert "snapshots left in host memory by an agent that is gone" in proc.stderr.read().decode()
 
 
 def test_main_run_reads_the_detector_section_and_flags_override(tmp_path, monkeypatch):

@@ -9,6 +9,7 @@ survivor's final parameters with a fault-free run of the same steps.
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
 from pathlib import Path
@@ -43,8 +44,9 @@ def _config(tmp: Path, *, dp: int, faults=(), name="cfg", checkpoint=None, deeps
 
 
 def run_job(tmp: Path, *, world: int = 4, faults=(), name="job", rejoin_after=None, steps=STEPS, pace=0.0,
-            checkpoint=None, max_restarts=0, extra=(), deepspeed=None, resilience=None):
-    """Run the GPT under the agent; returns (exit code, agent events, per-rank dumps)."""
+            checkpoint=None, max_restarts=0, extra=(), deepspeed=None, resilience=None, job_id=None):
+    """Run the GPT under the agent; returns (exit code, agent events, per-rank dumps). ``job_id``
+    names the job (it then resumes from the checkpoint a stop of the same job id left)."""
     cfg = _config(tmp, dp=world // 2, faults=faults, name=name, checkpoint=checkpoint, deepspeed=deepspeed,
                   resilience=resilience)
     dump = tmp / name
@@ -60,6 +62,7 @@ def run_job(tmp: Path, *, world: int = 4, faults=(), name="job", rejoin_after=No
         log_dir=tmp / f"{name}-logs",
         env={"PYTHONPATH": str(REPO)},
         echo=lambda msg: print(msg, file=sys.stderr),
+        job_id=job_id,
     )
     code = agent.run()
     dumps = {}
@@ -297,37 +300,49 @@ def test_two_failures_in_one_stage_with_a_survivor(tmp_path_factory):
 
 
 @pytest.mark.timeout(600)
-def test_beyond_tolerance_stops_cleanly_with_a_loadable_checkpoint(tmp_path):
+def test_beyond_tolerance_stops_cleanly_with_a_loadable_checkpoint(tmp_path, reference4):
+    """Stage 1 loses both replicas and no restart is allowed: the agent restarts every worker once
+    more, only to save: every stage, the lost one from its snapshots, in DeepSpeed's layout, then
+    the job stops (exit code 3). A fresh job of the same job id loads it and ends where the
+    fault-free run ends."""
     faults = [
         {"rank": 2, "step": 2, "point": "before_forward", "kind": "sigkill"},
         {"rank": 3, "step": 4, "point": "mid_backward", "kind": "sigkill"},
     ]
-    code, events, dumps = run_job(tmp_path, faults=faults)
+    job_id = f"beyond-{os.getpid()}"
+    code, events, dumps = run_job(tmp_path, faults=faults, job_id=job_id)
     assert code == 3, logs(tmp_path, "job")
-    assert any(e.kind == "stop" for e in events)
-    manifests = list((tmp_path / "ckpt").glob("*/global_step*/manifest.json"))  # <persistent_dir>/<job id>/<tag>
+    assert [e.kind for e in events if e.kind in ("stop", "restart", "interrupt")] == ["stop", "restart", "interrupt"]
+    manifests = list((tmp_path / "ckpt" / job_id).glob("global_step*/manifest.json"))  # <persistent_dir>/<job id>/<tag>
     assert len(manifests) == 1, logs(tmp_path, "job")
     manifest = json.loads(manifests[0].read_text())
-    assert manifest["stages_lost"] == [1] and manifest["stages_saved"] == [0]
+    assert manifest["stages_lost"] == [] and manifest["stages_saved"] == [0, 1]
     step = manifest["step"]
     ckpt = manifests[0].parent
-    # every survivor stopped at that step and the saved layers are exactly its parameters
+    # every restarted worker stopped at that step, and stage 0's saved layers are exactly its parameters
     for d in dumps.values():
-        assert d["stopped"] and d["steps"] == step and d["stage"] == 0
+        assert d["stopped"] and d["steps"] == step
     saved = {}
+    stage0 = {k for d in dumps.values() if d["stage"] == 0 for k in d["params"]}
     for f in sorted(ckpt.glob("layer_*-model_states.pt")):
         layer = int(f.name.split("_")[1].split("-")[0])
         for k, v in torch.load(f, weights_only=True).items():
             saved[f"{layer}.{k}"] = v
-    params = next(iter(dumps.values()))["params"]
-    assert saved.keys() == params.keys()
-    for k in saved:
+    params = next(d for d in dumps.values() if d["stage"] == 0)["params"]
+    assert stage0 <= saved.keys() and len(saved) > len(stage0)  # stage 1's layers too
+    for k in stage0:
         assert torch.equal(saved[k], params[k])
-    # DeepSpeed's layout: the stage's model states with its optimizer and counters, named by `latest`
-    states = torch.load(ckpt / "mp_rank_00_model_states.pt", weights_only=False)
-    assert states["global_steps"] == step and states["optimizer"]["state"]
+    # DeepSpeed's layout: each stage's model states with its optimizer and counters, named by `latest`
+    for stage in (0, 1):
+        states = torch.load(ckpt / f"mp_rank_{stage:02d}_model_states.pt", weights_only=False)
+        assert states["global_steps"] == step and states["optimizer"]["state"]
     assert (ckpt.parent / "latest").read_text() == ckpt.name
-
+    # a fresh job of the same job id resumes from it and ends at the fault-free state
+    code, _, resumed = run_job(tmp_path, name="again", job_id=job_id)
+    assert code == 0, logs(tmp_path, "again")
+    for d in resumed.values():
+        assert {"kind": "resume", "checkpoint_dir": str(ckpt), "resume_step": step} in d["recovery"]
+    assert_equal_to_reference(resumed, reference4)
 
 @pytest.mark.timeout(600)
 def test_a_loop_that_evaluates_and_saves_survives_a_failure_and_its_checkpoint_restarts_a_full_job(tmp_path):
