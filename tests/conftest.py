@@ -31,8 +31,12 @@ os.environ.setdefault("DSR_P2P_MATCHING", "fifo")
 # (ds_resilience/supervisor/spawn.py), and tests/dist_harness.py forks its ranks from the same list.
 # A 4-rank job under the agent starts in ~1 s instead of 5-15 s of imports per process. Tests of
 # the default path (a fresh interpreter per worker) set DSR_PRELOAD="" for their agent.
+# ds_resilience.integrations.warm: what engine construction would import and probe in each process
+# (torch._dynamo, fsdp, DeepSpeed's op probe: ~12 s of a core per rank, more than the training of
+# most dist tests), done once in the server.
 os.environ.setdefault(
-    "DSR_PRELOAD", "torch,torch.distributed,deepspeed,ds_resilience,ds_resilience.integrations.deepspeed")
+    "DSR_PRELOAD", "torch,torch.distributed,deepspeed,ds_resilience,ds_resilience.integrations.deepspeed,"
+                   "ds_resilience.integrations.warm")
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS)

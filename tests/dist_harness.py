@@ -39,7 +39,8 @@ def _context():
         from ds_resilience.supervisor.spawn import fork_context, preload_modules
 
         # the agent's list (conftest sets DSR_PRELOAD): one fork server per process serves both
-        _CTX = fork_context(preload_modules() or ("torch", "torch.distributed", "deepspeed", "ds_resilience"))
+        _CTX = fork_context(preload_modules() or ("torch", "torch.distributed", "deepspeed", "ds_resilience",
+                                                  "ds_resilience.integrations.warm"))
     return _CTX
 
 
@@ -51,6 +52,13 @@ def _child(fn: Callable[..., Any], rank: int, world: int, port: int, env: dict[s
     from ds_resilience.runtime.fork_boot import freeze_preloaded_objects
 
     freeze_preloaded_objects()  # the server's imports: out of the collector's way, as for the agent's workers
+    # the platform's start method again (fork), as in a fresh interpreter and in the agent's forked
+    # workers (runtime/fork_boot.py): a DataLoader's worker processes would otherwise each be
+    # started by a fork server of their own, 2 s apiece, and a loader closed while they start
+    # waits up to 5 s per worker
+    import multiprocessing
+
+    multiprocessing.set_start_method(None, force=True)
     os.environ.update(
         {
             "RANK": str(rank),

@@ -55,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preload", default=None, metavar="MODULES",
                    help="comma-separated modules to import once in a fork server; workers (and relaunches) are forked "
                         f"from it instead of importing them each (default: ${PRELOAD_VAR}, else none). Only modules "
-                        "that start no thread and touch no GPU at import, e.g. torch,deepspeed")
+                        "that start no thread and touch no GPU at import, e.g. "
+                        "torch,deepspeed,ds_resilience.integrations.warm (the last one also does what each "
+                        "worker's engine construction would import and probe)")
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     return p

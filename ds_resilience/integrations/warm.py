@@ -1,0 +1,17 @@
+"""What every DeepSpeed worker would import or probe on its own at its engine's construction, done
+once in the fork server that ``ds-resilience run --preload`` forks the workers from.
+
+Building the engine imports ``torch._dynamo`` (``torch.optim``'s first optimizer: about 9 s of one
+core on this project's 2-core CI machine) and ``torch.distributed.fsdp`` (3 s), and DeepSpeed probes
+which of its ops compile here (``deepspeed.ops.__compatible_ops__``: a C compiler run, 1 s). A
+worker forked from a server that did all three starts training in a fraction of that. Nothing here
+starts a thread or touches a GPU. Use: ``--preload torch,deepspeed,ds_resilience.integrations.warm``.
+"""
+
+from __future__ import annotations
+
+import torch._dynamo  # noqa: F401
+import torch.distributed.fsdp  # noqa: F401
+import deepspeed.ops
+
+deepspeed.ops.__compatible_ops__  # noqa: B018 - probed once, cached in the module
