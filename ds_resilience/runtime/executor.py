@@ -107,17 +107,37 @@ class EvalResult:
     """What one evaluation left on a worker.
 
     Attributes:
-        total: sum of the per-micro-batch values (losses, or outputs) this worker computed on the
-            last stage (``None`` elsewhere, or when it computed none).
+        by_pipeline: per pipeline, the per-micro-batch values (losses, or outputs) this worker
+            computed on the last stage, by micro-batch: :attr:`total` sums each pipeline's in
+            micro-batch order, in their dtype, as that pipeline's own last stage would fault-free.
         count: how many micro-batches it evaluated on the last stage.
         own: its own pipeline's per-micro-batch values, in micro-batch order (last stage).
         last_outputs: the stage outputs of the last of its own pipeline's micro-batches (last stage).
     """
 
-    total: Any = None
+    by_pipeline: dict = field(default_factory=dict)
     count: int = 0
     own: list = field(default_factory=list)
     last_outputs: Any = None
+
+    @property
+    def total(self) -> Any:
+        """The sum over the pipelines' sums, in float64 (``None`` when none was computed): a worker
+        that ran a failed peer's micro-batches adds that pipeline's sum as the peer would have
+        computed it, so the reduced mean equals the fault-free one (one float32 running sum over
+        both pipelines' values would round differently)."""
+        if not self.by_pipeline:
+            return None
+        sums = []
+        for p in sorted(self.by_pipeline):  # each pipeline's values summed in micro-batch order
+            values = [self.by_pipeline[p][m] for m in sorted(self.by_pipeline[p])]
+            acc = values[0].clone() if torch.is_tensor(values[0]) else [v.clone() for v in values[0]]
+            for v in values[1:]:
+                acc = acc + v if torch.is_tensor(acc) else [t + x for t, x in zip(acc, v)]
+            sums.append(acc)
+        if torch.is_tensor(sums[0]):
+            return torch.stack([v.to(torch.float64) for v in sums]).sum(0)
+        return [torch.stack([v[i].to(torch.float64) for v in sums]).sum(0) for i in range(len(sums[0]))]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -514,11 +534,7 @@ class Executor:
                         continue
                     value = self.loss_fn(outputs, labels) if compute_loss and self.loss_fn is not None else outputs
                     value = value.detach() if torch.is_tensor(value) else [v.detach() for v in value]
-                    if torch.is_tensor(value):
-                        result.total = value.clone() if result.total is None else result.total + value
-                    else:
-                        result.total = ([v.clone() for v in value] if result.total is None
-                                        else [t + v for t, v in zip(result.total, value)])
+                    result.by_pipeline.setdefault(a.pipeline, {})[a.microbatch] = value
                     result.count += 1
                     if a.pipeline == self.pipeline:
                         result.own.append(value)

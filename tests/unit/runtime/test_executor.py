@@ -153,3 +153,28 @@ def test_resilience_fast_w_reaches_the_split(monkeypatch, fast):
     grads = _run(ex, split=True)
     assert seen == [fast] * 3
     assert all(torch.equal(a, b) for a, b in zip(grads, _run(_executor(Stage()), split=False)))
+
+
+def test_an_evaluation_sums_each_pipelines_losses_as_its_own_last_stage_would():
+    """A worker that evaluates a failed peer's micro-batches too: each pipeline's losses are summed
+    in micro-batch order in their dtype, as that pipeline's last stage sums them fault-free, and
+    only then the pipelines' sums, in float64. One float32 running sum over both pipelines' values
+    (in the order they ran, interleaved) rounds differently, and the mean printed to 6 decimals
+    then differs from the fault-free run's."""
+    from ds_resilience.runtime.executor import EvalResult
+
+    gen = torch.Generator().manual_seed(0)
+    losses = {p: [torch.tensor(2.0 + torch.rand(1, generator=gen).item() * 1e-3) for _ in range(4)] for p in (0, 1)}
+    result = EvalResult()
+    for m in (3, 1, 0, 2):  # whatever order the schedule ran them in
+        for p in (1, 0):
+            result.by_pipeline.setdefault(p, {})[m] = losses[p][m]
+    fault_free = []
+    for p in (0, 1):  # each pipeline's own last stage: its 4 values in micro-batch order, float32
+        acc = losses[p][0].clone()
+        for v in losses[p][1:]:
+            acc = acc + v
+        fault_free.append(acc.to(torch.float64))
+    assert torch.equal(result.total, fault_free[0] + fault_free[1])
+    assert result.total.dtype == torch.float64
+    assert EvalResult().total is None
