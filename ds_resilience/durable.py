@@ -16,22 +16,22 @@ from typing import Any
 __all__ = ["fsync_dir", "fsync_file", "save_durably", "write_durably"]
 
 
-def fsync_dir(path: str | os.PathLike[str]) -> None:
-    """Make the directory's entries (a rename, a new file) durable."""
+def _fsync_path(path: str | os.PathLike[str]) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Make the directory's entries (a rename, a new file) durable."""
+    _fsync_path(path)
 
 
 def fsync_file(path: str | os.PathLike[str]) -> None:
     """Make a file's bytes durable (on Linux also those written through a shared mapping of it)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _fsync_path(path)
 
 
 def _replace(tmp: str, path: str) -> None:
