@@ -174,10 +174,13 @@ class Coordinator:
         """``record`` is being applied: waits inside it are interrupted only by a newer epoch."""
         self.applying = record.epoch
 
-    def check(self) -> None:
-        """Raise :class:`Reconfigure` if a newer epoch is latched."""
+    def check(self, *, final: bool = False) -> None:
+        """Raise :class:`Reconfigure` if a newer epoch is latched. ``final``: the boundary after the
+        last step (the end of training), where a re-join is not applied: no step is left for the
+        joiner, and a peer that passed this boundary before the epoch came has exited and would
+        never post its agreement (the agent tells the joiner that training is over)."""
         record = self.pending()
-        if record is not None:
+        if record is not None and not (final and getattr(record, "kind", None) == "rejoin"):
             raise Reconfigure(record)
 
     def mark_applied(self, record) -> None:

@@ -269,13 +269,14 @@ class LiveStage:
         self.tier.end_iteration(elapsed)
         return result, elapsed
 
-    def resilient(self, run: Callable[[], Any]) -> Any:
+    def resilient(self, run: Callable[[], Any], *, final: bool = False) -> Any:
         """``run()``; on a failure signal under the agent, recover (roll back, new groups and
-        schedule) and run it again."""
+        schedule) and run it again. ``final``: the end of training, where a pending re-join is
+        not applied (:meth:`Coordinator.check`)."""
         while True:
             try:
                 if self.coordinator is not None:
-                    self.coordinator.check()
+                    self.coordinator.check(final=final)
                 return run()
             except Exception as exc:  # noqa: BLE001 - filtered by is_failure
                 if self.recovery is None or not is_failure(exc):

@@ -129,6 +129,29 @@ def test_a_rejoin_a_peer_started_applying_interrupts_a_store_wait(store):
     assert c.interrupting() is None  # the switch of epoch 2 says nothing about epoch 3
 
 
+def test_the_boundary_after_the_last_step_leaves_a_rejoin_but_not_a_failure(store):
+    """CI run of stop 48: a relaunched worker registered as training ended; rank 0 passed its last
+    boundary (``close_snapshots``) before the re-join epoch came and exited, ranks 1 and 2 applied
+    it at theirs and waited 30 s for rank 0's agreement, then failed. At the final boundary a
+    re-join is left (no step is left for the joiner); a failure or a stop is still applied."""
+    from ds_resilience.runtime.coordinator import Reconfigure
+
+    c = _bare_coordinator(store)
+    rejoin = mb.EpochRecord(epoch=2, failed=(), alive=(0, 1), joining=(1,), stop=False, reason="r", detected_at=0.0,
+                            kind="rejoin")
+    c._latch(rejoin)
+    c.check(final=True)  # left: nothing raised
+    assert c.pending() is rejoin
+    with pytest.raises(Reconfigure):
+        c.check()  # any other boundary applies it
+    crash = mb.EpochRecord(epoch=3, failed=(1,), alive=(0,), joining=(), stop=False, reason="c", detected_at=0.0,
+                           kind="crash")
+    c._latch(crash)
+    with pytest.raises(Reconfigure) as err:
+        c.check(final=True)
+    assert err.value.record is crash
+
+
 def test_heartbeat_bumps_counter_and_marks_a_deliberate_stop(store):
     hb = mb.Heartbeat(store, 3, 0.02)
     hb.start()
