@@ -81,6 +81,10 @@ def zombie_status(pid: int) -> int | None:
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
+_REPORT_WAIT_S = 10.0
+"""How long :meth:`_ForkedProc.poll` waits for the fork server's report on a worker it has reaped."""
+
+
 class _ForkedProc:
     """A worker forked from the fork server, with :class:`subprocess.Popen`'s process methods."""
 
@@ -95,6 +99,12 @@ class _ForkedProc:
                 self.returncode = self._p.exitcode
             else:  # the fork server (its parent) reaps it and only then reports: seconds late under load
                 self.returncode = zombie_status(self.pid)
+                if self.returncode is None and not os.path.exists(f"/proc/{self.pid}"):
+                    # reaped, not reported yet: it has exited, its status is on the way (a bounded
+                    # wait, else the agent would take the silent heartbeat of a dead worker for a hang)
+                    self._p.join(_REPORT_WAIT_S)
+                    if not self._p.is_alive():
+                        self.returncode = self._p.exitcode
         return self.returncode
 
     def kill(self) -> None:

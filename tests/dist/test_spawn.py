@@ -169,3 +169,33 @@ def test_a_dead_forked_worker_is_seen_before_its_parent_reaps_it():
         for pid in [*children.values(), running]:
             os.waitpid(pid, 0)
     assert zombie_status(running) is None  # reaped: gone from /proc
+
+
+def test_a_forked_worker_reaped_but_not_yet_reported_is_waited_for_not_taken_for_running():
+    """CI run 11: the fork server had reaped a SIGKILLed worker (gone from ``/proc``) but not yet
+    reported it, so ``poll()`` said running and the agent took the silent heartbeat for a hang.
+    Now ``poll()`` waits (bounded) for the report of a worker that no longer exists."""
+    from ds_resilience.supervisor.spawn import _ForkedProc
+
+    pid = os.fork()
+    if pid == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    os.waitpid(pid, 0)  # reaped, as the fork server does before it reports
+
+    class Reporting:  # the fork server's report arrives during the wait
+        def __init__(self):
+            self.pid, self.exitcode, self.joined = pid, None, []
+
+        def is_alive(self):
+            return self.exitcode is None
+
+        def join(self, timeout=None):
+            self.joined.append(timeout)
+            self.exitcode = -9
+
+    late = Reporting()
+    assert _ForkedProc(late).poll() == -9
+    assert late.joined and late.joined[0] > 0
+    running = Reporting()
+    running.pid = os.getpid()  # alive: no wait, still running
+    assert _ForkedProc(running).poll() is None and running.joined == []
