@@ -19,7 +19,8 @@ Membership (agent and workers, :mod:`ds_resilience.runtime.membership`):
 Recovery (workers, :mod:`ds_resilience.runtime.recovery` and ``coordinator``):
 ``dsr/agree/{epoch}/{rank}`` (step counts), ``dsr/switch/{epoch}`` (a re-join is being applied),
 ``dsr/arrive/{epoch}/{rank}`` (arrival before the new groups), ``dsr/saved/{epoch}/...`` (the
-saves beyond tolerance).
+saves beyond tolerance), ``dsr/tp_arrive/{epoch}/{rank}`` (a Megatron tensor-parallel rank ready to
+build its replica's group of that epoch).
 
 Plans (:mod:`ds_resilience.runtime.plan_agreement`): ``dsr/plans/{scope}/{build}/{record|table}``,
 ``dsr/plans/{scope}/latest``, ``dsr/plans/{scope}/building``.
@@ -83,6 +84,11 @@ def switch(epoch_: int) -> str:
 
 def arrive(epoch_: int, rank: int) -> str:
     return f"{ROOT}/arrive/{epoch_}/{rank}"
+
+
+def tp_arrive(epoch_: int, rank: int) -> str:
+    """A tensor-parallel rank is ready to build its replica's group of ``epoch_`` (megatron/tp_group.py)."""
+    return f"{ROOT}/tp_arrive/{epoch_}/{rank}"
 
 
 def saved(epoch_: int, rank: int) -> str:

@@ -80,6 +80,7 @@ from .data import Item, MicroBatches
 from .evaluation import EvalItems, forward_only
 from .grid import PTDPGrid
 from .groups import agree_session, plane_groups
+from .tp_group import TensorParallelGroup
 from .live import EXPORT_FORMAT, PlaneView, describe, restore
 from .optimizer import ResilientOptimizer, ResilientScheduler
 from .recompute import recompute_switch
@@ -158,6 +159,7 @@ class ResilientForwardBackward:
         self.base = 0  # the iteration the job started from (a loaded checkpoint's)
         self.evaluations = 0
         self.rt: _Runtime | None = None
+        self._tp: TensorParallelGroup | None = None  # megatron-core's tensor-parallel group, under the agent
         self._reader: MicroBatches | None = None  # the training micro-batches (built with the runtime)
         self._item: Callable[[int, int, int], Any] | None = None  # the reader now: training's or an evaluation's
         self._forward_step: Callable | None = None
@@ -238,6 +240,8 @@ class ResilientForwardBackward:
     def _adopted(self, generation: Any) -> None:
         """A recovery's new generation (the live stage runs its schedule from now on): logged once."""
         rt = self.rt
+        if self._tp is not None:
+            self._tp.renew(generation.epoch)
         if dist.get_rank() == min(rt.grid.rank(w, 0) for w in generation.topology.alive_workers()):
             failed = ",".join(sorted(str(w) for w in generation.topology.failed)) or "none"
             log.info("megatron: epoch %s, failed %s: %s %s schedule", generation.epoch, failed, generation.source,
@@ -335,6 +339,10 @@ class ResilientForwardBackward:
             export=self._export, export_format=EXPORT_FORMAT, adopted=self._adopted, view=PlaneView(grid, topology, rank),
             groups_for=groups_for))
         self.rt = _Runtime(grid=grid, me=me, model=model, live=live, tp_rank=tp_rank)
+        if mode.live and job.tp > 1:  # megatron-core's own group: released by an epoch, renewed after it
+            self._tp = TensorParallelGroup(model, grid.replica(me), live.coordinator, session=session,
+                                           timeout_s=self.timeout_s)
+            live.releases.append(self._tp.release)
         live.begin(Generation(epoch=0, topology=topology.without(failed), schedule=choice.schedule, source=choice.source,
                               lookup_s=choice.seconds, figures=choice.figures,
                               groups=groups_for(topology.without(failed), 0) if alive else None))

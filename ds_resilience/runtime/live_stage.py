@@ -134,6 +134,9 @@ class LiveStage:
                  progress: Progress | None = None) -> None:
         self.desc = desc
         self.mode = desc.mode
+        # what else an epoch releases (the watcher thread calls each with the record): a front end's
+        # own groups (megatron-core's tensor-parallel group)
+        self.releases: list[Callable[[EpochRecord], None]] = []
         self._restore_signals: Callable[[], None] = lambda: None
         cfg = desc.config
         det = cfg.detector
@@ -285,9 +288,16 @@ class LiveStage:
 
     def _on_epoch(self, record: EpochRecord) -> None:
         """Watcher thread: a new epoch was latched; release whatever the main thread is blocked on
-        (a re-join changes nothing for the running iteration: it is applied at the next boundary)."""
-        groups = self.generation.groups if self.generation is not None else None
-        release_on_epoch(record, groups, getattr(self, "tier", None))
+        (a re-join changes nothing for the running iteration: it is applied at the next boundary).
+
+        The record is visible to the main thread before this runs: a starved watcher may get here
+        after the main thread applied the epoch, and must not poison the generation built for it
+        (its peers would see their fresh pairs closed, with no newer epoch to explain it)."""
+        generation = self.generation
+        stale = generation is not None and generation.epoch < record.epoch
+        release_on_epoch(record, generation.groups if stale else None, getattr(self, "tier", None))
+        for release in self.releases:
+            release(record)
 
     @property
     def retired(self) -> bool:

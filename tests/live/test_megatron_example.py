@@ -195,6 +195,8 @@ def test_a_sigkilled_tensor_parallel_rank_takes_its_replica_out_and_the_survivor
     assert "failed 1:0: table recycle schedule" in text, recovery
     assert '"failed_ranks": [3]' in text, recovery  # the plan names replicas; the line also names the dead rank
     assert "exit code 0: all live workers finished (1 failed)" in text, recovery
+    for pair in ("[0, 1]", "[4, 5]", "[6, 7]"):  # megatron-core's group of each whole replica, released and renewed
+        assert f"tensor-parallel group {pair} renewed for epoch 2" in text, recovery
     _assert_same_losses(survived, healthy)
     want, got = _shards(tmp_path / "healthy"), _shards(tmp_path / "survived")
     assert sorted(want) == sorted(got) == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
@@ -209,15 +211,6 @@ def test_a_sigkilled_tensor_parallel_rank_takes_its_replica_out_and_the_survivor
                                            atol=1e-8, msg=f"{shard} {index} {key}")
 
 
-# An open product bug, not a flaky test: after an epoch our groups are poisoned and release a rank
-# blocked in them, but Megatron's own tensor-parallel groups are not. In CI runs 9 and 10 rank 0
-# left the iteration for the recovery and waited (store) for rank 1's agreement, while rank 1 sat
-# in the backward's tensor-parallel all-reduce (megatron/core/tensor_parallel/layers.py) waiting
-# for rank 0: a deadlock broken only by the 30 s store timeout (ranks exit 1, the job stops on the
-# wrong stage). The fix is tensor-parallel collectives that an epoch can release (or abort); until
-# then the test runs and reports XPASS when the window is missed, XFAIL when it is hit.
-@pytest.mark.xfail(reason="open: Megatron's tensor-parallel groups are not released by an epoch (a TP rank in "
-                          "its all-reduce deadlocks with a partner in recovery)", strict=False)
 @pytest.mark.timeout(600)
 def test_with_tensor_parallelism_a_stage_is_lost_once_each_replica_lost_one_rank(tmp_path):
     """TP=2 x PP=2 x DP=2: rank 3 (replica p1s0) dies in iteration 1, rank 0 (replica p0s0) in
@@ -225,10 +218,11 @@ def test_with_tensor_parallelism_a_stage_is_lost_once_each_replica_lost_one_rank
     the agent stops the job (exit code 3) and stage 1's surviving replica writes both of its
     tensor-parallel shards in Megatron's layout.
 
-    The second death is an iteration later than in the PP-only test above: with rank 0 killed at
-    the start of iteration 2, CI saw (about one run in three, under load) a rank exit 1 after a
-    30 s store wait for another's agreement on the first epoch (dsr/agree/2/1), a window in the
-    TP recovery when two epochs come at nearly once that is still open (closing note of issue 40)."""
+    CI runs 9 and 10 caught a deadlock here about one run in three: after the first epoch rank 0
+    left the iteration and waited for rank 1's agreement while rank 1, its tensor-parallel partner,
+    sat in megatron-core's tensor-parallel all-reduce waiting for rank 0, which no epoch released
+    (30 s later both exited 1). An epoch now poisons megatron-core's tensor-parallel group too, and
+    the surviving replicas renew it with the new generation (megatron/tp_group.py)."""
     out = _stopped(tmp_path, first=3, second=0, args=TP2, nproc=8, second_step=3)
     text = out.stdout + out.stderr
     assert "stage 0 lost every replica" in text, text[-6000:]
