@@ -128,8 +128,9 @@ class InMemoryCheckpointer:
         self.store = SnapshotStore(self.root / f"machine{self.machine}", keep=2, pipeline=pipeline)
         self.owner = owner_name(rank)
         # the job's own directory: snapshots of an earlier job in the same persistent_dir never mix in
-        self.disk = (SnapshotStore(Path(cfg.persistent_dir) / "snapshots" / job_id, keep=cfg.keep_last, recycle=False)
-                     if cfg.persistent_dir else None)
+        # durable: on disk a manifest never names bytes a machine crash could lose (fsync first)
+        self.disk = (SnapshotStore(Path(cfg.persistent_dir) / "snapshots" / job_id, keep=cfg.keep_last, recycle=False,
+                                   durable=True) if cfg.persistent_dir else None)
         self.gate = IdleGate(enabled=cfg.interleave)
         self.replicator: Replicator | None = None
         if replicate and self.send_to + self.recv_from:
@@ -410,7 +411,8 @@ class InMemoryCheckpointer:
             self.replicator.close()
 
     # --- restore -------------------------------------------------------------------------------------
-    def restore(self, group: Group | None = None, stage_of: dict[int, int] | None = None) -> tuple[Any, RestorePlan, dict[str, float]]:
+    def restore(self, group: Group | None = None, stage_of: dict[int, int] | None = None, *,
+                newer_than: int | None = None) -> tuple[Any, RestorePlan, dict[str, float]] | None:
         """Collective over every rank (all alive, e.g. right after a restart): agree on the newest
         step held for every rank, fetch what this rank lost from a peer or disk, and load it.
 
@@ -419,6 +421,9 @@ class InMemoryCheckpointer:
         snapshot of the same stage (identical state); see :func:`plan_restore`. What the ranks hold
         is exchanged as JSON and snapshots over the state transport. Returns ``(state, plan,
         timings)``; raises :class:`CheckpointError` when some rank's snapshot is nowhere.
+        ``newer_than``: a step the ranks already hold (a named job's stop checkpoint, loaded): the
+        snapshots are only loaded if their step is newer, else ``None`` is returned (on every rank:
+        the plan is the same everywhere) and nothing is moved.
         """
         t0 = time.perf_counter()
         group = group if group is not None else world_group(self.timeout_s)
@@ -435,6 +440,8 @@ class InMemoryCheckpointer:
         transfer_s = 0.0
         while True:  # plan on the manifests; the copies actually read are verified, a bad one is dropped
             plan = plan_restore(self.world, memory, persistent, machine_of, stage_of)
+            if newer_than is not None and plan.step <= newer_than:
+                return None
             bad = []
             t_x = time.perf_counter()
             for holder, rank, owner in plan.transfers():  # the receiver checks the bytes

@@ -184,14 +184,18 @@ class CheckpointTier:
         replicated = mem.wait_replicated(step, 5.0)
         return {"committed": committed, "replicated": replicated}
 
-    def restore(self, stage_of: dict[int, int] | None) -> dict[str, Any]:
+    def restore(self, stage_of: dict[int, int] | None, *, newer_than: int | None = None) -> dict[str, Any] | None:
         """After a restart: load the newest step held for every rank (collective over all ranks).
 
         ``stage_of`` (rank -> stage) lets a rank restore from a data-parallel peer's snapshot of
-        the same stage, whose state is identical. Returns the recovery-log entry.
+        the same stage, whose state is identical. Returns the recovery-log entry; ``None`` when
+        the newest step is not newer than ``newer_than`` (nothing loaded).
         """
         started = time.time()
-        tree, plan, timings = self.memory.restore(stage_of=stage_of)
+        found = self.memory.restore(stage_of=stage_of, newer_than=newer_than)
+        if found is None:
+            return None
+        tree, plan, timings = found
         apply(StageState.from_tree(tree), self.host, stage=self.stage)
         self.memory.mark_held(self.host.counters()[0])
         source, holder, from_rank = plan.sources[self.rank]

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
+from ..checkpoint.store import CheckpointError
 from ..config import ResilienceConfig
 from ..errors import ConfigError
 from ..ir import Action, ActionKind, Schedule
@@ -217,13 +218,8 @@ class ResilientPipelineEngine(SurvivorAPI, PipelineEngine):
             if self.tier.memory is not None:
                 self.tier.capture_due()
         else:
-            if mode is StartMode.LIVE and launch.resume:  # a named job started again: its last stop's checkpoint
-                resumed = job_checkpoint_dir(resilience.checkpoint.persistent_dir, launch.job_id)
-                tag = self.resume_job(resumed)
-                if tag is not None:
-                    log_dist(f"job {launch.job_id} resumes from {resumed}/{tag} (step {self.global_steps})", ranks=[0])
-                    self.recovery_log.append({"kind": "resume", "checkpoint_dir": os.path.join(resumed, tag),
-                                              "resume_step": self.global_steps})
+            if mode is StartMode.LIVE and launch.resume:  # a named job started again
+                self._resume_named_job(launch.job_id, resilience.checkpoint.persistent_dir)
             restored = self.live.start(restore=self._restore_after_restart)
             if restored is not None:
                 self.recovery_log.append(restored)
@@ -265,10 +261,38 @@ class ResilientPipelineEngine(SurvivorAPI, PipelineEngine):
         on_membership(zero, record, plan, previous, generation, beyond_tolerance=self.recovery._beyond_tolerance)
 
     def _restore_after_restart(self) -> None:
-        restore_after_restart(self.tier, self.topology, self.launch.world_size,
-                              zero_stage=self.zero_optimization_stage(), stage=self.stage_id,
-                              sharded=self.sharded_optimizer, generation=self.generation,
-                              recovery_log=self.recovery_log, steps=lambda: self.global_steps)
+        self._restore_snapshots()
+
+    def _restore_snapshots(self, newer_than: int | None = None) -> bool:
+        """Every rank restores the newest step held for all (if newer than ``newer_than``)."""
+        return restore_after_restart(self.tier, self.topology, self.launch.world_size,
+                                     zero_stage=self.zero_optimization_stage(), stage=self.stage_id,
+                                     sharded=self.sharded_optimizer, generation=self.generation,
+                                     recovery_log=self.recovery_log, steps=lambda: self.global_steps,
+                                     newer_than=newer_than)
+
+    def _resume_named_job(self, job_id: str, persistent_dir: str | None) -> None:
+        """A named job started again: its last stop's checkpoint (``latest``), then the snapshots
+        its earlier run left, if newer: in host memory when its agent was killed (the next agent
+        of the job keeps them), on disk (``persistent_dir``) after a machine crash. Every rank
+        takes part (the restore is collective); with neither, the job starts from scratch."""
+        resumed = job_checkpoint_dir(persistent_dir, job_id)
+        tag = self.resume_job(resumed)
+        if tag is not None:
+            log_dist(f"job {job_id} resumes from {resumed}/{tag} (step {self.global_steps})", ranks=[0])
+            self.recovery_log.append({"kind": "resume", "checkpoint_dir": os.path.join(resumed, tag),
+                                      "resume_step": self.global_steps})
+        if self.tier.memory is None:
+            return
+        try:
+            found = self._restore_snapshots(newer_than=self.global_steps if tag is not None else -1)
+        except CheckpointError as exc:  # the same plan on every rank: all of them go on without
+            log_dist(f"job {job_id}: no snapshot of its earlier run restores every rank ({exc})", ranks=[0])
+            return
+        if found:
+            entry = self.recovery_log[-1]
+            log_dist(f"job {job_id} resumes from the snapshots its earlier run left (step {entry['resume_step']}, "
+                     f"from {entry['source']})", ranks=[0])
 
     def _reshard_loaded(self) -> None:
         sharded = self.sharded_optimizer

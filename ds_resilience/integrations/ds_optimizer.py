@@ -134,18 +134,23 @@ def on_membership(zero: ZeroStage, record, plan, previous: Topology | None, gene
 
 def restore_after_restart(tier: Any, topology: Topology, world: int, *, zero_stage: int, stage: int,
                           sharded: ShardedOptimizer | None, generation, recovery_log: list,
-                          steps: Callable[[], int]) -> None:
+                          steps: Callable[[], int], newer_than: int | None = None) -> bool:
     """A restart from the in-memory snapshots: every rank restores its newest common version.
 
     ZeRO-0: the data-parallel replicas of a stage hold identical states, so any of them restores
     the others (a stage stays covered while one of its snapshots survives). ZeRO-1: every rank
-    restores its own shard, then the stage re-shards from what they hold."""
+    restores its own shard, then the stage re-shards from what they hold. ``newer_than``: only
+    if that version is newer (a step already loaded); returns whether one was restored."""
     stage_of = {r: topology.coord(r)[0].stage for r in range(world)} if zero_stage == 0 else None
-    recovery_log.append(tier.restore(stage_of))
+    entry = tier.restore(stage_of, newer_than=newer_than)
+    if entry is None:
+        return False
+    recovery_log.append(entry)
     if sharded is not None and sharded.stale:
         moved = sharded.reshard(stage_members(generation.topology, stage), generation.groups.stage)
         tier.memory.forget_captures()
         recovery_log.append({"kind": "zero_reshard", "epoch": 0, "resume_step": steps(), **moved})
+    return True
 
 
 def reshard_loaded(sharded: ShardedOptimizer | None, members: list[int], group: Any, tier: Any) -> None:

@@ -53,7 +53,7 @@ from ..planning.recovery import lost_stages
 from ..epochs import STOP_KINDS
 from ..runtime import membership as mb
 from .events import AgentEvent, event_table
-from .host_memory import claim, disown, reclaim_orphans
+from .host_memory import claim, disown, owner_alive, reclaim_orphans
 from .nodes import RemoteProc, post_launch
 from .spawn import WorkerProcess, preload_modules, start_worker
 
@@ -254,9 +254,14 @@ class Agent:
             for signum in (signal.SIGINT, signal.SIGTERM):
                 handlers[signum] = signal.signal(signum, self._on_signal)
         try:
-            # the snapshots a dead agent left in host memory go; this one records itself as the owner
-            reclaim_orphans(self.host_dir or DEFAULT_HOST_DIR)
-            self._claimed = snapshot_root(self.host_dir, self.job_id)
+            # the snapshots a dead agent left in host memory go, but a named job keeps its own: its
+            # workers resume from them; this agent records itself as the owner
+            own = snapshot_root(self.host_dir, self.job_id)
+            if self.resume and owner_alive(own) is False:
+                self._echo(f"[ds_resilience agent] job {self.job_id}: the agent of its earlier run is gone; the "
+                           f"snapshots it left in {own} are kept for this run to resume from")
+            reclaim_orphans(self.host_dir or DEFAULT_HOST_DIR, keep=own if self.resume else None)
+            self._claimed = own
             claim(self._claimed, self.job_id)
             self._start_attempt()
             self.exit_code = self._monitor()

@@ -5,8 +5,9 @@ snapshots there, it outlives their crashes, and the agent removes it when it exi
 is itself SIGKILLed (or whose machine's init reaps it) cannot: the tmpfs would keep the files until
 a reboot. So each agent records itself in ``<root>/agent.json`` (pid and process start time, which
 a reused pid does not repeat), and an agent that starts removes every job directory under its
-``host_dir`` whose recorded agent is gone: the next agent on the machine, of the same job or any
-other, reclaims the memory.
+``host_dir`` whose recorded agent is gone: the next agent on the machine reclaims the memory. The
+next agent of the same *named* job (``--job_id``) keeps its job's directory instead: its workers
+resume from those snapshots (nothing committed is lost), and it removes them when it exits.
 """
 
 from __future__ import annotations
@@ -69,14 +70,18 @@ def disown(root: str | os.PathLike[str]) -> None:
         pass
 
 
-def reclaim_orphans(host_dir: str | os.PathLike[str]) -> list[Path]:
-    """Remove the job directories under ``host_dir`` whose recorded agent is gone; returns them."""
+def reclaim_orphans(host_dir: str | os.PathLike[str], *, keep: Path | None = None) -> list[Path]:
+    """Remove the job directories under ``host_dir`` whose recorded agent is gone; returns them.
+    ``keep``: the directory of the starting agent's own job, when the job is named: its workers
+    resume from what a dead agent of the same job left there (the new agent claims it)."""
     removed = []
     try:
         entries = sorted(Path(host_dir).iterdir())
     except OSError:
         return removed
     for root in entries:
+        if keep is not None and root.resolve() == Path(keep).resolve():
+            continue
         if root.is_dir() and owner_alive(root) is False:
             size = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
             shutil.rmtree(root, ignore_errors=True)

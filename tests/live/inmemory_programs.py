@@ -70,14 +70,21 @@ def train_and_replicate(rank: int, world: int, cfg_dict: dict, job: str, steps: 
             "received": stats.versions_received if stats else 0, "persisted": ck.persisted}
 
 
-def restore(rank: int, world: int, cfg_dict: dict, job: str, width: int = 64) -> dict:
-    """A restarted rank: build a fresh model, restore it, return its digest and the plan."""
+def restore(rank: int, world: int, cfg_dict: dict, job: str, width: int = 64, newer_than: int | None = None) -> dict:
+    """A restarted rank: build a fresh model, restore it, return its digest and the plan
+    (``newer_than``: only a newer step; ``{"step": None}`` when none is)."""
     _init(rank, world)
     cfg = CheckpointConfig.from_dict(cfg_dict)
     ck = InMemoryCheckpointer(cfg, rank=rank, world=world, job_id=job, local_world_size=1, name=f"{job}/a1",
                               replicate=False)
     model, opt, sched = _model(rank + 7, width)  # different initial values: everything must come back
-    state, plan, timings = ck.restore()
+    found = ck.restore(newer_than=newer_than)
+    if found is None:
+        ck.close()
+        dist.barrier()
+        dist.destroy_process_group()
+        return {"step": None, "params": [p.detach().clone() for p in model.parameters()]}
+    state, plan, timings = found
     steps, samples = apply(state, params=list(model.parameters()), optimizer=opt, lr_scheduler=sched, stage=0)
     ck.close()
     dist.barrier()

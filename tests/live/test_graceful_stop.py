@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -36,15 +37,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _cli(tmp: Path, cfg: Path, job_id: str, name: str, port: int = 0) -> subprocess.Popen:
-    """The README's way: ``ds-resilience run`` with the user's config, paced steps."""
+def _cli(tmp: Path, cfg: Path, job_id: str, name: str, port: int = 0, *, session: bool = False) -> subprocess.Popen:
+    """The README's way: ``ds-resilience run`` with the user's config, paced steps (``session``: in a
+    process group of its own, which a machine crash kills whole)."""
     cmd = [sys.executable, "-m", "ds_resilience.cli", "run", "--num_workers", "4", "--job_id", job_id,
            "--master_port", str(port),
-           "--heartbeat_interval", "0.2", "--heartbeat_timeout", "2", "--log_dir", str(tmp / f"{name}-logs"),
+           "--heartbeat_interval", "0.2", "--heartbeat_timeout", "4", "--log_dir", str(tmp / f"{name}-logs"),
            str(SCRIPT), "--deepspeed_config", str(cfg), "--steps", str(STEPS), "--dump", str(tmp / name),
            "--min-step-seconds", "0.5", *TRAINING_DATA]
     return subprocess.Popen(cmd, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+                            start_new_session=session)
 
 
 def _dumps(tmp: Path, name: str) -> dict[int, dict]:
@@ -122,3 +125,59 @@ def test_sigterm_saves_every_stage_and_the_same_command_resumes_to_the_uninterru
         assert {"kind": "resume", "checkpoint_dir": str(job_dir / tag), "resume_step": step} in d["recovery"]
         assert d["losses"] and len(d["losses"]) == STEPS - step  # it trained only the steps left
     assert_masters_equal(dumps, uninterrupted)
+
+
+def _newest_held_for_all(root: Path, ranks: int) -> int | None:
+    """The newest step of which every rank has a committed snapshot (a manifest) under ``root``
+    (``<root>[/machine<m>]/rank<r>/v<step>/MANIFEST.json``), or ``None``."""
+    steps = {r: {int(v.name[1:]) for v in root.glob(f"**/rank{r}/v*") if (v / "MANIFEST.json").exists()}
+             for r in range(ranks)}
+    common = set.intersection(*steps.values()) if steps else set()
+    return max(common) if common else None
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("lost", ["agent", "machine"])
+def test_after_a_sigkill_the_next_run_of_the_job_resumes_from_the_snapshots_it_left(tmp_path, uninterrupted, lost):
+    """Nothing can be saved when the agent is SIGKILLed (``agent``: its workers exit when they see
+    it gone) or the machine crashes (``machine``: every process killed at once and host memory
+    wiped, during the disk tier's writes of every step). The snapshots are what is committed: the
+    next run of the same named job resumes from the newest step they hold for every rank, in host
+    memory (the next agent keeps its job's directory) or on disk, and ends where an uninterrupted
+    run ends; the host memory is freed when it exits."""
+    job_id = f"killed-{lost}-{os.getpid()}"
+    root = Path(DEFAULT_HOST_DIR) / job_id
+    checkpoint = {"persistent_interval": 1} if lost == "machine" else None
+    cfg = _config(tmp_path, dp=2, deepspeed=USER_CONFIG, checkpoint=checkpoint)
+    port = _free_port()
+    proc = _cli(tmp_path, cfg, job_id, "first", port, session=True)
+    _wait_for_step(tmp_path, "first", 3, proc)
+    pids = [_worker_pid(port, r) for r in range(4)]
+    if lost == "agent":
+        proc.kill()
+    else:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=60)
+    deadline = time.monotonic() + 30
+    while any(os.path.exists(f"/proc/{pid}") for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if lost == "machine":
+        shutil.rmtree(root, ignore_errors=True)  # host memory goes with the machine
+        held = _newest_held_for_all(tmp_path / "ckpt" / "snapshots" / job_id, 4)
+    else:
+        held = _newest_held_for_all(root, 4)
+    assert held is not None and held > 0, held
+    assert not (tmp_path / "ckpt" / job_id / "latest").exists()  # no stop checkpoint: nothing was saved
+
+    again = _cli(tmp_path, cfg, job_id, "again")
+    out, err = again.communicate(timeout=300)
+    assert again.returncode == 0, err[-4000:] + logs(tmp_path, "again")
+    if lost == "agent":
+        assert "snapshots it left" in err and "kept for this run to resume from" in err, err[-3000:]
+    dumps = _dumps(tmp_path, "again")
+    for d in dumps.values():
+        restored = [e for e in d["recovery"] if e.get("kind") == "restored"]
+        assert [e["resume_step"] for e in restored] == [held], d["recovery"]
+        assert len(d["losses"]) == STEPS - held  # it trained only the steps left
+    assert_masters_equal(dumps, uninterrupted)
+    assert not root.exists()  # freed by the agent of the run that resumed

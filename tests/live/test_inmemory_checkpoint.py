@@ -65,6 +65,21 @@ def test_wiped_machine_restores_bitwise_from_its_peer(tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_a_restore_only_newer_than_a_loaded_step_moves_nothing_when_none_is(tmp_path):
+    """A named job resumed from its stop checkpoint (step ``n``) also looks at the snapshots its
+    earlier run left: every rank skips them unless their step is newer than ``n``."""
+    cfg, job = _cfg(tmp_path), _job()
+    trained = _train(tmp_path, 2, cfg, job)
+    skipped = run_workers(prog.restore, 2, args=(cfg, job, 64, STEPS), timeout_s=120)
+    assert [r["step"] for r in skipped] == [None, None]
+    assert not torch.equal(skipped[0]["params"][0], trained[0]["digest"]["params"][0])  # not loaded
+    taken = run_workers(prog.restore, 2, args=(cfg, job, 64, STEPS - 1), timeout_s=120)
+    for r in range(2):
+        assert taken[r]["step"] == STEPS
+        _same(taken[r]["digest"], trained[r]["digest"])
+
+
+@pytest.mark.timeout(300)
 def test_flipped_byte_is_detected_and_the_other_replica_used(tmp_path):
     cfg, job = _cfg(tmp_path), _job()
     trained = _train(tmp_path, 2, cfg, job)

@@ -46,3 +46,13 @@ def test_a_kept_directory_is_disowned_and_never_reclaimed(tmp_path):
 
 def test_a_missing_host_dir_is_nothing_to_reclaim(tmp_path):
     assert reclaim_orphans(tmp_path / "absent") == []
+
+
+def test_the_starting_agent_of_a_named_job_keeps_its_own_jobs_directory(tmp_path):
+    """A named job's earlier agent was SIGKILLed: the next agent of that job keeps the directory
+    (its workers resume from the snapshots), while other dead agents' directories still go."""
+    for name in ("my-job", "other-dead-job"):
+        _record(tmp_path / name, pid=_unused_pid(), start=1, job_id=name, host=socket.gethostname())
+    removed = reclaim_orphans(tmp_path, keep=tmp_path / "my-job")
+    assert [p.name for p in removed] == ["other-dead-job"]
+    assert (tmp_path / "my-job" / "rank0" / "snap.bin").exists()
