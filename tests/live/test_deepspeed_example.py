@@ -36,7 +36,7 @@ def _run(tmp: Path, name: str, faults=(), *, extra=(), agent=(), steps=STEPS, co
     config = json.loads((EXAMPLE / "ds_config.json").read_text())
     # the user's config, plus what a test needs: its failure, and a detector fast enough for CI
     config["resilience"] = {"fault_injection": list(faults),
-                            "detector": {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 2.0}, **resilience}
+                            "detector": {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 4.0}, **resilience}
     path = tmp / f"{name}.json"
     path.write_text(json.dumps(config))
     cmd = [sys.executable, "-m", "ds_resilience.cli", "run", "--num_workers", "4", "--log_dir", str(tmp / f"{name}-logs"),

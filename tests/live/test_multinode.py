@@ -24,7 +24,7 @@ def _free_port() -> int:
 def _run_two_nodes(tmp: Path, cfg: Path, dump: Path, *, timeout_s: float = 400.0):
     port = _free_port()
     common = ["--nnodes", "2", "--num_gpus", "2", "--master_addr", "127.0.0.1", "--master_port", str(port),
-              "--heartbeat_interval", "0.2", "--heartbeat_timeout", "2.0"]
+              "--heartbeat_interval", "0.2", "--heartbeat_timeout", "4.0"]
     script = [str(SCRIPT), "--deepspeed_config", str(cfg), "--steps", str(STEPS), "--dump", str(dump)]
     env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **{k: v for k, v in __import__("os").environ.items()
                                                                 if k not in ("PYTHONPATH",)}}

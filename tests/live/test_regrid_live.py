@@ -28,7 +28,7 @@ def run(tmp: Path, name: str, *, world: int, pp: int, faults=(), regrid=True, ch
                                                         "warmup_num_steps": 10}}
     base["resilience"] = {
         "schedule": "1f1b", "variant": "recycle", "regrid": regrid, "fault_injection": list(faults),
-        "detector": {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 2.0, "pg_timeout_s": 60.0},
+        "detector": {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 4.0, "pg_timeout_s": 60.0},
         # every step is captured (stall budget 1.0): a loaded machine stretches the 2% default's
         # interval on some ranks and not others, their snapshots then share no step near the
         # failure, and an in_snapshot fault armed at a step that is not captured never fires
@@ -40,7 +40,7 @@ def run(tmp: Path, name: str, *, world: int, pp: int, faults=(), regrid=True, ch
     dump = tmp / name
     agent = Agent(SCRIPT, ["--deepspeed_config", str(cfg), "--steps", str(STEPS), "--pp", str(pp), "--dump", str(dump),
                            "--min-step-seconds", "0.4", *extra],
-                  num_workers=world, heartbeat_interval_s=0.2, heartbeat_timeout_s=2.0, max_restarts=restarts,
+                  num_workers=world, heartbeat_interval_s=0.2, heartbeat_timeout_s=4.0, max_restarts=restarts,
                   log_dir=tmp / f"{name}-logs", env={"PYTHONPATH": str(REPO), "DSR_SELF_PROFILE": "0"},
                   echo=lambda msg: print(msg, file=sys.stderr), regrid=regrid)
     code = agent.run()
