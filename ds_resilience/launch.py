@@ -34,12 +34,20 @@ from .epochs import MembershipError
 from .errors import ConfigError
 
 __all__ = [
-    "DEFAULT_HOST_DIR", "FAULTS_VAR", "LaunchEnv", "LaunchError", "launch_env", "faults_from_env", "job_checkpoint_dir",
+    "CONTRACT_KEYS", "DEFAULT_HOST_DIR", "FAULTS_VAR", "LaunchEnv", "LaunchError", "launch_env", "faults_from_env", "job_checkpoint_dir",
     "snapshot_root",
 ]
 
 DEFAULT_HOST_DIR = "/dev/shm/ds_resilience"
 FAULTS_VAR = "DSR_FAULTS"
+
+CONTRACT_KEYS = frozenset({
+    "DSR_AGENT", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "DSR_INCARNATION", "DSR_REJOIN", "DSR_RESTART",
+    "DSR_RESUME", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "DSR_AGENT_PID", "DSR_JOB_ID", "DSR_HEARTBEAT_INTERVAL_S",
+    "DSR_HEARTBEAT_TIMEOUT_S", FAULTS_VAR, "GROUP_RANK", "TORCHELASTIC_USE_AGENT_STORE",
+})
+"""Every variable of the launch contract (:meth:`LaunchEnv.to_environ` and the agent's additions):
+all that a launch request from another node may set for a worker (``supervisor/nodes.py``)."""
 
 
 class LaunchError(MembershipError):

@@ -33,6 +33,7 @@ import os
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -54,7 +55,7 @@ from ..epochs import STOP_KINDS
 from ..runtime import membership as mb
 from .events import AgentEvent, event_table
 from .host_memory import claim, disown, owner_alive, reclaim_orphans
-from .nodes import RemoteProc, post_launch
+from .nodes import RemoteProc, post_launch, signed_set
 from .spawn import WorkerProcess, preload_modules, start_worker
 
 __all__ = ["Agent", "AgentEvent", "AgentError", "EXIT_OK", "EXIT_STARTUP", "EXIT_STOPPED", "SCHEDULER_JOB_VARS",
@@ -75,6 +76,20 @@ def named_job_id(explicit: str | None, env: Mapping[str, str]) -> str | None:
             return value
     return None
 
+
+def _listen(addr: str, port: int) -> socket.socket:
+    """A listening socket on ``addr`` only (not every interface), for the store to serve on: only
+    the network of ``--master_addr`` reaches it. Port 0: a free one."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((addr, port))
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 class AgentError(ResilienceError, ValueError):
     """The agent was given invalid arguments."""
@@ -173,13 +188,18 @@ class Agent:
                  env: Mapping[str, str] | None = None, log_dir: str | os.PathLike[str] | None = None,
                  echo: Callable[[str], None] | None = None, nnodes: int = 1, local_rank_arg: bool = True,
                  regrid: bool | None = False, preload: Sequence[str] | None = None, job_id: str | None = None,
-                 term_grace_s: float = 30.0) -> None:
+                 term_grace_s: float = 30.0, secret: str | None = None) -> None:
         if num_workers < 1:
             raise AgentError(f"num_workers must be >= 1, got {num_workers}")
         if nnodes < 1:
             raise AgentError(f"nnodes must be >= 1, got {nnodes}")
         if nnodes > 1 and not master_port:
             raise AgentError("with nnodes > 1 the store needs a fixed --master_port (the other nodes connect to it)")
+        if nnodes > 1 and not secret:
+            raise AgentError("a job of several nodes needs a secret shared by its agents (the store has no "
+                             "authentication): set $DSR_JOB_SECRET on every node (e.g. export DSR_JOB_SECRET=$(python "
+                             "-c 'import secrets; print(secrets.token_hex(32))')), or give --secret_file FILE (mode 600)")
+        self.secret = secret
         defaults = DetectorConfig()  # the one place the detector's defaults live
         heartbeat_interval_s = defaults.heartbeat_interval_s if heartbeat_interval_s is None else heartbeat_interval_s
         heartbeat_timeout_s = defaults.heartbeat_timeout_s if heartbeat_timeout_s is None else heartbeat_timeout_s
@@ -262,7 +282,7 @@ class Agent:
                            f"snapshots it left in {own} are kept for this run to resume from")
             reclaim_orphans(self.host_dir or DEFAULT_HOST_DIR, keep=own if self.resume else None)
             self._claimed = own
-            claim(self._claimed, self.job_id)
+            claim(self._claimed, self.job_id, named=self.resume)
             self._start_attempt()
             self.exit_code = self._monitor()
         except _Interrupted as exc:
@@ -275,7 +295,8 @@ class Agent:
             self._kill_all()
             if self.nnodes > 1 and self.store is not None:
                 try:  # the followers stop (and kill whatever they still run)
-                    self.store.set(keys.NODES_DONE, str(self.exit_code if self.exit_code is not None else 1))
+                    signed_set(self.store, self.secret, keys.NODES_DONE,
+                               str(self.exit_code if self.exit_code is not None else 1))
                     time.sleep(2 * self.tick_s + 0.5)  # let them read it before the store goes
                 except RuntimeError:
                     pass
@@ -307,9 +328,12 @@ class Agent:
     def _start_attempt(self) -> None:
         """Host a fresh store and launch every rank (the first attempt, or a restart)."""
         try:
-            self.store = dist.TCPStore(self.master_addr, 0 if self.restarts else self.port, is_master=True,
-                                       wait_for_workers=False, timeout=timedelta(seconds=self.store_timeout_s))
-        except RuntimeError as exc:  # DistNetworkError: port taken, bad address
+            listener = _listen(self.master_addr, 0 if self.restarts else self.port)
+            port = listener.getsockname()[1]
+            fd = listener.detach()  # the store owns the socket from now on (and closes it)
+            self.store = dist.TCPStore(self.master_addr, port, is_master=True, wait_for_workers=False,
+                                       timeout=timedelta(seconds=self.store_timeout_s), master_listen_fd=fd)
+        except (RuntimeError, OSError) as exc:  # port taken, bad address
             raise AgentError(f"cannot host the store on {self.master_addr}:{self.port}: {exc}") from exc
         self.port = self.store.port
         what = f"restart {self.restarts} from the in-memory snapshots" if self.restarts else "launching"
@@ -402,9 +426,10 @@ class Agent:
         suffix = f".restart{self.restarts}" if self.restarts else ""
         log = self.log_dir / f"rank{rank}.{incarnation}{suffix}.log" if self.log_dir is not None else None
         if node:  # another node's follower launches it
-            post_launch(self.store, node, rank=rank, incarnation=incarnation, local_rank=local,
-                        env={**self.env, **protocol}, log=str(log) if log is not None else None)
-            return self._track(rank, incarnation, RemoteProc(self.store, node, rank, incarnation), None)
+            post_launch(self.store, self.secret, node, rank=rank, incarnation=incarnation, local_rank=local,
+                        env=protocol)
+            return self._track(rank, incarnation, RemoteProc(self.store, self.secret, node, rank, incarnation,
+                                                             echo=self._echo), None)
         env = {**os.environ, "OMP_NUM_THREADS": "1", **self.env, **protocol}
         proc = start_worker(self.script, [*self.script_args, *([f"--local_rank={local}"] if self.local_rank_arg else [])],
                             env=env, log=log, preload=self.preload)

@@ -17,6 +17,7 @@ from typing import Sequence
 
 from ..config import load_resilience_config, load_resilience_file
 from ..errors import ResilienceError
+from .job_secret import load_secret
 from .spawn import PRELOAD_VAR, preload_modules
 
 __all__ = ["build_parser", "main_run"]
@@ -48,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="names the job: its snapshots in host memory and the checkpoints its stops write "
                         "(under resilience.checkpoint.persistent_dir); a job started again with the same id resumes "
                         "from its newest one (default: the scheduler's job id, e.g. SLURM_JOB_ID, else a new id)")
+    p.add_argument("--secret_file", default=None, metavar="FILE",
+                   help="the job's secret (mode 600), shared by the agents of every node: they act only on messages "
+                        "signed with it (default: $DSR_JOB_SECRET; needed with --nnodes > 1)")
     p.add_argument("--log_dir", default=None, help="write each worker's output to LOG_DIR/rank{r}.{n}.log")
     p.add_argument("--no_local_rank", action="store_true",
                    help="do not pass --local_rank to the script (as DeepSpeed's launcher: Megatron-LM scripts "
@@ -99,11 +103,12 @@ def main_run(argv: Sequence[str]) -> int:
             timeout = detector.heartbeat_timeout_s if timeout is None else timeout
             store_timeout = detector.store_timeout_s
         preload = preload_modules(args.preload) if args.preload is not None else None
+        secret = load_secret(args.secret_file)
         if args.node_rank:
             if not 0 < args.node_rank < args.nnodes:
                 raise AgentError(f"--node_rank {args.node_rank} is out of range for --nnodes {args.nnodes}")
             return NodeAgent(args.script, args.script_args, node_rank=args.node_rank, master_addr=args.master_addr,
-                             master_port=args.master_port, log_dir=args.log_dir,
+                             master_port=args.master_port, secret=secret, log_dir=args.log_dir,
                              local_rank_arg=not args.no_local_rank, preload=preload).run()
         if max_restarts and args.nnodes > 1:
             print("ds-resilience run: a restart from the snapshots is not supported across nodes yet: beyond "
@@ -113,7 +118,7 @@ def main_run(argv: Sequence[str]) -> int:
                       heartbeat_timeout_s=timeout, rejoin_after_s=args.rejoin_after,
                       stop_grace_s=args.stop_grace, store_timeout_s=store_timeout, log_dir=args.log_dir,
                       max_restarts=None, host_dir=None, regrid=None, local_rank_arg=not args.no_local_rank,
-                      preload=preload, job_id=args.job_id, term_grace_s=args.term_grace_s)
+                      preload=preload, job_id=args.job_id, term_grace_s=args.term_grace_s, secret=secret)
         return agent.run()
     except ResilienceError as exc:
         print(f"ds-resilience run: error: {exc}", file=sys.stderr)

@@ -14,10 +14,15 @@ workers' heartbeats: hangs, handled as on one node.
 Store keys (the leader's store, under ``dsr/nodes/``; spelled in :mod:`ds_resilience.store_keys`)::
 
     launches/{node}           counter of launch requests for that node
-    launch/{node}/{i}         request i: JSON {rank, incarnation, local_rank, env, log}
+    launch/{node}/{i}         request i: JSON {rank, incarnation, local_rank, env}
     exit/{rank}/{incarnation} the exit code (text) of that process, set by its node's follower
     kill/{rank}/{incarnation} "1": SIGKILL that process
     done                      the leader's exit code: followers stop
+
+Every value but the counter is sealed with the job's secret (``job_secret.py``): the store has no
+authentication, so an agent acts only on what the job's agents signed, and logs what it drops. A
+request's environment may hold only the launch contract's variables (``launch.CONTRACT_KEYS``): the
+rest of a worker's environment, and where its output goes, are the follower's own.
 
 Not yet across nodes: a restart of every worker from the snapshots (it hosts a new store), so a
 multi-node job stops beyond tolerance (exit 3) after its survivors save.
@@ -38,47 +43,70 @@ import torch.distributed as dist
 
 from .. import store_keys as keys
 from ..errors import ResilienceError
+from ..launch import CONTRACT_KEYS
+from .job_secret import BadSignature, seal, unseal
 from .spawn import WorkerProcess, preload_modules, start_worker
 
-__all__ = ["NodeAgent", "RemoteProc", "post_launch"]
+__all__ = ["NodeAgent", "RemoteProc", "post_launch", "refused_env", "signed_get", "signed_set"]
 
 
 def _has(store: dist.Store, key: str) -> bool:
     return store.check([key])
 
 
-def post_launch(store: dist.Store, node: int, *, rank: int, incarnation: int, local_rank: int,
-                env: Mapping[str, str], log: str | None) -> None:
-    """Ask ``node``'s follower to launch ``rank`` (leader side). The request is written before the
+def signed_set(store: dist.Store, secret: str, key: str, value: str) -> None:
+    """Set ``key`` to ``value`` sealed with the job's secret."""
+    store.set(key, seal(secret, key, value))
+
+
+def signed_get(store: dist.Store, secret: str, key: str) -> str:
+    """The value of ``key`` if the job's agents signed it (raises :class:`BadSignature` if not)."""
+    return unseal(secret, key, store.get(key))
+
+
+def post_launch(store: dist.Store, secret: str, node: int, *, rank: int, incarnation: int, local_rank: int,
+                env: Mapping[str, str]) -> None:
+    """Ask ``node``'s follower to launch ``rank`` (leader side), with the launch contract's
+    variables of ``env`` (the only ones a follower takes). The request is written before the
     counter moves, so a follower never reads a missing request."""
     i = store.add(keys.node_launches(node), 0)
-    request = {"rank": rank, "incarnation": incarnation, "local_rank": local_rank, "env": dict(env), "log": log}
-    store.set(keys.node_launch(node, i), json.dumps(request))
+    contract = {k: str(v) for k, v in env.items() if k in CONTRACT_KEYS}
+    request = {"rank": rank, "incarnation": incarnation, "local_rank": local_rank, "env": contract}
+    signed_set(store, secret, keys.node_launch(node, i), json.dumps(request))
     store.add(keys.node_launches(node), 1)
 
 
 class RemoteProc:
     """A worker on another node as the leader sees it: ``poll``, ``kill``, ``wait`` and ``pid`` of a
-    :class:`subprocess.Popen`, through the store."""
+    :class:`subprocess.Popen`, through the store (an exit report not signed by the job's agents is
+    ignored, and told once through ``echo``)."""
 
-    def __init__(self, store: dist.Store, node: int, rank: int, incarnation: int) -> None:
-        self.store, self.node, self.rank, self.incarnation = store, node, rank, incarnation
+    def __init__(self, store: dist.Store, secret: str, node: int, rank: int, incarnation: int,
+                 echo: Callable[[str], None] | None = None) -> None:
+        self.store, self.secret, self.node, self.rank, self.incarnation = store, secret, node, rank, incarnation
         self.pid = f"node {node}"
         self.returncode: int | None = None
+        self._echo = echo or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self._forged = False
 
     def poll(self) -> int | None:
         if self.returncode is None:
             key = keys.node_exit(self.rank, self.incarnation)
             try:
                 if _has(self.store, key):
-                    self.returncode = int(self.store.get(key).decode())
+                    self.returncode = int(signed_get(self.store, self.secret, key))
+            except BadSignature as exc:
+                if not self._forged:
+                    self._forged = True
+                    self._echo(f"[ds_resilience agent] ignored an exit report of rank {self.rank}: {exc}")
+                return None
             except (RuntimeError, ValueError):
                 return None
         return self.returncode
 
     def kill(self) -> None:
         try:
-            self.store.set(keys.node_kill(self.rank, self.incarnation), "1")
+            signed_set(self.store, self.secret, keys.node_kill(self.rank, self.incarnation), "1")
         except RuntimeError:  # the store is going away with the leader: the follower kills on its own
             pass
 
@@ -99,8 +127,10 @@ class NodeAgent:
             unless ``local_rank_arg`` is false).
         node_rank: this node's index, >= 1.
         master_addr, master_port: the leader's store.
+        secret: the job's secret (``job_secret.load_secret``): requests not signed with it are refused.
         connect_timeout_s: how long to wait for the leader's store.
-        log_dir: worker ``r``'s output to ``log_dir/rank{r}.{incarnation}.log`` (else the leader's choice).
+        log_dir: worker ``r``'s output to ``log_dir/rank{r}.{incarnation}.log`` (else this agent's own
+            output).
         tick_s: polling interval.
         echo: where messages go (default: stderr).
         preload: modules a fork server imports once for every worker (see ``supervisor/spawn.py``;
@@ -108,13 +138,16 @@ class NodeAgent:
     """
 
     def __init__(self, script: str, script_args: Sequence[str] = (), *, node_rank: int, master_addr: str,
-                 master_port: int, connect_timeout_s: float = 300.0, log_dir: str | os.PathLike[str] | None = None,
+                 master_port: int, secret: str, connect_timeout_s: float = 300.0, log_dir: str | os.PathLike[str] | None = None,
                  tick_s: float = 0.05, echo: Callable[[str], None] | None = None, local_rank_arg: bool = True,
                  preload: Sequence[str] | None = None) -> None:
         if node_rank < 1:
             raise ResilienceError(f"a follower's node_rank must be >= 1, got {node_rank} (node 0 runs the leader)")
         if not master_port:
             raise ResilienceError("a follower needs the leader's --master_port (not 0)")
+        if not secret:
+            raise ResilienceError("a follower needs the job's secret ($DSR_JOB_SECRET or --secret_file, the leader's)")
+        self.secret = secret
         self.script, self.script_args = script, tuple(script_args)
         self.local_rank_arg = local_rank_arg
         self.node, self.addr, self.port = node_rank, master_addr, master_port
@@ -123,6 +156,7 @@ class NodeAgent:
         self._echo = echo or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.preload = preload_modules(preload)
         self.children: dict[tuple[int, int], WorkerProcess] = {}  # (rank, incarnation) -> process
+        self._refused: set[str] = set()  # keys whose unsigned value was told once
         self.reported: set[tuple[int, int]] = set()
         self.next_request = 0
 
@@ -140,8 +174,8 @@ class NodeAgent:
                 self._launch_requested(store)
                 self._report_exits(store)
                 self._kill_ordered(store)
-                if _has(store, keys.NODES_DONE):
-                    code = int(store.get(keys.NODES_DONE).decode())
+                if _has(store, keys.NODES_DONE) and (done := self._verified(store, keys.NODES_DONE, "an end")):
+                    code = int(done)
                     break
                 time.sleep(self.tick_s)
         except RuntimeError as exc:  # the store is gone: the leader (and the job) ended
@@ -158,32 +192,62 @@ class NodeAgent:
         self._echo(f"[ds_resilience node {self.node}] exit code {code}")
         return code
 
+    def _verified(self, store: dist.Store, key: str, what: str) -> str | None:
+        """The value of ``key`` if the job's agents signed it; else ``None``, told once."""
+        try:
+            return signed_get(store, self.secret, key)
+        except BadSignature as exc:
+            if key not in self._refused:
+                self._refused.add(key)
+                self._echo(f"[ds_resilience node {self.node}] refused {what} not signed with the job's secret "
+                           f"({exc}); someone else writes to the store at {self.addr}:{self.port}")
+            return None
+
     def _launch_requested(self, store: dist.Store) -> None:
         count = store.add(keys.node_launches(self.node), 0)
         while self.next_request < count:
-            request = json.loads(store.get(keys.node_launch(self.node, self.next_request)).decode())
+            i = self.next_request
             self.next_request += 1
+            raw = self._verified(store, keys.node_launch(self.node, i), f"launch request {i}")
+            if raw is None:
+                continue
+            request = json.loads(raw)
+            why = refused_env(request.get("env", {}))
+            if why:
+                self._echo(f"[ds_resilience node {self.node}] refused launch request {i}: {why}")
+                continue
             self._launch(request)
 
     def _launch(self, request: dict[str, Any]) -> None:
         rank, incarnation = int(request["rank"]), int(request["incarnation"])
-        env = {**os.environ, "OMP_NUM_THREADS": "1", **{str(k): str(v) for k, v in request["env"].items()},
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **request["env"],
                "DSR_AGENT_PID": str(os.getpid())}  # orphan check: this agent is the parent here
-        log = request.get("log")
-        if self.log_dir is not None:
-            log = str(self.log_dir / Path(log).name) if log else str(self.log_dir / f"rank{rank}.{incarnation}.log")
-        extra = [f"--local_rank={request['local_rank']}"] if self.local_rank_arg else []
-        proc = start_worker(self.script, [*self.script_args, *extra], env=env, log=log or None, preload=self.preload)
+        log = str(self.log_dir / f"rank{rank}.{incarnation}.log") if self.log_dir is not None else None
+        extra = [f"--local_rank={int(request['local_rank'])}"] if self.local_rank_arg else []
+        proc = start_worker(self.script, [*self.script_args, *extra], env=env, log=log, preload=self.preload)
         self.children[rank, incarnation] = proc
         self._echo(f"[ds_resilience node {self.node}] launched rank {rank} (incarnation {incarnation}, pid {proc.pid})")
 
     def _report_exits(self, store: dist.Store) -> None:
         for key, proc in self.children.items():
             if key not in self.reported and (code := proc.poll()) is not None:
-                store.set(keys.node_exit(*key), str(code))
+                signed_set(store, self.secret, keys.node_exit(*key), str(code))
                 self.reported.add(key)
 
     def _kill_ordered(self, store: dist.Store) -> None:
         for key, proc in self.children.items():
-            if proc.poll() is None and _has(store, keys.node_kill(*key)):
+            order = keys.node_kill(*key)
+            if proc.poll() is None and _has(store, order) and self._verified(store, order, "a kill order"):
                 proc.kill()
+
+
+def refused_env(env: Any) -> str | None:
+    """Why a launch request's environment is refused (``None``: it is not): only the launch
+    contract's variables (``launch.CONTRACT_KEYS``), as strings without NUL."""
+    if not isinstance(env, dict):
+        return f"its environment is a {type(env).__name__}, not a mapping"
+    other = sorted(str(k) for k in env if k not in CONTRACT_KEYS)
+    if other:
+        return f"it sets {', '.join(other)}; a request may set only the launch contract ({', '.join(sorted(CONTRACT_KEYS))})"
+    bad = sorted(k for k, v in env.items() if not isinstance(v, str) or "\0" in v)
+    return f"malformed values of {', '.join(bad)}" if bad else None
