@@ -56,3 +56,21 @@ def test_the_starting_agent_of_a_named_job_keeps_its_own_jobs_directory(tmp_path
     removed = reclaim_orphans(tmp_path, keep=tmp_path / "my-job")
     assert [p.name for p in removed] == ["other-dead-job"]
     assert (tmp_path / "my-job" / "rank0" / "snap.bin").exists()
+
+
+def test_a_named_jobs_directory_waits_for_its_next_run_but_not_for_ever(tmp_path):
+    """A named job can be started again and resume from what its dead agent left: an agent of
+    another job leaves that directory alone until it is NAMED_TTL_S old; an unnamed one goes."""
+    import time
+
+    from ds_resilience.supervisor.host_memory import NAMED_TTL_S
+
+    _record(tmp_path / "named", pid=_unused_pid(), start=1, job_id="named", host=socket.gethostname(), named=True)
+    _record(tmp_path / "old-named", pid=_unused_pid(), start=1, job_id="old-named", host=socket.gethostname(),
+            named=True)
+    _record(tmp_path / "unnamed", pid=_unused_pid(), start=1, job_id="job-1-x", host=socket.gethostname(), named=False)
+    past = time.time() - NAMED_TTL_S - 60
+    os.utime(tmp_path / "old-named" / OWNER_FILE, (past, past))
+    removed = reclaim_orphans(tmp_path)
+    assert sorted(p.name for p in removed) == ["old-named", "unnamed"]
+    assert (tmp_path / "named" / "rank0" / "snap.bin").exists()
