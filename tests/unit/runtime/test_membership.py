@@ -3,25 +3,20 @@ contract, the fault injector's bookkeeping and the agent's argument checks (the 
 tests/live/test_agent.py)."""
 
 from __future__ import annotations
+
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
-from typing import Any
+
 import pytest
-import torch.distributed as dist
+
 from ds_resilience.config import FaultInjection
 from ds_resilience.errors import ConfigError, ResilienceError
-from ds_resilience.supervisor import agent as agent_mod
 from ds_resilience.runtime import membership as mb
-from ds_resilience.supervisor.agent import EXIT_STARTUP, EXIT_STOPPED, Agent, AgentError
-from ds_resilience.supervisor.cli import main_run
-from ds_resilience.runtime.faults import EXIT_CODE, FaultInjector, FaultPointError, faults_from_env
+from ds_resilience.runtime.faults import FaultInjector, FaultPointError, faults_from_env
+from ds_resilience.supervisor.agent import Agent, AgentError
 from test_agent import WORKER, _bare_coordinator, fault, store  # noqa: F401
 
 
@@ -74,6 +69,16 @@ def test_epoch_watcher_sees_epochs_in_order_and_survives_callback_errors(store):
     assert seen == [2, 3, 4, 5, 6]
 
 
+def _rejoin(epoch: int) -> mb.EpochRecord:
+    return mb.EpochRecord(epoch=epoch, failed=(), alive=(0, 1), joining=(1,), stop=False, reason="r", detected_at=0.0,
+                          kind="rejoin")
+
+
+def _crash(epoch: int) -> mb.EpochRecord:
+    return mb.EpochRecord(epoch=epoch, failed=(1,), alive=(0,), joining=(), stop=False, reason="c", detected_at=0.0,
+                          kind="crash")
+
+
 def test_a_rejoin_epoch_does_not_interrupt_a_store_wait_but_a_failure_does(store):
     """A re-join is applied at the next iteration boundary and poisons nothing, so a store wait in
     the iteration must go on (giving up would leave peers blocked in a collective this worker
@@ -81,16 +86,14 @@ def test_a_rejoin_epoch_does_not_interrupt_a_store_wait_but_a_failure_does(store
     from ds_resilience.runtime.coordinator import Reconfigure
 
     c = _bare_coordinator(store)
-    rejoin = mb.EpochRecord(epoch=2, failed=(), alive=(0, 1), joining=(1,), stop=False, reason="r", detected_at=0.0,
-                            kind="rejoin")
+    rejoin = _rejoin(2)
     c._latch(rejoin)
     assert c.pending() is rejoin and c.interrupting() is None
     threading.Timer(0.3, lambda: store.set("k/late", "v")).start()
     assert c.wait_key("k/late") == b"v"  # waited through the latched re-join
     with pytest.raises(Reconfigure):
         c.check()  # the iteration boundary applies it
-    crash = mb.EpochRecord(epoch=3, failed=(1,), alive=(0,), joining=(), stop=False, reason="c", detected_at=0.0,
-                           kind="crash")
+    crash = _crash(3)
     c._latch(crash)
     with pytest.raises(Reconfigure) as err:
         c.wait_key("k/never")
@@ -111,8 +114,7 @@ def test_a_rejoin_a_peer_started_applying_interrupts_a_store_wait(store):
     from ds_resilience.runtime.coordinator import Reconfigure
 
     c, peer = _bare_coordinator(store), _bare_coordinator(store)
-    rejoin = mb.EpochRecord(epoch=2, failed=(), alive=(0, 1), joining=(1,), stop=False, reason="r", detected_at=0.0,
-                            kind="rejoin")
+    rejoin = _rejoin(2)
     c._latch(rejoin)
     assert c.interrupting() is None
     threading.Timer(0.3, lambda: peer.announce_switch(rejoin)).start()
@@ -137,15 +139,13 @@ def test_the_boundary_after_the_last_step_leaves_a_rejoin_but_not_a_failure(stor
     from ds_resilience.runtime.coordinator import Reconfigure
 
     c = _bare_coordinator(store)
-    rejoin = mb.EpochRecord(epoch=2, failed=(), alive=(0, 1), joining=(1,), stop=False, reason="r", detected_at=0.0,
-                            kind="rejoin")
+    rejoin = _rejoin(2)
     c._latch(rejoin)
     c.check(final=True)  # left: nothing raised
     assert c.pending() is rejoin
     with pytest.raises(Reconfigure):
         c.check()  # any other boundary applies it
-    crash = mb.EpochRecord(epoch=3, failed=(1,), alive=(0,), joining=(), stop=False, reason="c", detected_at=0.0,
-                           kind="crash")
+    crash = _crash(3)
     c._latch(crash)
     with pytest.raises(Reconfigure) as err:
         c.check(final=True)
