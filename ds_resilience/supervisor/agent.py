@@ -367,11 +367,17 @@ class Agent:
         store), snapshots on, and a front end that saves on an interrupt (its registration says so)."""
         if self.nnodes > 1 or self._exporting:
             return False
+        settings = self._registered_settings()
+        return settings is not None and bool(settings.get("snapshots")) and bool(settings.get("export_restart"))
+
+    def _registered_settings(self) -> dict[str, Any] | None:
+        """The config settings the first worker that registered any reports (every worker runs the
+        same config), or ``None`` before one did."""
         for rank in range(self.num_workers):
             info = mb.read_worker(self.store, rank)
             if info is not None and info.settings:
-                return bool(info.settings.get("snapshots")) and bool(info.settings.get("export_restart"))
-        return False
+                return info.settings
+        return None
 
     def _all_registered(self) -> bool:
         return all(mb.read_worker(self.store, r) is not None for r in range(self.num_workers))
@@ -609,18 +615,15 @@ class Agent:
         the config the workers run with, however the script was given it."""
         if all(v is not None for v in self._given.values()):
             return
-        for rank in range(self.num_workers):
-            info = mb.read_worker(self.store, rank)
-            if info is None or not info.settings:
-                continue
-            settings = info.settings
-            if self._given["max_restarts"] is None:
-                self.max_restarts = int(settings.get("max_restarts") or 0)
-            if self._given["regrid"] is None:
-                self.regrid = bool(settings.get("regrid"))
-            if self._given["host_dir"] is None and settings.get("host_dir"):
-                self.host_dir = settings["host_dir"]
+        settings = self._registered_settings()
+        if settings is None:
             return
+        if self._given["max_restarts"] is None:
+            self.max_restarts = int(settings.get("max_restarts") or 0)
+        if self._given["regrid"] is None:
+            self.regrid = bool(settings.get("regrid"))
+        if self._given["host_dir"] is None and settings.get("host_dir"):
+            self.host_dir = settings["host_dir"]
 
     def _on_failures(self, failures: list[_Failure]) -> float | None:
         """Publish the epoch for a batch of failures; return a stop deadline when beyond tolerance."""
