@@ -392,11 +392,12 @@ class ResilientPipelineEngine(SurvivorAPI, PipelineEngine):
             self._idle_iteration += 1
             return None
         self.module.train()
-        return self._resilient(self._train_iteration)
+        return self._resilient(self._train_iteration, rejoin=True)
 
-    def _resilient(self, run):
-        """Run ``run()``; on a failure signal under the agent, recover and run it again."""
-        return self.live.resilient(run)
+    def _resilient(self, run, *, rejoin: bool = False):
+        """Run ``run()``; on a failure signal under the agent, recover and run it again. A pending
+        re-join is applied only before a training iteration (``rejoin``), the joiner's first call."""
+        return self.live.resilient(run, rejoin=rejoin)
 
     def _train_iteration(self):
         elapsed = 0.0

@@ -104,7 +104,7 @@ class SurvivorAPI:
     def close_snapshots(self) -> None:
         """Validate the last step and stop the checkpoint tier's threads (the snapshots stay in host
         memory for the agent). A re-join still pending here is not applied: training is over."""
-        self.live.resilient(self.executor.resolve, final=True)
+        self._resilient(self.executor.resolve)
         self.tier.close()
 
     def resume_job(self, load_dir: str) -> str | None:

@@ -174,13 +174,16 @@ class Coordinator:
         """``record`` is being applied: waits inside it are interrupted only by a newer epoch."""
         self.applying = record.epoch
 
-    def check(self, *, final: bool = False) -> None:
-        """Raise :class:`Reconfigure` if a newer epoch is latched. ``final``: the boundary after the
-        last step (the end of training), where a re-join is not applied: no step is left for the
-        joiner, and a peer that passed this boundary before the epoch came has exited and would
-        never post its agreement (the agent tells the joiner that training is over)."""
+    def check(self, *, rejoin: bool = True) -> None:
+        """Raise :class:`Reconfigure` if a newer epoch is latched. ``rejoin=False``: a boundary that
+        is not the start of a training iteration (a save, an evaluation, the end of training), where
+        a re-join is left for the next iteration's start. The joiner's first call is a training
+        iteration: survivors that took it in before a save would wait for it in the save's
+        collectives while it waits for them in the iteration (CI run I); and after the last step a
+        peer that passed its end before the epoch came has exited and would never post its
+        agreement (stop 48's CI; the agent then tells the joiner that training is over)."""
         record = self.pending()
-        if record is not None and not (final and getattr(record, "kind", None) == "rejoin"):
+        if record is not None and (rejoin or getattr(record, "kind", None) != "rejoin"):
             raise Reconfigure(record)
 
     def mark_applied(self, record) -> None:

@@ -272,14 +272,15 @@ class LiveStage:
         self.tier.end_iteration(elapsed)
         return result, elapsed
 
-    def resilient(self, run: Callable[[], Any], *, final: bool = False) -> Any:
+    def resilient(self, run: Callable[[], Any], *, rejoin: bool = True) -> Any:
         """``run()``; on a failure signal under the agent, recover (roll back, new groups and
-        schedule) and run it again. ``final``: the end of training, where a pending re-join is
-        not applied (:meth:`Coordinator.check`)."""
+        schedule) and run it again. ``rejoin=False``: ``run`` is not a training iteration (a save,
+        an evaluation, the end of training): a pending re-join is left for the next iteration
+        (:meth:`Coordinator.check`)."""
         while True:
             try:
                 if self.coordinator is not None:
-                    self.coordinator.check(final=final)
+                    self.coordinator.check(rejoin=rejoin)
                 return run()
             except Exception as exc:  # noqa: BLE001 - filtered by is_failure
                 if self.recovery is None or not is_failure(exc):

@@ -131,24 +131,26 @@ def test_a_rejoin_a_peer_started_applying_interrupts_a_store_wait(store):
     assert c.interrupting() is None  # the switch of epoch 2 says nothing about epoch 3
 
 
-def test_the_boundary_after_the_last_step_leaves_a_rejoin_but_not_a_failure(store):
-    """CI run of stop 48: a relaunched worker registered as training ended; rank 0 passed its last
+def test_a_boundary_that_is_not_a_training_iteration_leaves_a_rejoin_but_not_a_failure(store):
+    """Stop 48's CI: a relaunched worker registered as training ended; rank 0 passed its last
     boundary (``close_snapshots``) before the re-join epoch came and exited, ranks 1 and 2 applied
-    it at theirs and waited 30 s for rank 0's agreement, then failed. At the final boundary a
-    re-join is left (no step is left for the joiner); a failure or a stop is still applied."""
+    it at theirs and waited 30 s for rank 0's agreement. CI run I: the survivors applied a re-join
+    at a ``save_checkpoint`` and waited for the joiner in the save's barrier, the joiner for them
+    in its first iteration. Outside a training iteration's start a re-join is left; a failure or a
+    stop is still applied."""
     from ds_resilience.runtime.coordinator import Reconfigure
 
     c = _bare_coordinator(store)
     rejoin = _rejoin(2)
     c._latch(rejoin)
-    c.check(final=True)  # left: nothing raised
+    c.check(rejoin=False)  # left: nothing raised
     assert c.pending() is rejoin
     with pytest.raises(Reconfigure):
-        c.check()  # any other boundary applies it
+        c.check()  # the start of a training iteration applies it
     crash = _crash(3)
     c._latch(crash)
     with pytest.raises(Reconfigure) as err:
-        c.check(final=True)
+        c.check(rejoin=False)
     assert err.value.record is crash
 
 
