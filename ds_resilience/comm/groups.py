@@ -166,20 +166,7 @@ class Group:
         otherwise match the next real send), which completes their pending work with an error.
         """
         self.poisoned = True
-        if self.backend == "nccl":
-            try:
-                self.pg.abort()
-            except Exception:  # noqa: BLE001 - aborting an already broken communicator
-                pass
-            return
-        buf = torch.zeros(1)
-        for peer in range(len(self.ranks)):
-            if self.ranks[peer] == self.me:
-                continue
-            try:
-                self.pg.recv([buf], peer, _POISON_TAG).wait(timedelta(milliseconds=1))
-            except Exception:  # noqa: BLE001 - the timeout is the point
-                pass
+        poison_pg(self.pg, self.backend, [i for i, r in enumerate(self.ranks) if r != self.me])
 
     # --- plain values as JSON ---------------------------------------------------------------------
     def all_gather_json(self, value: Any) -> list[Any]:
@@ -228,6 +215,24 @@ def _loads(data: bytes, what: str) -> Any:
         return json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise CommError(f"{what} is not JSON: {exc}") from None
+
+
+def poison_pg(pg: Any, backend: str, peers: Sequence[int]) -> None:
+    """Release every operation blocked on the process group ``pg`` (see :meth:`Group.poison`):
+    NCCL aborts it; gloo closes its pair to each of ``peers`` (group ranks) with a receive that
+    times out after 1 ms. Used for our groups and for a front end's own (megatron-core's)."""
+    if backend == "nccl":
+        try:
+            pg.abort()
+        except Exception:  # noqa: BLE001 - aborting an already broken communicator
+            pass
+        return
+    buf = torch.zeros(1)
+    for peer in peers:
+        try:
+            pg.recv([buf], peer, _POISON_TAG).wait(timedelta(milliseconds=1))
+        except Exception:  # noqa: BLE001 - the timeout is the point
+            pass
 
 
 def poison(group: Group) -> None:

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .. import store_keys
-from ..comm.groups import _POISON_TAG
+from ..comm.groups import poison_pg
 from ..logs import get_logger
 
 __all__ = ["TensorParallelGroup", "swap_group"]
@@ -105,20 +105,7 @@ class TensorParallelGroup:
                 return
             self.poisoned = True
             pg = self.current
-        if self.backend == "nccl":
-            try:
-                pg.abort()
-            except Exception:  # noqa: BLE001 - an already broken communicator
-                pass
-            return
-        buf = torch.zeros(1)
-        for peer, rank in enumerate(self.ranks):
-            if rank == self.me:
-                continue
-            try:
-                pg.recv([buf], peer, _POISON_TAG).wait(timedelta(milliseconds=1))
-            except Exception:  # noqa: BLE001 - the timeout is the point
-                pass
+        poison_pg(pg, self.backend, [i for i, r in enumerate(self.ranks) if r != self.me])
 
     def renew(self, epoch: int) -> None:
         """Main thread, a generation of ``epoch`` adopted: a fresh group (once every partner is here;
