@@ -15,6 +15,9 @@ export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 # build killed mid-way leaves a lock that hangs the next job); benchmarks/gpu_engine_check.py and
 # examples/main_job.sh use the same place
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.venv/torch_extensions}"
+# built before any test runs (about 60 s the first time, 3 s after): a test that kills a worker then
+# never kills a build, and a lock a killed worker left is removed (tests/tools/build_ops.py)
+.venv/bin/python tests/tools/build_ops.py 2>&1 | grep "^build_ops\|ds_resilience\|Error" || exit 1
 PYTEST=(.venv/bin/python -m pytest -c tests/pytest.ini -q)
 if [ $# -gt 0 ]; then
   exec "${PYTEST[@]}" "$@"

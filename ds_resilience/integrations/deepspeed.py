@@ -15,6 +15,7 @@ from ..config import ResilienceConfig, load_resilience_config
 from ..errors import ConfigError
 from ..launch import LaunchEnv, launch_env
 from ..logs import get_logger
+from ..runtime.build_locks import guard_build_locks
 from ..runtime.coordinator import TrainingOver
 from ..runtime.executor import BatchSource
 from ..runtime.recovery import BeyondTolerance
@@ -40,6 +41,7 @@ def init_distributed(launch: LaunchEnv | None = None) -> None:
 
     from ..runtime.rejoin_boot import stand_in_default_group
 
+    guard_build_locks()  # the shm comm op's load below
     launch = launch if launch is not None else launch_env()
     if launch is not None and launch.rejoin:
         stand_in_default_group(launch.rank, launch.world_size)
@@ -153,6 +155,7 @@ def initialize(
     if mesh_param is not None:
         raise ConfigError("mesh_param", "a sequence-parallel device mesh is not supported with pipeline parallelism")
     launch = launch_env()  # the agent's contract, read once
+    guard_build_locks()  # the optimizer's op, loaded as DeepSpeed builds the engine
     if launch is not None:  # a pipeline may lose both ends within the tolerance: its data must be addressable
         error = reroute_data_error(training_data, batch_source, data_iter_factory,
                                    unfed=unfed_reason(model.num_stages, planned_tolerance(resilience)))

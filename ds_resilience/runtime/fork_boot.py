@@ -68,6 +68,9 @@ def run_script(script: str, args: list[str], env: dict[str, str], log: str | Non
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
     _forget_the_agents_multiprocessing()
     freeze_preloaded_objects()
+    from .build_locks import guard_build_locks
+
+    guard_build_locks()  # with torch preloaded: a load waits on no dead holder's lock
     os.environ.clear()
     os.environ.update(env)
     os.environ["DSR_AGENT_PID"] = str(os.getppid())  # the fork server: it dies with the agent

@@ -17,6 +17,8 @@ import runpy
 import sys
 from typing import Mapping
 
+from .build_locks import guard_build_locks
+
 __all__ = ["stand_in_default_group", "stand_in_if_rejoining"]
 
 
@@ -43,6 +45,7 @@ def main() -> None:
     sys.argv = sys.argv[1:]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     stand_in_if_rejoining()
+    guard_build_locks()
     runpy.run_path(script, run_name="__main__")
 
 

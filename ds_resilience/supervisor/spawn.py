@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping, Protocol, Sequence
 
+from ..runtime.build_locks import clear_stale_locks, extensions_root
 from ..runtime.fork_boot import run_script
 
 __all__ = ["PRELOAD_VAR", "WorkerProcess", "fork_context", "preload_modules", "start_worker"]
@@ -121,10 +122,17 @@ class _ForkedProc:
         return self.returncode  # type: ignore[return-value]
 
 
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 def start_worker(script: str, args: Sequence[str], *, env: Mapping[str, str], log: str | os.PathLike[str] | None,
                  preload: Sequence[str] = ()) -> WorkerProcess:
     """Start ``python -u script args`` with exactly ``env``, output to ``log`` (else inherited):
-    a fresh interpreter, or (``preload`` non-empty) a fork of the fork server that imported them."""
+    a fresh interpreter, or (``preload`` non-empty) a fork of the fork server that imported them.
+    A JIT op build lock left by a worker killed while holding it is removed first
+    (:func:`~ds_resilience.runtime.build_locks.clear_stale_locks`): the new worker would wait on it forever."""
+    clear_stale_locks(extensions_root(env), echo=_say)
     if preload:
         if log is not None:
             Path(log).parent.mkdir(parents=True, exist_ok=True)

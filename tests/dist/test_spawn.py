@@ -199,3 +199,38 @@ def test_a_forked_worker_reaped_but_not_yet_reported_is_waited_for_not_taken_for
     running = Reporting()
     running.pid = os.getpid()  # alive: no wait, still running
     assert _ForkedProc(running).poll() is None and running.joined == []
+
+
+BATON_SCRIPT = '''
+import os, sys
+if "torch" in sys.modules:  # a forked worker of a server that preloaded torch
+    from torch.utils import file_baton
+    open(os.environ["SPAWN_OUT"], "w").write(file_baton.FileBaton.wait.__name__)
+else:
+    open(os.environ["SPAWN_OUT"], "w").write("torch not imported")
+'''
+
+
+@pytest.mark.timeout(120)
+def test_a_build_lock_left_by_a_killed_worker_is_removed_before_the_next_starts(tmp_path, how, capfd):
+    """A worker SIGKILLed while it held DeepSpeed's JIT op build lock would hang every later load:
+    start_worker removes it; a forked worker (torch preloaded) also gives up on one whose holder dies."""
+    ext = tmp_path / "ext"
+    (ext / "fused_adam").mkdir(parents=True)
+    lock = ext / "fused_adam" / "lock"
+    holder = subprocess.Popen([sys.executable, "-c", "import os, sys, time\nos.open(sys.argv[1], os.O_CREAT | os.O_EXCL)\n"
+                               "print('held', flush=True)\ntime.sleep(60)", str(lock)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    holder.kill()
+    holder.wait(10)
+    assert lock.exists()
+    script = tmp_path / "baton.py"
+    script.write_text(BATON_SCRIPT)
+    out = tmp_path / "baton.out"
+    env = {"PATH": os.environ.get("PATH", ""), "SPAWN_OUT": str(out), "TORCH_EXTENSIONS_DIR": str(ext),
+           "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    proc = start_worker(str(script), [], env=env, log=tmp_path / "baton.log", preload=how)
+    assert not lock.exists()
+    assert "died holding it" in capfd.readouterr().err
+    assert proc.wait(timeout=90) == 0
+    assert out.read_text() == ("_stale_aware_wait" if "torch" in how else "torch not imported")
