@@ -336,9 +336,11 @@ class Heartbeat(_Loop):
         """Stop beating, then tell the agent the silence to come is an exit, not a hang."""
         was_running = self.is_alive() and not self._stop_event.is_set()
         super().stop(timeout_s)
-        if was_running:  # after the join: the thread no longer uses the client
-            try:
-                self._store.set(hb_stopped_key(self._rank), "1")
+        if was_running:
+            try:  # the thread's client once it is joined; if a store call stalled it past the join's
+                # bound, a connection of its own (one client is never used by two threads at once)
+                client = self._store if not self.is_alive() else _clone(self._store)
+                client.set(hb_stopped_key(self._rank), "1")
             except Exception as exc:  # noqa: BLE001 - the agent may be gone already
                 self._log_error("marking the heartbeat stopped", exc)
 
