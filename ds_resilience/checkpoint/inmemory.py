@@ -129,8 +129,9 @@ class InMemoryCheckpointer:
         self.owner = owner_name(rank)
         # the job's own directory: snapshots of an earlier job in the same persistent_dir never mix in
         # durable: on disk a manifest never names bytes a machine crash could lose (fsync first)
+        # keep_common: pruning keeps the newest step every rank holds there (a restore needs one)
         self.disk = (SnapshotStore(Path(cfg.persistent_dir) / "snapshots" / job_id, keep=cfg.keep_last, recycle=False,
-                                   durable=True) if cfg.persistent_dir else None)
+                                   durable=True, keep_common=True) if cfg.persistent_dir else None)
         self.gate = IdleGate(enabled=cfg.interleave)
         self.replicator: Replicator | None = None
         if replicate and self.send_to + self.recv_from:

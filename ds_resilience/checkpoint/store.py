@@ -170,11 +170,15 @@ class SnapshotStore:
         durable: a disk tier: payload and layout are fsynced, and their directory, before the
             manifest is written (itself fsynced), so after a machine crash a manifest never names
             bytes that did not reach the disk (tmpfs has nothing to sync: off by default).
+        keep_common: a tier every rank of a job writes into (the disk's): pruning never deletes
+            the newest step that every owner under the root holds, so a restore that needs one
+            step for every rank finds it even when some owners stopped writing (lost ranks) or
+            lag behind (a slow disk), at the price of one older version per owner meanwhile.
     """
 
     def __init__(self, root: Path | str | None = None, *, keep: int = 2, job_id: str = "default",
                  pipeline: StagingPipeline | None = None, recycle: bool = True, keep_mapped: bool = True,
-                 durable: bool = False) -> None:
+                 durable: bool = False, keep_common: bool = False) -> None:
         if keep < 1:
             raise CheckpointError(f"keep must be >= 1, got {keep}")
         self.root = Path(root) if root is not None else self.default_root(job_id)
@@ -194,6 +198,7 @@ class SnapshotStore:
         self.reused = 0
         self.recycle = recycle
         self.durable = durable
+        self.keep_common = keep_common
         self._pins: dict[tuple[str, int], int] = {}  # versions mapped by open_version: never recycled
 
     @staticmethod
@@ -459,12 +464,23 @@ class SnapshotStore:
 
     def _prune(self, owner: str, new_step: int) -> None:
         committed = self._committed_steps(owner)
+        common = self._newest_common_committed() if self.keep_common and len(committed) > self.keep else None
         for step in committed[self.keep:]:
-            if step != new_step:  # an older version just committed (a restore's) is wanted: keep it
+            if step != new_step and step != common:  # an older version just committed (a restore's) is wanted
                 self._delete(owner, step)
         for step in self._all_steps(owner):  # leftovers of writers killed before their manifest
             if step < new_step and step not in committed:
                 self._delete(owner, step)
+
+    def _newest_common_committed(self) -> int | None:
+        """The newest step with a committed version (manifest) for every owner under the root."""
+        common: set[int] | None = None
+        for owner in self.owners():
+            steps = set(self._committed_steps(owner))
+            common = steps if common is None else common & steps
+            if not common:
+                return None
+        return max(common) if common else None
 
     def _delete(self, owner: str, step: int) -> None:
         vdir = self._version_dir(owner, step)

@@ -189,6 +189,33 @@ def test_keep_deletes_older_versions(tmp_path):
     assert store.reused == 2  # versions 4 and 5 were written into the files of pruned 2 and 3
 
 
+def test_a_shared_tier_keeps_the_newest_step_every_owner_holds(tmp_path):
+    """CI saw a restart find no step on disk for every rank: two ranks lost at steps 2 and 4 had
+    written [1, 2], the survivors' keep 2 had pruned everything but [3, 4]. With keep_common the
+    survivors keep step 2, the newest step all four hold, until every owner holds a newer one."""
+    disk = SnapshotStore(tmp_path, keep=2, recycle=False, keep_common=True)
+    for step in (1, 2):
+        for owner in ("w0", "w1", "w2", "w3"):
+            disk.save(owner, step, {"x": torch.full((2,), float(step))})
+    for step in (3, 4, 5):  # w2 and w3 are gone
+        for owner in ("w0", "w1"):
+            disk.save(owner, step, {"x": torch.full((2,), float(step))})
+    assert [i.step for i in disk.versions("w0")] == [5, 4, 2] == [i.step for i in disk.versions("w1")]
+    assert disk.newest_common_step(["w0", "w1", "w2", "w3"]) == 2
+    for step in (3, 4, 5):  # relaunched, they catch up: step 2 is no longer needed
+        for owner in ("w2", "w3"):
+            disk.save(owner, step, {"x": torch.full((2,), float(step))})
+    disk.save("w0", 6, {"x": torch.zeros(2)})
+    assert [i.step for i in disk.versions("w0")] == [6, 5]
+    plain = SnapshotStore(tmp_path / "plain", keep=2, recycle=False)  # without: the common step goes
+    for step in (1, 2):
+        for owner in ("w0", "w1"):
+            plain.save(owner, step, {"x": torch.zeros(2)})
+    for step in (3, 4):
+        plain.save("w0", step, {"x": torch.zeros(2)})
+    assert plain.newest_common_step(["w0", "w1"]) is None
+
+
 def test_recycled_payloads_keep_every_version_exact(tmp_path):
     """A recycled file holds the new version's bytes only: no byte of the old one survives, and a
     version still mapped by a reader (open_version) is never recycled under it."""
