@@ -111,6 +111,21 @@ def _allow_children() -> None:
     multiprocessing.current_process()._config["daemon"] = False
 
 
+def _close_loaders() -> None:
+    """Shut down the worker processes of every DataLoader iterator left in this process (an engine's
+    loader outlives ``del engine`` until a collection): one program trains several engines in turn,
+    and a previous engine's loader worker dying later (CI saw a SIGSEGV at its exit) would fail the
+    next engine's collectives through DataLoader's SIGCHLD handler."""
+    import gc
+
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+    gc.collect()
+    for obj in gc.get_objects():
+        if isinstance(obj, _MultiProcessingDataLoaderIter):
+            obj._shutdown_workers()
+
+
 def _ids(batch) -> tuple[tuple[int, ...], tuple[int, ...]]:
     x, (_, i) = batch
     return tuple(int(v) for v in x[:, 0].tolist()), tuple(int(v) for v in i.tolist())
@@ -140,6 +155,7 @@ def loader_streams(rank: int, world: int, batches: int, variant: dict) -> dict[s
     theirs = [_batch_values(next(loader)) for _ in range(batches)]
     pipeline = engine.grid.data_parallel_id
     del engine
+    _close_loaders()
     module = build_module()
     config["resilience"] = {"planner": {"solver": "heuristic"}}
     engine, _, _, _ = ds_resilience.initialize(model=module, config=config, training_data=dataset, collate_fn=collate,
@@ -205,6 +221,7 @@ def train_scenarios(rank: int, world: int, scenarios: list[dict], steps: int) ->
         if getattr(source, "close", None):
             source.close()
         del engine
+        _close_loaders()
         torch.distributed.barrier()
     return out
 
@@ -235,6 +252,7 @@ def rejections(rank: int, world: int) -> dict[str, Any]:
         loss = engine.train_batch(pipeline_stream(IndexedDataset(), engine.grid.data_parallel_id, dp))
         out[name] = {"error": None, "loss": None if loss is None else float(loss)}
         del engine
+        _close_loaders()
 
     both_ends = {"simulate_failed": ["1:0", "1:1"]}
     attempt("simulated_iterator_only", both_ends)

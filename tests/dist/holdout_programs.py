@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from data_programs import _allow_children
+from data_programs import _allow_children, _close_loaders
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FEATURES, CLASSES, SAMPLES = 12, 5, 96
@@ -83,5 +83,6 @@ def train(rank: int, world: int, scenarios: list[dict], steps: int) -> dict[str,
             "moved": max((p.detach() - initial[n]).abs().max().item() for n, p in module.named_parameters()),
         }
         del engine
+        _close_loaders()
         torch.distributed.barrier()
     return out
