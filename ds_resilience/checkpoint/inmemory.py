@@ -160,10 +160,15 @@ class InMemoryCheckpointer:
         return replica_targets(self.world, self.rpm, self.cfg.replicas, gone=gone, machine_key=self.machine_key)
 
     def _replicator(self, mine: RankTargets, name: str, old: Replicator | None = None) -> Replicator:
+        # a connection of its own: its groups' rendezvous (a blocking wait for the peer, up to the
+        # timeout) and its threads' store traffic never hold the training thread's client, whose
+        # lock serializes every operation (a re-placement whose peer was still in the iteration
+        # then blocked this rank's message headers: a deadlock seen with 3 machines)
+        store = self.group_store.clone() if hasattr(self.group_store, "clone") else self.group_store
         return Replicator(self.store, rank=self.rank, owner_of=owner_name, send_to=mine.send_to,
                           recv_from=mine.recv_from, name=name,
                           chunk_bytes=max(64, int(self.cfg.chunk_mb * (1 << 20)) // 64 * 64),
-                          timeout_s=self.timeout_s, gate=self.gate, group_store=self.group_store,
+                          timeout_s=self.timeout_s, gate=self.gate, group_store=store,
                           interface=self.cfg.interface, stats=old.stats if old is not None else None,
                           chunk_seconds=old.chunk_seconds if old is not None else 0.0)
 
