@@ -27,7 +27,8 @@ Plans (:mod:`ds_resilience.runtime.plan_agreement`): ``dsr/plans/{scope}/{build}
 
 Nodes (the leader's store, :mod:`ds_resilience.supervisor.nodes`): ``dsr/nodes/launches/{node}``,
 ``dsr/nodes/launch/{node}/{i}``, ``dsr/nodes/exit/{rank}/{incarnation}``,
-``dsr/nodes/kill/{rank}/{incarnation}``, ``dsr/nodes/done``.
+``dsr/nodes/kill/{rank}/{incarnation}``, ``dsr/nodes/done``, ``dsr/nodes/job`` (what every node runs), ``dsr/nodes/alive/{node}`` (a follower
+agent's beat), ``dsr/nodes/lost/{node}`` (the first launch request a replacement of that node takes).
 
 Per session (a live stage's generation of groups): ``dsr/{session}/val/{iteration}/{stage}``
 (gradient norms for validation), ``dsr/{session}/loss/{epoch}/{step}``,
@@ -118,6 +119,7 @@ def plans_building(scope: str) -> str:
 # --- nodes (the leader's store) --------------------------------------------------------------------
 NODES = f"{ROOT}/nodes/"
 NODES_DONE = NODES + "done"
+NODES_JOB = NODES + "job"  # the leader's script, its arguments and workers per node (JSON)
 
 
 def node_launches(node: int) -> str:
@@ -134,6 +136,14 @@ def node_exit(rank: int, incarnation: int) -> str:
 
 def node_kill(rank: int, incarnation: int) -> str:
     return f"{NODES}kill/{rank}/{incarnation}"
+
+
+def node_alive(node: int) -> str:
+    return f"{NODES}alive/{node}"
+
+
+def node_lost(node: int) -> str:
+    return f"{NODES}lost/{node}"
 
 
 # --- per session and group -------------------------------------------------------------------------

@@ -55,7 +55,7 @@ from ..epochs import STOP_KINDS
 from ..runtime import membership as mb
 from .events import AgentEvent, event_table
 from .host_memory import claim, disown, owner_alive, reclaim_orphans
-from .nodes import RemoteProc, post_launch, signed_set
+from .nodes import NodeBeats, RemoteProc, job_description, post_launch, signed_set
 from .spawn import WorkerProcess, preload_modules, start_worker
 
 __all__ = ["Agent", "AgentEvent", "AgentError", "EXIT_OK", "EXIT_STARTUP", "EXIT_STOPPED", "SCHEDULER_JOB_VARS",
@@ -103,7 +103,7 @@ class _Interrupted(Exception):
 
 class _Failure(NamedTuple):
     rank: int
-    kind: str  # crash | hang
+    kind: str  # crash | hang | node (lost with its node)
     reason: str
     since: float  # monotonic: exit observed (crash) or last heartbeat change (hang)
 
@@ -124,6 +124,7 @@ class _Child:
     failed_at: float = 0.0  # monotonic, when declared failed
     launched_at: float = 0.0
     admitted: bool = False  # a relaunched worker the survivors admitted (its rejoin event recorded)
+    registered_at: float | None = None  # monotonic: a relaunched worker's registration was seen
 
 
 def _signal_text(code: int) -> str:
@@ -146,6 +147,10 @@ class Agent:
         nnodes: nodes; with more than one, this agent is node 0's and leads: the other nodes run
             a follower (:class:`~.nodes.NodeAgent`) that launches their ranks when asked
             (``supervisor/nodes.py``). ``master_port`` must then be given.
+        head: this agent runs no worker: it leads from a head node (the launching machine, or one
+            outside the training nodes), and the ``nnodes`` training nodes 0..K-1 all run
+            followers (``ds-resilience run --follow``), so the store and membership survive the
+            loss of any training node.
         master_addr, master_port: where the store listens (port 0: a free port).
         heartbeat_interval_s, heartbeat_timeout_s: the workers' beat interval (exported to them in
             their :class:`~ds_resilience.launch.LaunchEnv`; they beat at it) and the silence after
@@ -188,14 +193,16 @@ class Agent:
                  env: Mapping[str, str] | None = None, log_dir: str | os.PathLike[str] | None = None,
                  echo: Callable[[str], None] | None = None, nnodes: int = 1, local_rank_arg: bool = True,
                  regrid: bool | None = False, preload: Sequence[str] | None = None, job_id: str | None = None,
-                 term_grace_s: float = 30.0, secret: str | None = None) -> None:
+                 term_grace_s: float = 30.0, secret: str | None = None, head: bool = False) -> None:
         if num_workers < 1:
             raise AgentError(f"num_workers must be >= 1, got {num_workers}")
         if nnodes < 1:
             raise AgentError(f"nnodes must be >= 1, got {nnodes}")
-        if nnodes > 1 and not master_port:
+        self.head = head  # no worker here: every training node runs a follower
+        multi = nnodes > 1 or head
+        if multi and not master_port:
             raise AgentError("with nnodes > 1 the store needs a fixed --master_port (the other nodes connect to it)")
-        if nnodes > 1 and not secret:
+        if multi and not secret:
             raise AgentError("a job of several nodes needs a secret shared by its agents (the store has no "
                              "authentication): set $DSR_JOB_SECRET on every node (e.g. export DSR_JOB_SECRET=$(python "
                              "-c 'import secrets; print(secrets.token_hex(32))')), or give --secret_file FILE (mode 600)")
@@ -219,6 +226,7 @@ class Agent:
         self.heartbeat_interval_s, self.heartbeat_timeout_s = heartbeat_interval_s, heartbeat_timeout_s
         self.rejoin_after_s, self.stop_grace_s, self.store_timeout_s = rejoin_after_s, stop_grace_s, store_timeout_s
         self.exit_grace_s, self.max_join_attempts = exit_grace_s, max_join_attempts
+        self.join_batch_s = max(30.0, heartbeat_timeout_s)  # how long a registered joiner waits for the others
         if max_restarts is not None and max_restarts < 0:
             raise AgentError(f"max_restarts must be >= 0, got {max_restarts}")
         if not term_grace_s >= 0:
@@ -227,7 +235,7 @@ class Agent:
         # None: learnt from the workers' registrations (their config, however it was given)
         self._given = {"max_restarts": max_restarts, "regrid": regrid, "host_dir": host_dir}
         self.max_restarts, self.restarts = max_restarts or 0, 0
-        if nnodes > 1:  # a restart hosts a new store, which the followers would not find
+        if multi:  # a restart hosts a new store, which the followers would not find
             self.max_restarts = self._given["max_restarts"] = 0
         self.regrid = bool(regrid)
         self.preload = preload_modules(preload)
@@ -259,6 +267,8 @@ class Agent:
         self._finished = False  # a member exited 0: training is over, nobody re-joins any more
         self._regridded = False  # the survivors re-formed the grid: nobody re-joins any more
         self._t0 = time.time()
+        self._nodes: NodeBeats | None = None  # the followers' beats (several nodes), from the first launch
+        self._first_node = 0 if head else 1  # the first node a follower runs
 
     # --- public ---------------------------------------------------------------------------------
     def run(self) -> int:
@@ -293,7 +303,7 @@ class Agent:
             for signum, old in handlers.items():
                 signal.signal(signum, old)
             self._kill_all()
-            if self.nnodes > 1 and self.store is not None:
+            if self._multi and self.store is not None:
                 try:  # the followers stop (and kill whatever they still run)
                     signed_set(self.store, self.secret, keys.NODES_DONE,
                                str(self.exit_code if self.exit_code is not None else 1))
@@ -340,6 +350,11 @@ class Agent:
         self._echo(f"[ds_resilience agent] store at {self.master_addr}:{self.port}; {what}: "
                    f"{self.num_workers} workers of {self.script}")
         self._publish("start", f"{what}: {self.num_workers} workers")  # before any worker looks
+        if self._multi:
+            signed_set(self.store, self.secret, keys.NODES_JOB,
+                       job_description(self.script, self.script_args, self.nproc))
+            self._nodes = NodeBeats(self.store, range(self._first_node, self.nnodes), 0.75 * self.heartbeat_timeout_s,
+                                    time.monotonic())
         for rank in range(self.num_workers):
             self._launch(rank, 0)
 
@@ -365,7 +380,7 @@ class Agent:
     def _can_export(self) -> bool:
         """Whether a restart can restore every stage to save it: one node (a restart hosts a new
         store), snapshots on, and a front end that saves on an interrupt (its registration says so)."""
-        if self.nnodes > 1 or self._exporting:
+        if self._multi or self._exporting:
             return False
         settings = self._registered_settings()
         return settings is not None and bool(settings.get("snapshots")) and bool(settings.get("export_restart"))
@@ -422,7 +437,7 @@ class Agent:
         return None
 
     def _launch(self, rank: int, incarnation: int) -> _Child:
-        node, local = divmod(rank, self.nproc)
+        node, local = self._node_of(rank), rank % self.nproc
         contract = LaunchEnv(host=self.master_addr, port=self.port, rank=rank, world_size=self.num_workers,
                              incarnation=incarnation, rejoin=incarnation > 0,
                              heartbeat_interval_s=self.heartbeat_interval_s, agent_pid=os.getpid(), local_rank=local,
@@ -431,7 +446,7 @@ class Agent:
         protocol = {**contract.to_environ(), "GROUP_RANK": str(node), "TORCHELASTIC_USE_AGENT_STORE": "True"}
         suffix = f".restart{self.restarts}" if self.restarts else ""
         log = self.log_dir / f"rank{rank}.{incarnation}{suffix}.log" if self.log_dir is not None else None
-        if node:  # another node's follower launches it
+        if node != 0 or self.head:  # another node's follower launches it
             post_launch(self.store, self.secret, node, rank=rank, incarnation=incarnation, local_rank=local,
                         env=protocol)
             return self._track(rank, incarnation, RemoteProc(self.store, self.secret, node, rank, incarnation,
@@ -464,6 +479,8 @@ class Agent:
             if woke - last_tick > self.heartbeat_timeout_s / 2:  # the agent itself stalled: no blame
                 for w in self._workers.values():
                     w.hb_changed = woke
+                if self._nodes is not None:
+                    self._nodes.forgive(woke)
             last_tick = woke
             if self._interrupted is None and (asked := self._stop_requested()) is not None:
                 stop_deadline = self._interrupt(*asked, under_way=stop_deadline)
@@ -471,7 +488,8 @@ class Agent:
                 # the export restart's workers restored the snapshots: every stage saves, then stops
                 stop_deadline = self._interrupt(f"{self._exporting}; every stage restored from the in-memory "
                                                 f"snapshots is saved", None, None, exit_code=EXIT_STOPPED)
-            failures = self._reap(woke, stopping=stop_deadline is not None) + self._check_heartbeats()
+            failures = (self._reap(woke, stopping=stop_deadline is not None) + self._check_nodes(woke)
+                        + self._check_heartbeats())
             if failures and stop_deadline is None:
                 stop_deadline = self._on_failures(failures)
             elif failures:  # while stopping, a failure changes nothing but is still recorded
@@ -561,6 +579,52 @@ class Agent:
                 continue
             w.state, w.failed_at = "failed", now
             failures.append(_Failure(w.rank, "hang", reason, now - silence))
+        return failures
+
+    @property
+    def _multi(self) -> bool:
+        return self.nnodes > 1 or self.head
+
+    def _node_of(self, rank: int) -> int:
+        """The node that runs ``rank``: node k holds ranks ``k*N .. k*N+N-1`` (node 0 is this
+        agent's own, unless it is a head)."""
+        return rank // self.nproc
+
+    def _check_nodes(self, now: float) -> list[_Failure]:
+        """A follower node fallen silent is lost whole, one event: every live rank of it fails at
+        once (nobody is left there to report their exits, and their own heartbeats would name them
+        one at a time); their relaunches wait for a replacement node, whose launch requests start
+        where the loss is marked. A lost node that beats again is back."""
+        if self._nodes is None:
+            return []
+        lost, back = self._nodes.check(now)
+        failures = []
+        for node, silence, beats in lost:
+            first = self.store.add(keys.node_launches(node), 0)
+            signed_set(self.store, self.secret, keys.node_lost(node), f"{first} {beats}")
+            ranks = []
+            for w in self._workers.values():
+                if self._node_of(w.rank) != node or w.state not in _LIVE:
+                    continue
+                w.proc.lost()
+                w.proc.kill()  # a node only stalled, not dead: its follower kills them when it wakes
+                self._close(w)
+                if w.state == "joining":
+                    self._event("exit", w.rank, detail=f"joining worker lost with node {node}")
+                    self._join_failed(w)
+                    w.state = "failed"
+                    continue
+                w.state, w.failed_at = "failed", now
+                ranks.append(w.rank)
+                failures.append(_Failure(w.rank, "node", f"rank {w.rank} lost with node {node}", now - silence))
+            detail = (f"node {node} lost whole (its agent silent for {silence:.2f} s): ranks "
+                      f"{', '.join(map(str, ranks)) or 'none running'} at once")
+            self._event("nodelost", None, latency_s=silence, detail=detail)
+            self._echo(f"[ds_resilience agent] {detail}")
+        for node in back:
+            detail = f"node {node} beats again (a replacement agent): its lost ranks are relaunched there to re-join"
+            self._event("nodeback", None, detail=detail)
+            self._echo(f"[ds_resilience agent] {detail}")
         return failures
 
     def _training_over(self, rank: int) -> None:
@@ -653,11 +717,15 @@ class Agent:
             self._rejoin_due.clear()
             grace = self.stop_grace_s if code == EXIT_STOPPED else min(self.stop_grace_s, 10.0)
             return time.monotonic() + grace
-        kind = "crash" if any(f.kind == "crash" for f in failures) else "hang"
+        kind = "crash" if any(f.kind in ("crash", "node") for f in failures) else "hang"
         self._record_failures(failures, self._publish(kind, reason))
         if self.rejoin_after_s is not None and not self._finished and not self._regridded:
             for f in failures:
-                self._rejoin_due[f.rank] = self._workers[f.rank].failed_at + self.rejoin_after_s
+                w = self._workers[f.rank]
+                if w.incarnation > 0 and not self._check_admitted(w):  # registered, failed before it re-joined
+                    self._join_failed(w)
+                else:
+                    self._rejoin_due[f.rank] = w.failed_at + self.rejoin_after_s
         return None
 
     def _regrid_failed(self) -> float:
@@ -708,29 +776,43 @@ class Agent:
     def _rejoins(self) -> None:
         now = time.monotonic()
         for rank, due in list(self._rejoin_due.items()):
-            if now >= due:
+            if now >= due and not (self._nodes is not None and self._node_of(rank) in self._nodes.lost):
                 del self._rejoin_due[rank]
                 w = self._launch(rank, self._workers[rank].incarnation + 1)
                 self._event("relaunch", rank, detail=f"incarnation {w.incarnation}, pid {w.proc.pid}")
+        registered, unregistered = [], []
         for w in self._workers.values():
             info = mb.read_worker(self.store, w.rank) if w.state == "joining" else None
             if info is not None and info.incarnation == w.incarnation:
-                w.state = "running"
-                self._failed.discard(w.rank)
-                self._join_attempts.pop(w.rank, None)
-                record = self._publish("rejoin", f"rank {w.rank} re-joins (incarnation {w.incarnation})",
-                                       joining=(w.rank,))
-                self._event("register", w.rank, epoch=record.epoch, latency_s=time.monotonic() - w.launched_at,
-                            detail=f"incarnation {w.incarnation} registered; epoch {record.epoch} asks the "
-                                   f"survivors to take it in")
+                if w.registered_at is None:
+                    w.registered_at = now
+                registered.append(w)
+            elif w.state == "joining":
+                unregistered.append(w)
             elif w.state == "running" and w.incarnation > 0:
                 self._check_admitted(w)
+        # ranks relaunched together (a replaced node's) join in one epoch: a worker's join would be
+        # interrupted by a second re-join epoch; a laggard is waited for a bounded time
+        first = min((w.registered_at for w in registered), default=None)
+        if first is None or (unregistered and now - first < self.join_batch_s):
+            return
+        for w in registered:
+            w.state = "running"
+            self._failed.discard(w.rank)
+        ranks = tuple(sorted(w.rank for w in registered))
+        record = self._publish("rejoin", ", ".join(f"rank {w.rank} re-joins (incarnation {w.incarnation})"
+                                                   for w in sorted(registered, key=lambda w: w.rank)), joining=ranks)
+        for w in registered:
+            self._event("register", w.rank, epoch=record.epoch, latency_s=now - w.launched_at,
+                        detail=f"incarnation {w.incarnation} registered; epoch {record.epoch} asks the "
+                               f"survivors to take it in")
 
     def _check_admitted(self, w: _Child) -> bool:
         """Whether the survivors admitted relaunched worker ``w`` (its own word in the store);
         records its rejoin event the first time it is seen."""
         if not w.admitted and mb.admitted(self.store, w.rank) == w.incarnation:
             w.admitted = True
+            self._join_attempts.pop(w.rank, None)  # it re-joined: a later failure starts a new count
             epoch = next((r.epoch for r in reversed(self.epochs) if w.rank in r.joining), None)
             self._event("rejoin", w.rank, epoch=epoch, latency_s=time.monotonic() - w.launched_at,
                         detail=f"incarnation {w.incarnation} admitted: it trains with the survivors")

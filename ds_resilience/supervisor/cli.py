@@ -17,6 +17,7 @@ from typing import Sequence
 
 from ..config import load_resilience_config, load_resilience_file
 from ..errors import ResilienceError
+from .cluster import DEFAULT_MASTER_PORT, node_from_scheduler
 from .job_secret import load_secret
 from .spawn import PRELOAD_VAR, preload_modules
 
@@ -30,10 +31,33 @@ def build_parser() -> argparse.ArgumentParser:
         "detected and published to the workers, which keep training (arguments as for `deepspeed`)."))
     p.add_argument("--num_gpus", "--num_workers", dest="num_gpus", type=int, default=-1,
                    help="worker processes (default: all visible GPUs, or 1 without GPUs)")
-    p.add_argument("--nnodes", type=int, default=1, help="nodes of the job (node 0's agent leads)")
-    p.add_argument("--node_rank", type=int, default=0, help="this node (0: the leader, which hosts the store)")
-    p.add_argument("--master_addr", default="127.0.0.1", help="address of the agent's store (node 0's)")
-    p.add_argument("--master_port", type=int, default=0, help="port of the agent's store (0: a free port)")
+    p.add_argument("-H", "--hostfile", default=None,
+                   help="launch on the nodes of this hostfile (DeepSpeed's format: 'worker-0 slots=4'), one agent per "
+                        "node, through DeepSpeed's multi-node runner for --launcher")
+    p.add_argument("-i", "--include", default="", help="nodes and slots of the hostfile to use, as with deepspeed "
+                                                       "('worker-0@worker-1:0,1')")
+    p.add_argument("-e", "--exclude", default="", help="nodes and slots of the hostfile not to use, as with deepspeed")
+    p.add_argument("--num_nodes", type=int, default=-1, help="use the first N nodes of the hostfile")
+    p.add_argument("--launcher", default="pdsh", help="how the hostfile's nodes are reached: pdsh (default), openmpi, "
+                                                      "slurm")
+    p.add_argument("--launcher_args", default="", help="extra arguments for pdsh / mpirun / srun")
+    p.add_argument("--ssh_port", type=int, default=None, help="ssh port for pdsh")
+    p.add_argument("--nnodes", type=int, default=None,
+                   help="nodes of the job (node 0's agent leads; default: srun's or mpirun's node count, else 1)")
+    p.add_argument("--node_rank", type=int, default=None,
+                   help="this node (0: the leader, which hosts the store; default: the scheduler's, else 0)")
+    p.add_argument("--head", action="store_true",
+                   help="lead from this machine without running workers here (a head node): the store and membership "
+                        "survive the loss of any training node, whose agents run with --follow; with --hostfile, "
+                        "this launching machine is the head")
+    p.add_argument("--follow", action="store_true",
+                   help="this agent follows a head node's leader (node ranks 0..K-1 all run workers)")
+    p.add_argument("--master_addr", default=None,
+                   help="address of the agent's store, node 0's (default: the hostfile's or the SLURM job's first "
+                        "node, else 127.0.0.1)")
+    p.add_argument("--master_port", type=int, default=None,
+                   help=f"port of the agent's store (default: {DEFAULT_MASTER_PORT} across nodes, as deepspeed; a "
+                        f"free port on one node)")
     p.add_argument("--heartbeat_interval", type=float, default=None, metavar="S",
                    help="seconds between worker heartbeats (default: resilience.detector, else 0.5)")
     p.add_argument("--heartbeat_timeout", type=float, default=None, metavar="S",
@@ -83,10 +107,13 @@ def _script_resilience(script_args: Sequence[str]):
 def main_run(argv: Sequence[str]) -> int:
     """``ds-resilience run [options] script.py [script args...]``; returns the agent's exit code."""
     args = build_parser().parse_args(list(argv))
+    if args.hostfile is not None and args.node_rank is None:
+        return _launch_cluster(args)
     from .agent import Agent, AgentError  # torch: imported once the agent is to run
     from .nodes import NodeAgent
 
     try:
+        _place(args)
         num = args.num_gpus
         if num < 0:
             from ..accelerator import device_count
@@ -104,12 +131,13 @@ def main_run(argv: Sequence[str]) -> int:
             store_timeout = detector.store_timeout_s
         preload = preload_modules(args.preload) if args.preload is not None else None
         secret = load_secret(args.secret_file)
-        if args.node_rank:
-            if not 0 < args.node_rank < args.nnodes:
+        if args.node_rank or args.follow:
+            if not (0 if args.follow else 1) <= args.node_rank < args.nnodes:
                 raise AgentError(f"--node_rank {args.node_rank} is out of range for --nnodes {args.nnodes}")
             return NodeAgent(args.script, args.script_args, node_rank=args.node_rank, master_addr=args.master_addr,
                              master_port=args.master_port, secret=secret, log_dir=args.log_dir,
-                             local_rank_arg=not args.no_local_rank, preload=preload).run()
+                             local_rank_arg=not args.no_local_rank, preload=preload,
+                             beat_s=interval or 0.5, nproc=num, under_head=args.follow).run()
         if max_restarts and args.nnodes > 1:
             print("ds-resilience run: a restart from the snapshots is not supported across nodes yet: beyond "
                   "tolerance the job stops after its survivors save", file=sys.stderr)
@@ -118,8 +146,83 @@ def main_run(argv: Sequence[str]) -> int:
                       heartbeat_timeout_s=timeout, rejoin_after_s=args.rejoin_after,
                       stop_grace_s=args.stop_grace, store_timeout_s=store_timeout, log_dir=args.log_dir,
                       max_restarts=None, host_dir=None, regrid=None, local_rank_arg=not args.no_local_rank,
-                      preload=preload, job_id=args.job_id, term_grace_s=args.term_grace_s, secret=secret)
+                      preload=preload, job_id=args.job_id, term_grace_s=args.term_grace_s, secret=secret,
+                      head=args.head)
         return agent.run()
     except ResilienceError as exc:
         print(f"ds-resilience run: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _place(args: argparse.Namespace) -> None:
+    """This agent's node count, rank and leader: given, else the scheduler's (srun, mpirun), else
+    one node; the store's port: DeepSpeed's default across nodes, a free one on one node."""
+    spec = node_from_scheduler() if args.nnodes is None or args.node_rank is None else None
+    if spec is not None:
+        args.nnodes = spec.nnodes if args.nnodes is None else args.nnodes
+        args.node_rank = spec.node_rank if args.node_rank is None else args.node_rank
+        args.master_addr = args.master_addr or spec.master_addr
+    args.nnodes = 1 if args.nnodes is None else args.nnodes
+    args.node_rank = 0 if args.node_rank is None else args.node_rank
+    multi = args.nnodes > 1 or args.head or args.follow
+    if multi and args.master_addr is None:
+        raise ResilienceError("a job of several nodes needs --master_addr (the leader's address: node 0's, or the "
+                              "head's)")
+    args.master_addr = args.master_addr or "127.0.0.1"
+    if args.master_port is None:
+        args.master_port = DEFAULT_MASTER_PORT if multi else 0
+
+
+def _launch_cluster(args: argparse.Namespace) -> int:
+    """``--hostfile``: start one agent per node through DeepSpeed's runner, wait for them, and
+    return the launcher's exit code (a signal to this process goes to the launcher)."""
+    import signal
+    import subprocess
+
+    from .cluster import cluster_command, describe
+
+    try:
+        args.num_gpus_given = args.num_gpus >= 0
+        args.master_port = DEFAULT_MASTER_PORT if args.master_port is None else args.master_port
+        cmd, env = cluster_command(args)
+    except ResilienceError as exc:
+        print(f"ds-resilience run: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"[ds_resilience launcher] {describe(cmd)}", file=sys.stderr, flush=True)
+    proc = subprocess.Popen(cmd, env=env)
+    if args.head:  # this machine leads: the nodes' agents follow it
+        try:
+            code = _head_agent(args).run()
+        finally:
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        return code
+    forward = {signum: signal.signal(signum, lambda n, f: proc.send_signal(n))
+               for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return proc.wait()
+    finally:
+        for signum, old in forward.items():
+            signal.signal(signum, old)
+
+
+def _head_agent(args: argparse.Namespace):
+    """The leader of a ``--hostfile --head`` launch, on this machine (its nodes and slots are the
+    launch's: ``args.nnodes``, ``args.num_gpus`` as :func:`cluster_command` chose them)."""
+    from .agent import Agent
+
+    resilience = _script_resilience(args.script_args)
+    detector = resilience.detector if resilience is not None else None
+    interval = args.heartbeat_interval if args.heartbeat_interval is not None else (
+        detector.heartbeat_interval_s if detector else None)
+    timeout = args.heartbeat_timeout if args.heartbeat_timeout is not None else (
+        detector.heartbeat_timeout_s if detector else None)
+    return Agent(args.script, args.script_args, num_workers=args.num_gpus, nnodes=args.nnodes,
+                 master_addr=args.bind_addr, master_port=args.master_port, heartbeat_interval_s=interval,
+                 heartbeat_timeout_s=timeout, rejoin_after_s=args.rejoin_after, stop_grace_s=args.stop_grace,
+                 store_timeout_s=detector.store_timeout_s if detector else None, log_dir=args.log_dir,
+                 max_restarts=None, host_dir=None, regrid=None, local_rank_arg=not args.no_local_rank,
+                 preload=None, job_id=args.job_id, term_grace_s=args.term_grace_s,
+                 secret=load_secret(args.secret_file), head=True)

@@ -8,8 +8,13 @@ reported, and killing it posts a kill order. The follower (:class:`NodeAgent`, `
 run --node_rank k``) only executes: it launches the requested ranks with the leader's launch
 contract (``LOCAL_RANK = rank % nproc``, the node's ``GROUP_RANK``), reports their exits, kills on
 order, and ends when the leader says the job is over (or its store is gone: then it kills its
-workers and exits 1). A node that is lost whole (its follower included) shows as the silence of its
-workers' heartbeats: hangs, handled as on one node.
+workers and exits 1). A follower also beats (``alive/{node}``): a node lost whole (its follower
+with its workers, whose exits nobody can report any more) is the silence of that beat, one event
+that names every rank of the node at once (``Agent._check_nodes``), before any of their own
+heartbeats' silences would name them one at a time. A follower started later with the same
+``--node_rank`` (a replacement node) takes the lost node's place: it starts reading launch requests
+where the leader marked the loss (``lost/{node}``), beats, and the leader relaunches the lost ranks
+there to re-join.
 
 Store keys (the leader's store, under ``dsr/nodes/``; spelled in :mod:`ds_resilience.store_keys`)::
 
@@ -18,6 +23,11 @@ Store keys (the leader's store, under ``dsr/nodes/``; spelled in :mod:`ds_resili
     exit/{rank}/{incarnation} the exit code (text) of that process, set by its node's follower
     kill/{rank}/{incarnation} "1": SIGKILL that process
     done                      the leader's exit code: followers stop
+    job                       JSON {script, args, nproc}: what the leader runs; a follower that was
+                              given something else refuses to start
+    alive/{node}              counter: the follower's beat (every ``beat_s``)
+    lost/{node}               "{first} {beats}": a replacement of the lost node takes launch requests
+                              from index ``first``; ``beats``, the count when the loss was declared
 
 Every value but the counter is sealed with the job's secret (``job_secret.py``): the store has no
 authentication, so an agent acts only on what the job's agents signed, and logs what it drops. A
@@ -32,8 +42,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -47,7 +59,7 @@ from ..launch import CONTRACT_KEYS
 from .job_secret import BadSignature, seal, unseal
 from .spawn import WorkerProcess, preload_modules, start_worker
 
-__all__ = ["NodeAgent", "RemoteProc", "post_launch", "refused_env", "signed_get", "signed_set"]
+__all__ = ["NodeAgent", "NodeBeats", "RemoteProc", "job_description", "post_launch", "refused_env", "signed_get", "signed_set"]
 
 
 def _has(store: dist.Store, key: str) -> bool:
@@ -64,6 +76,12 @@ def signed_get(store: dist.Store, secret: str, key: str) -> str:
     return unseal(secret, key, store.get(key))
 
 
+def job_description(script: str, script_args: Sequence[str], nproc: int) -> str:
+    """What every node of the job must run, as the leader publishes it (``job``): the script's
+    file name (its directory may differ between nodes), its arguments, workers per node."""
+    return json.dumps({"script": os.path.basename(str(script)), "args": list(script_args), "nproc": nproc})
+
+
 def post_launch(store: dist.Store, secret: str, node: int, *, rank: int, incarnation: int, local_rank: int,
                 env: Mapping[str, str]) -> None:
     """Ask ``node``'s follower to launch ``rank`` (leader side), with the launch contract's
@@ -74,6 +92,41 @@ def post_launch(store: dist.Store, secret: str, node: int, *, rank: int, incarna
     request = {"rank": rank, "incarnation": incarnation, "local_rank": local_rank, "env": contract}
     signed_set(store, secret, keys.node_launch(node, i), json.dumps(request))
     store.add(keys.node_launches(node), 1)
+
+
+class NodeBeats:
+    """The leader's view of its followers' beats (``alive/{node}``): which node fell silent for
+    longer than ``timeout_s`` (lost whole), and which lost one beats again (a replacement agent).
+    A node that never beat is not judged here: its workers' heartbeats and start-up are."""
+
+    def __init__(self, store: dist.Store, nodes: Sequence[int], timeout_s: float, now: float) -> None:
+        self.store, self.timeout_s = store, timeout_s
+        self.value = {node: 0 for node in nodes}
+        self.changed = {node: now for node in self.value}
+        self.seen: set[int] = set()
+        self.lost: set[int] = set()
+
+    def forgive(self, now: float) -> None:
+        """The leader itself stalled: no node is blamed for the silence it did not watch."""
+        for node in self.changed:
+            self.changed[node] = now
+
+    def check(self, now: float) -> tuple[list[tuple[int, float, int]], list[int]]:
+        """([(node, silence, last beat count) lost since the last check], [nodes lost before that
+        beat again])."""
+        lost, back = [], []
+        for node in self.value:
+            value = self.store.add(keys.node_alive(node), 0)
+            if value != self.value[node]:
+                self.value[node], self.changed[node] = value, now
+                self.seen.add(node)
+                if node in self.lost:
+                    self.lost.discard(node)
+                    back.append(node)
+            elif node in self.seen and node not in self.lost and now - self.changed[node] > self.timeout_s:
+                self.lost.add(node)
+                lost.append((node, now - self.changed[node], value))
+        return lost, back
 
 
 class RemoteProc:
@@ -103,6 +156,11 @@ class RemoteProc:
             except (RuntimeError, ValueError):
                 return None
         return self.returncode
+
+    def lost(self) -> None:
+        """Its node was lost whole: nobody will report its exit; it is taken as killed."""
+        if self.returncode is None:
+            self.returncode = -signal.SIGKILL
 
     def kill(self) -> None:
         try:
@@ -135,14 +193,22 @@ class NodeAgent:
         echo: where messages go (default: stderr).
         preload: modules a fork server imports once for every worker (see ``supervisor/spawn.py``;
             ``None``: ``DSR_PRELOAD``).
+        beat_s: how often this agent beats in the store (the leader takes its silence for the
+            loss of the whole node; give it the job's heartbeat interval).
+        nproc: the workers per node it was told to run (``--num_gpus``): checked, with the script
+            and its arguments, against the leader's (``None``: not checked).
+        under_head: the leader is a head node that runs no worker (``--follow``): node 0 is a
+            follower too.
     """
 
     def __init__(self, script: str, script_args: Sequence[str] = (), *, node_rank: int, master_addr: str,
                  master_port: int, secret: str, connect_timeout_s: float = 300.0, log_dir: str | os.PathLike[str] | None = None,
                  tick_s: float = 0.05, echo: Callable[[str], None] | None = None, local_rank_arg: bool = True,
-                 preload: Sequence[str] | None = None) -> None:
-        if node_rank < 1:
-            raise ResilienceError(f"a follower's node_rank must be >= 1, got {node_rank} (node 0 runs the leader)")
+                 preload: Sequence[str] | None = None, beat_s: float = 0.5, nproc: int | None = None,
+                 under_head: bool = False) -> None:
+        if node_rank < 0 or (node_rank == 0 and not under_head):
+            raise ResilienceError(f"a follower's node_rank must be >= 1, got {node_rank} (node 0 runs the leader, "
+                                  f"unless the leader is a head node: --follow)")
         if not master_port:
             raise ResilienceError("a follower needs the leader's --master_port (not 0)")
         if not secret:
@@ -159,6 +225,9 @@ class NodeAgent:
         self._refused: set[str] = set()  # keys whose unsigned value was told once
         self.reported: set[tuple[int, int]] = set()
         self.next_request = 0
+        self.beat_s = beat_s
+        self.beats = 0
+        self.nproc = nproc
 
     def run(self) -> int:
         """Launch on request until the leader is done; returns its exit code (1 if it vanished)."""
@@ -169,7 +238,15 @@ class NodeAgent:
                                   f"{exc}") from exc
         self._echo(f"[ds_resilience node {self.node}] connected to {self.addr}:{self.port}")
         code = 1
+        stop_beating = threading.Event()
         try:
+            self._check_job(store)
+            self._take_over(store)
+            # the beat comes from a thread of its own: a launch (a fork server importing torch) may
+            # hold this loop for seconds, and this agent is no less alive for it
+            beater = threading.Thread(target=self._beat, args=(store.clone(), stop_beating), daemon=True,
+                                      name=f"dsr-node-{self.node}-beat")
+            beater.start()
             while True:
                 self._launch_requested(store)
                 self._report_exits(store)
@@ -181,6 +258,7 @@ class NodeAgent:
         except RuntimeError as exc:  # the store is gone: the leader (and the job) ended
             self._echo(f"[ds_resilience node {self.node}] lost the leader's store ({exc}); stopping")
         finally:
+            stop_beating.set()
             for proc in self.children.values():
                 if proc.poll() is None:
                     proc.kill()
@@ -191,6 +269,65 @@ class NodeAgent:
                     pass
         self._echo(f"[ds_resilience node {self.node}] exit code {code}")
         return code
+
+    def _beat(self, store: dist.Store, stop: threading.Event) -> None:
+        """This node's beat (``alive/{node}``) every ``beat_s`` until ``stop``."""
+        while not stop.is_set():
+            try:
+                store.add(keys.node_alive(self.node), 1)
+                self.beats += 1
+            except RuntimeError:  # the store is gone: the main loop sees it too
+                return
+            stop.wait(self.beat_s)
+
+    def _check_job(self, store: dist.Store) -> None:
+        """Refuse to run anything but the leader's script, arguments and workers per node."""
+        deadline = time.monotonic() + self.connect_timeout_s
+        while not _has(store, keys.NODES_JOB):
+            if time.monotonic() > deadline:
+                raise ResilienceError(f"node {self.node}: the leader did not say what the job runs within "
+                                      f"{self.connect_timeout_s:.0f} s")
+            time.sleep(self.tick_s)
+        raw = self._verified(store, keys.NODES_JOB, "the job's description")
+        if raw is None:
+            raise ResilienceError(f"node {self.node}: the job's description in the store is not signed with this "
+                                  f"agent's secret (another job's store, or another secret)")
+        leader = json.loads(raw)
+        mine = json.loads(job_description(self.script, self.script_args, self.nproc or leader["nproc"]))
+        diff = [f"{k}: the leader's {leader[k]!r}, this node's {mine[k]!r}" for k in ("script", "args", "nproc")
+                if leader[k] != mine[k]]
+        if diff:
+            raise ResilienceError(f"node {self.node} was started with another job than the leader's ("
+                                  + "; ".join(diff) + "): every node runs the leader's script, arguments and "
+                                  "workers per node")
+
+    def _take_over(self, store: dist.Store) -> None:
+        """Whether this agent replaces a lost node, and where its launch requests start.
+
+        A node that beat before (``alive`` > 0) had an agent. If that one still beats, this one is
+        refused. Otherwise it waits, silent, until the leader has declared the node lost: the mark
+        names the beat count it saw last (this one's reading: that loss is the current one) and the
+        first launch request posted after it; those before were for the dead workers."""
+        beats = store.add(keys.node_alive(self.node), 0)
+        if not beats:
+            return  # the node's first agent
+        time.sleep(3 * self.beat_s)
+        if store.add(keys.node_alive(self.node), 0) != beats:
+            raise ResilienceError(f"node {self.node} already has an agent that beats in the leader's store: a second "
+                                  f"one is refused (give a replacement node the --node_rank of a lost node)")
+        key = keys.node_lost(self.node)
+        self._echo(f"[ds_resilience node {self.node}] node {self.node} had an agent before this one: waiting for the "
+                   f"leader to declare it lost")
+        while True:
+            mark = self._verified(store, key, "a lost-node mark") if _has(store, key) else None
+            if mark is not None and int(mark.split()[1]) == beats:
+                break
+            if _has(store, keys.NODES_DONE):
+                return  # the job ended first
+            time.sleep(self.tick_s)
+        self.next_request = int(mark.split()[0])
+        self._echo(f"[ds_resilience node {self.node}] replaces node {self.node}, which the leader declared lost: its "
+                   f"ranks are relaunched here to re-join (launch requests from {self.next_request} on)")
 
     def _verified(self, store: dist.Store, key: str, what: str) -> str | None:
         """The value of ``key`` if the job's agents signed it; else ``None``, told once."""

@@ -94,6 +94,7 @@ def test_a_follower_launches_only_what_the_jobs_agents_signed(tmp_path):
 
     from ds_resilience import store_keys as keys
     from ds_resilience.supervisor.job_secret import SECRET_VAR, new_secret, seal, unseal
+    from ds_resilience.supervisor.nodes import job_description
 
     secret = new_secret()
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -103,9 +104,12 @@ def test_a_follower_launches_only_what_the_jobs_agents_signed(tmp_path):
                       "open(os.path.join(sys.argv[1], name), 'w').close()\n")
     out = tmp_path / "out"
     out.mkdir()
+    # what the leader runs (the follower checks its own command against it)
+    store.set(keys.NODES_JOB, seal(secret, keys.NODES_JOB, job_description(str(worker), [str(out)], 2)))
     env = {**os.environ, SECRET_VAR: secret, "PYTHONPATH": str(REPO)}
     follower = subprocess.Popen([sys.executable, "-m", "ds_resilience.cli", "run", "--nnodes", "2", "--node_rank", "1",
-                                 "--num_gpus", "2", "--master_port", str(store.port), "--no_local_rank", "--preload", "",
+                                 "--num_gpus", "2", "--master_addr", "127.0.0.1", "--master_port", str(store.port),
+                                 "--no_local_rank", "--preload", "",
                                  str(worker), str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True)
 
@@ -142,6 +146,33 @@ def test_a_follower_launches_only_what_the_jobs_agents_signed(tmp_path):
     assert "refused an end not signed" in text, text
 
 
+@pytest.mark.timeout(120)
+def test_a_follower_started_with_another_job_than_the_leaders_refuses_to_run(tmp_path):
+    """Every node runs the leader's script, arguments and workers per node: a follower given other
+    arguments, or another --num_gpus, says which and exits 2 without launching anything."""
+    import os
+
+    import torch.distributed as dist
+
+    from ds_resilience import store_keys as keys
+    from ds_resilience.supervisor.job_secret import SECRET_VAR, new_secret, seal
+    from ds_resilience.supervisor.nodes import job_description
+
+    secret = new_secret()
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store.set(keys.NODES_JOB, seal(secret, keys.NODES_JOB, job_description(str(SCRIPT), ["--steps", "8"], 2)))
+    env = {**os.environ, SECRET_VAR: secret, "PYTHONPATH": str(REPO)}
+    base = [sys.executable, "-m", "ds_resilience.cli", "run", "--nnodes", "2", "--node_rank", "1", "--master_addr",
+            "127.0.0.1", "--master_port", str(store.port)]
+    for extra, said in ((["--num_gpus", "2", str(SCRIPT), "--steps", "9"], "args: the leader's ['--steps', '8'], "
+                                                                           "this node's ['--steps', '9']"),
+                        (["--num_gpus", "3", str(SCRIPT), "--steps", "8"], "nproc: the leader's 2, this node's 3")):
+        done = subprocess.run([*base, *extra], env=env, capture_output=True, text=True, timeout=90)
+        assert done.returncode == 2, done.stderr
+        assert "was started with another job than the leader's" in done.stderr and said in done.stderr, done.stderr
+        assert "launched rank" not in done.stderr
+
+
 def test_the_store_listens_only_on_the_address_of_master_addr():
     from ds_resilience.supervisor.agent import _listen
 
@@ -154,3 +185,174 @@ def test_the_store_listens_only_on_the_address_of_master_addr():
             socket.create_connection(("127.0.0.2", port), timeout=5).close()  # another address of the machine
     finally:
         sock.close()
+
+
+@pytest.mark.timeout(600)
+def test_a_hostfile_job_starts_one_agent_per_node_through_pdsh_and_survives_a_crash(tmp_path, reference4):
+    """``ds-resilience run --hostfile`` as a DeepSpeed user launches: DeepSpeed's pdsh runner
+    starts one agent per host of the hostfile (pdsh here runs each host's command on this machine,
+    tests/live/cluster_bin/pdsh), node 0's leads, node 1's launches ranks 2 and 3, and a crash of
+    rank 2 is recovered: the run ends equal to the fault-free one."""
+    import os
+    import re
+
+    fault = {"rank": 2, "step": 4, "point": "mid_backward", "kind": "sigkill"}
+    cfg = _config(tmp_path, dp=2, faults=[fault])
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node-a slots=2\nnode-b slots=2\n")
+    dump = tmp_path / "job"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+           "PATH": f"{Path(__file__).parent / 'cluster_bin'}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env.pop("DSR_JOB_SECRET", None)  # the launcher makes the job's secret
+    done = subprocess.run([sys.executable, "-m", "ds_resilience.cli", "run", "--hostfile", str(hostfile),
+                           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), "--heartbeat_interval", "0.2",
+                           "--heartbeat_timeout", "4.0", "--log_dir", str(tmp_path / "logs"), str(SCRIPT),
+                           "--deepspeed_config", str(cfg), "--steps", str(STEPS), "--dump", str(dump)],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=500)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    launch = next(line for line in out.splitlines() if line.startswith("[ds_resilience launcher] pdsh"))
+    assert "-w node-a,node-b" in launch and "--node_rank %n" in launch and "--nnodes 2" in launch, launch
+    secret_file = re.search(r"--secret_file (\S+)", launch).group(1)
+    assert os.stat(secret_file).st_mode & 0o777 == 0o600
+    assert re.search(r"^node-b: \[ds_resilience node 1\] launched rank 2 \(incarnation 0", out, re.M), out
+    assert re.search(r"^node-a: .*rank 2 crashed \(killed by SIGKILL\)", out, re.M), out
+    dumps = {r: torch.load(Path(f"{dump}.rank{r}.pt"), weights_only=False) for r in range(4)
+             if Path(f"{dump}.rank{r}.pt").exists()}
+    assert_equal_to_reference(dumps, reference4, dead=[2])
+
+
+NODE_STEPS = 40  # paced at 0.5 s a step: time for a node to die, be declared lost, and be replaced
+
+
+@pytest.fixture(scope="module")
+def reference6(tmp_path_factory):
+    """The fault-free run of PP=2 x DP=3 on one node (6 ranks), NODE_STEPS steps."""
+    from test_live import logs, run_job
+
+    tmp = tmp_path_factory.mktemp("ref6")
+    code, _, dumps = run_job(tmp, world=6, name="ref", steps=NODE_STEPS)
+    assert code == 0, logs(tmp, "ref")
+    return dumps
+
+
+def _wait_for_step(log: Path, step: int, procs, text, timeout_s: float = 240.0) -> None:
+    import re
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not (log.exists() and re.search(rf"^step +{step} loss", log.read_text(errors="replace"), re.M)):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), text()
+        time.sleep(0.1)
+
+
+def _dumps(dump: Path, world: int) -> dict:
+    return {r: torch.load(Path(f"{dump}.rank{r}.pt"), weights_only=False) for r in range(world)
+            if Path(f"{dump}.rank{r}.pt").exists()}
+
+
+@pytest.mark.timeout(600)
+def test_a_node_lost_whole_is_one_event_and_a_replacement_node_takes_its_ranks_back(tmp_path, reference6):
+    """Three nodes of 2 ranks, PP=2 x DP=3 (stage 0: ranks 0-2, stage 1: ranks 3-5). Node 2 (its
+    follower agent and ranks 4 and 5, two of stage 1's three replicas) is SIGKILLed as a whole at
+    step 3. Nobody is left to report its ranks' exits: the leader names both at once from the
+    follower's silence (one epoch), and the survivors re-route their micro-batches through rank 3.
+    A replacement agent started at once with --node_rank 2 waits, silent, for the loss to be
+    declared, then launches the relaunched ranks, which re-join: the run ends as the fault-free one."""
+    import os
+    import re
+    import signal
+
+    from ds_resilience.supervisor.job_secret import SECRET_VAR, new_secret
+
+    cfg = _config(tmp_path, dp=3, resilience={"max_failures": 2})  # a node holds 2 ranks: plans for both lost
+    dump = tmp_path / "job"
+    common = ["--nnodes", "3", "--num_gpus", "2", "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+              "--heartbeat_interval", "0.2", "--heartbeat_timeout", "4.0", "--rejoin_after", "0.5"]
+    script = [str(SCRIPT), "--deepspeed_config", str(cfg), "--steps", str(NODE_STEPS), "--dump", str(dump),
+              "--min-step-seconds", "0.5"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", SECRET_VAR: new_secret()}
+    names = ["leader", "node1", "node2", "replacement"]
+
+    def node(i: int, name: str) -> subprocess.Popen:
+        with open(tmp_path / f"{name}.log", "wb") as out:
+            return subprocess.Popen([sys.executable, "-m", "ds_resilience.cli", "run", *common, "--node_rank", str(i),
+                                     "--log_dir", str(tmp_path / f"logs-{name}"), *script], env=env, stdout=out,
+                                    stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+
+    def text() -> str:
+        return "\n".join(f"--- {n}\n" + (tmp_path / f"{n}.log").read_text(errors="replace")
+                         for n in names if (tmp_path / f"{n}.log").exists())
+
+    procs = [node(0, "leader"), node(1, "node1"), node(2, "node2")]
+    try:
+        _wait_for_step(tmp_path / "logs-leader" / "rank0.0.log", 3, procs, text)
+        os.killpg(procs[2].pid, signal.SIGKILL)  # the node: its agent, its fork server, its workers
+        procs[2].wait(10)
+        procs.append(node(2, "replacement"))
+        assert procs[0].wait(timeout=400) == 0, text()
+        assert procs[1].wait(timeout=60) == 0 and procs[3].wait(timeout=60) == 0, text()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    out = text()
+    assert re.search(r"node 2 lost whole \(its agent silent for [\d.]+ s\): ranks 4, 5 at once", out), out
+    epochs = {int(m.group(2)) for m in re.finditer(r"^\s*[\d.]+s\s+node\s+([45])\s+(\d+)", out, re.M)}
+    assert len(epochs) == 1, out  # both ranks failed in one epoch
+    assert "rank 4 hung" not in out and "rank 5 hung" not in out, out  # not found one at a time
+    assert "waiting for the leader to declare it lost" in out and "replaces node 2" in out, out
+    assert "node 2 beats again" in out, out
+    assert re.search(r"launched rank 4 \(incarnation 1", out) and re.search(r"launched rank 5 \(incarnation 1", out), out
+    dumps = _dumps(dump, 6)
+    for r in (4, 5):
+        assert r in dumps and any(x["kind"] == "joined" for x in dumps[r]["recovery"]), out
+    assert_equal_to_reference(dumps, reference6, steps=NODE_STEPS)
+
+
+@pytest.mark.timeout(600)
+def test_with_a_head_node_the_loss_of_node_0_is_survived(tmp_path, reference6):
+    """``ds-resilience run --hostfile --head``: the launching machine leads (store, membership) and
+    runs no worker; DeepSpeed's pdsh runner starts a follower (``--follow``) on each of the three
+    hostfile nodes, node 0 included. Node 0 (ranks 0 and 1, two of stage 0's three replicas) is
+    SIGKILLed whole at step 3: the leader, not on it, declares both ranks lost in one event, the
+    survivors re-place the snapshot replicas over the two machines left, and the other four ranks
+    finish the run equal to the fault-free one. Without a head, node 0's loss takes the store."""
+    import os
+    import re
+    import signal
+
+    cfg = _config(tmp_path, dp=3, resilience={"max_failures": 2})
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node-a slots=2\nnode-b slots=2\nnode-c slots=2\n")
+    dump = tmp_path / "job"
+    pids = tmp_path / "pdsh.pids"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PDSH_FAKE_PIDS": str(pids),
+           "PATH": f"{Path(__file__).parent / 'cluster_bin'}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env.pop("DSR_JOB_SECRET", None)
+    with open(tmp_path / "launcher.log", "wb") as out:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "ds_resilience.cli", "run", "--hostfile", str(hostfile), "--head", "--master_addr",
+             "127.0.0.1", "--master_port", str(_free_port()), "--heartbeat_interval", "0.2", "--heartbeat_timeout",
+             "4.0", "--log_dir", str(tmp_path / "logs"), str(SCRIPT), "--deepspeed_config", str(cfg), "--steps",
+             str(NODE_STEPS), "--dump", str(dump), "--min-step-seconds", "0.5"],
+            env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def text() -> str:
+        return (tmp_path / "launcher.log").read_text(errors="replace")
+
+    try:
+        _wait_for_step(tmp_path / "logs" / "rank0.0.log", 3, [launcher], text)
+        node0 = int(next(line.split()[1] for line in pids.read_text().splitlines() if line.startswith("node-a ")))
+        os.killpg(node0, signal.SIGKILL)  # node 0: its agent, its workers
+        assert launcher.wait(timeout=400) == 0, text()
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    out = text()
+    assert "--follow" in out and "--node_rank %n" in out, out
+    assert re.search(r"^node-a: \[ds_resilience node 0\] launched rank 0 ", out, re.M), out
+    assert re.search(r"node 0 lost whole \(its agent silent for [\d.]+ s\): ranks 0, 1 at once", out), out
+    logs = "".join(p.read_text(errors="replace") for p in (tmp_path / "logs").glob("rank*.log"))
+    assert "not built" not in logs, logs  # every survivor's replicas were re-placed
+    assert_equal_to_reference(_dumps(dump, 6), reference6, dead=[0, 1], steps=NODE_STEPS)
