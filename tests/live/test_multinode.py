@@ -1,9 +1,13 @@
-"""Two nodes on loopback: node 0's agent leads (store, membership), node 1's follower launches its
-ranks on request (supervisor/nodes.py). Two `ds-resilience run` processes, the example GPT with
-PP=2 x DP=2 (2 ranks per node), and failures on node 1 that only the leader can see."""
+"""Several nodes: node 0's agent (or a head's) leads (store, membership), the other nodes' followers
+launch their ranks on request (supervisor/nodes.py). Two nodes on loopback for the follower's
+protocol and the hostfile launch (the example GPT with PP=2 x DP=2, 2 ranks per node); three nodes
+emulated in namespaces (netns_nodes.py: each its own address on a bridge and its own /dev/shm; root
+only) for a node lost whole, its replacement, and a head launched through DeepSpeed's pdsh runner."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -252,22 +256,28 @@ def _dumps(dump: Path, world: int) -> dict:
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.skipif(os.geteuid() != 0, reason="nodes are emulated in network and mount namespaces: needs root")
 def test_a_node_lost_whole_is_one_event_and_a_replacement_node_takes_its_ranks_back(tmp_path, reference6):
-    """Three nodes of 2 ranks, PP=2 x DP=3 (stage 0: ranks 0-2, stage 1: ranks 3-5). Node 2 (its
-    follower agent and ranks 4 and 5, two of stage 1's three replicas) is SIGKILLed as a whole at
-    step 3. Nobody is left to report its ranks' exits: the leader names both at once from the
-    follower's silence (one epoch), and the survivors re-route their micro-batches through rank 3.
-    A replacement agent started at once with --node_rank 2 waits, silent, for the loss to be
-    declared, then launches the relaunched ranks, which re-join: the run ends as the fault-free one."""
-    import os
+    """Three nodes emulated in namespaces (each its own address and /dev/shm), 2 ranks each,
+    PP=2 x DP=3 (stage 0: ranks 0-2, stage 1: ranks 3-5); node 0's agent leads. Node 2 (its
+    follower agent and ranks 4 and 5, two of stage 1's three replicas) is lost whole at step 3:
+    every process in it SIGKILLed, its host memory gone. Nobody is left to report its ranks'
+    exits: the leader names both at once from the follower's silence (one epoch), and the
+    survivors re-route their micro-batches through rank 3. A replacement agent started at once on
+    a fresh node 2 (an empty /dev/shm) with --node_rank 2 waits, silent, for the loss to be
+    declared, then launches the relaunched ranks, which re-join from their peers: the run ends as
+    the fault-free one."""
     import re
-    import signal
+    import shlex
 
     from ds_resilience.supervisor.job_secret import SECRET_VAR, new_secret
+    from netns_nodes import NetnsNodes, wrap_command
+
+    nodes = NetnsNodes(3).__enter__()
 
     cfg = _config(tmp_path, dp=3, resilience={"max_failures": 2})  # a node holds 2 ranks: plans for both lost
     dump = tmp_path / "job"
-    common = ["--nnodes", "3", "--num_gpus", "2", "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+    common = ["--nnodes", "3", "--num_gpus", "2", "--master_addr", nodes.addr(0), "--master_port", str(_free_port()),
               "--heartbeat_interval", "0.2", "--heartbeat_timeout", "4.0", "--rejoin_after", "0.5"]
     script = [str(SCRIPT), "--deepspeed_config", str(cfg), "--steps", str(NODE_STEPS), "--dump", str(dump),
               "--min-step-seconds", "0.5"]
@@ -275,10 +285,11 @@ def test_a_node_lost_whole_is_one_event_and_a_replacement_node_takes_its_ranks_b
     names = ["leader", "node1", "node2", "replacement"]
 
     def node(i: int, name: str) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "ds_resilience.cli", "run", *common, "--node_rank", str(i), "--log_dir",
+               str(tmp_path / f"logs-{name}"), *script]
         with open(tmp_path / f"{name}.log", "wb") as out:
-            return subprocess.Popen([sys.executable, "-m", "ds_resilience.cli", "run", *common, "--node_rank", str(i),
-                                     "--log_dir", str(tmp_path / f"logs-{name}"), *script], env=env, stdout=out,
-                                    stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+            return subprocess.Popen(wrap_command(nodes.netns[i], nodes.ifname[i], f"cd {REPO} && {shlex.join(cmd)}"),
+                                    env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
 
     def text() -> str:
         return "\n".join(f"--- {n}\n" + (tmp_path / f"{n}.log").read_text(errors="replace")
@@ -287,16 +298,18 @@ def test_a_node_lost_whole_is_one_event_and_a_replacement_node_takes_its_ranks_b
     procs = [node(0, "leader"), node(1, "node1"), node(2, "node2")]
     try:
         _wait_for_step(tmp_path / "logs-leader" / "rank0.0.log", 3, procs, text)
-        os.killpg(procs[2].pid, signal.SIGKILL)  # the node: its agent, its fork server, its workers
+        nodes.kill(2)  # the node: its agent, its fork server, its workers, its /dev/shm
         procs[2].wait(10)
-        procs.append(node(2, "replacement"))
+        procs.append(node(2, "replacement"))  # a fresh node in its place: an empty /dev/shm
         assert procs[0].wait(timeout=400) == 0, text()
         assert procs[1].wait(timeout=60) == 0 and procs[3].wait(timeout=60) == 0, text()
     finally:
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
+        nodes.__exit__(None, None, None)
     out = text()
+    assert f"[ds_resilience node 1] connected to {nodes.addr(0)}:" in out, out  # over the bridge
     assert re.search(r"node 2 lost whole \(its agent silent for [\d.]+ s\): ranks 4, 5 at once", out), out
     epochs = {int(m.group(2)) for m in re.finditer(r"^\s*[\d.]+s\s+node\s+([45])\s+(\d+)", out, re.M)}
     assert len(epochs) == 1, out  # both ranks failed in one epoch
@@ -311,46 +324,51 @@ def test_a_node_lost_whole_is_one_event_and_a_replacement_node_takes_its_ranks_b
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.skipif(os.geteuid() != 0, reason="nodes are emulated in network and mount namespaces: needs root")
 def test_with_a_head_node_the_loss_of_node_0_is_survived(tmp_path, reference6):
-    """``ds-resilience run --hostfile --head``: the launching machine leads (store, membership) and
-    runs no worker; DeepSpeed's pdsh runner starts a follower (``--follow``) on each of the three
-    hostfile nodes, node 0 included. Node 0 (ranks 0 and 1, two of stage 0's three replicas) is
-    SIGKILLed whole at step 3: the leader, not on it, declares both ranks lost in one event, the
-    survivors re-place the snapshot replicas over the two machines left, and the other four ranks
-    finish the run equal to the fault-free one. Without a head, node 0's loss takes the store."""
-    import os
+    """Three nodes emulated in namespaces (tests/live/netns_nodes.py: each its own network namespace
+    and address on a bridge, its own /dev/shm), reached by ``ds-resilience run --hostfile --head``
+    through DeepSpeed's pdsh runner; this machine is the head (store, membership) and runs no
+    worker; every node runs a follower (``--follow``), node 0 included. Node 0 (ranks 0 and 1, two
+    of stage 0's three replicas) is lost whole at step 3: every process in it SIGKILLed, its host
+    memory gone. The leader, not on it, declares both ranks lost in one event, the survivors
+    re-place the snapshot replicas over the two nodes left, and the other four ranks finish the run
+    equal to the fault-free one. Without a head, node 0's loss takes the store."""
     import re
-    import signal
+
+    from netns_nodes import NetnsNodes
 
     cfg = _config(tmp_path, dp=3, resilience={"max_failures": 2})
+    hosts = ["node-a", "node-b", "node-c"]
     hostfile = tmp_path / "hostfile"
-    hostfile.write_text("node-a slots=2\nnode-b slots=2\nnode-c slots=2\n")
+    hostfile.write_text("".join(f"{h} slots=2\n" for h in hosts))
     dump = tmp_path / "job"
-    pids = tmp_path / "pdsh.pids"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PDSH_FAKE_PIDS": str(pids),
-           "PATH": f"{Path(__file__).parent / 'cluster_bin'}{os.pathsep}{os.environ.get('PATH', '')}"}
-    env.pop("DSR_JOB_SECRET", None)
-    with open(tmp_path / "launcher.log", "wb") as out:
-        launcher = subprocess.Popen(
-            [sys.executable, "-m", "ds_resilience.cli", "run", "--hostfile", str(hostfile), "--head", "--master_addr",
-             "127.0.0.1", "--master_port", str(_free_port()), "--heartbeat_interval", "0.2", "--heartbeat_timeout",
-             "4.0", "--log_dir", str(tmp_path / "logs"), str(SCRIPT), "--deepspeed_config", str(cfg), "--steps",
-             str(NODE_STEPS), "--dump", str(dump), "--min-step-seconds", "0.5"],
-            env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    with NetnsNodes(3) as nodes:
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **nodes.pdsh_env(hosts),
+               "PATH": f"{Path(__file__).parent / 'cluster_bin'}{os.pathsep}{os.environ.get('PATH', '')}"}
+        env.pop("DSR_JOB_SECRET", None)
+        with open(tmp_path / "launcher.log", "wb") as out:
+            launcher = subprocess.Popen(
+                [sys.executable, "-m", "ds_resilience.cli", "run", "--hostfile", str(hostfile), "--head",
+                 "--master_addr", nodes.head_addr, "--master_port", str(_free_port()), "--heartbeat_interval", "0.2",
+                 "--heartbeat_timeout", "4.0", "--log_dir", str(tmp_path / "logs"), str(SCRIPT), "--deepspeed_config",
+                 str(cfg), "--steps", str(NODE_STEPS), "--dump", str(dump), "--min-step-seconds", "0.5"],
+                env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
-    def text() -> str:
-        return (tmp_path / "launcher.log").read_text(errors="replace")
+        def text() -> str:
+            return (tmp_path / "launcher.log").read_text(errors="replace")
 
-    try:
-        _wait_for_step(tmp_path / "logs" / "rank0.0.log", 3, [launcher], text)
-        node0 = int(next(line.split()[1] for line in pids.read_text().splitlines() if line.startswith("node-a ")))
-        os.killpg(node0, signal.SIGKILL)  # node 0: its agent, its workers
-        assert launcher.wait(timeout=400) == 0, text()
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
+        try:
+            _wait_for_step(tmp_path / "logs" / "rank0.0.log", 3, [launcher], text)
+            assert nodes.pids(0), "node 0 runs nothing"
+            nodes.kill(0)  # node 0 is lost: its agent, its workers, its /dev/shm
+            assert launcher.wait(timeout=400) == 0, text()
+        finally:
+            if launcher.poll() is None:
+                os.killpg(launcher.pid, signal.SIGKILL)
     out = text()
-    assert "--follow" in out and "--node_rank %n" in out, out
+    assert "--follow" in out and "--node_rank %n" in out and f"--master_addr {nodes.head_addr}" in out, out
+    assert all(f"[ds_resilience node {k}] connected to {nodes.head_addr}:" in out for k in range(3)), out
     assert re.search(r"^node-a: \[ds_resilience node 0\] launched rank 0 ", out, re.M), out
     assert re.search(r"node 0 lost whole \(its agent silent for [\d.]+ s\): ranks 0, 1 at once", out), out
     logs = "".join(p.read_text(errors="replace") for p in (tmp_path / "logs").glob("rank*.log"))
