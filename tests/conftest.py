@@ -132,6 +132,20 @@ def _starts_a_program(argv) -> bool:
 
 
 @pytest.fixture(autouse=True)
+def _no_build_lock_left_by_a_killed_process(request):
+    """Before a test that starts processes: a JIT op build lock that a process killed by an earlier
+    test left behind (torch takes it for every new process's ninja check) is removed; it would
+    hang every rank that loads DeepSpeed's ops (fresh-clone run P: a plain DeepSpeed script's rank
+    waited on one). The agent's workers and ours are guarded (runtime/build_locks.py); a test's
+    own vanilla DeepSpeed program is not."""
+    if tier(request.node.path) != "unit":
+        from ds_resilience.runtime.build_locks import clear_stale_locks
+
+        clear_stale_locks(echo=print)
+    yield
+
+
+@pytest.fixture(autouse=True)
 def _one_process_in_the_unit_tier(request, monkeypatch):
     """A unit test runs in one process: starting a worker makes it fail, naming the tier it needs."""
     if tier(request.node.path) != "unit":

@@ -27,10 +27,27 @@ class WorkerFailure(AssertionError):
     """A worker raised, died, or the job timed out."""
 
 
+_PORTS = range(20000, 32000)  # below Linux's ephemeral range (32768-60999)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a store a test's process will host: free now, and drawn below the ephemeral range.
+    A port the kernel hands out for a bind to port 0 comes from that range, where every outgoing
+    connection of the suite's jobs (gloo pairs, store clients) also takes its port: between this
+    check and the store's bind one of them could take it (fresh-clone run P: "Address already in
+    use", and a rank connected to another job's store)."""
+    import random
+
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.choice(_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {_PORTS.start}-{_PORTS.stop - 1}")
 
 
 def _context():
@@ -52,6 +69,9 @@ def _child(fn: Callable[..., Any], rank: int, world: int, port: int, env: dict[s
     from ds_resilience.runtime.fork_boot import freeze_preloaded_objects
 
     freeze_preloaded_objects()  # the server's imports: out of the collector's way, as for the agent's workers
+    from ds_resilience.runtime.build_locks import guard_build_locks
+
+    guard_build_locks()  # a rank's op load gives up on a lock whose holder died, as the agent's workers' do
     # the platform's start method again (fork), as in a fresh interpreter and in the agent's forked
     # workers (runtime/fork_boot.py): a DataLoader's worker processes would otherwise each be
     # started by a fork server of their own, 2 s apiece, and a loader closed while they start

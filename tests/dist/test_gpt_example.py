@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -33,9 +32,9 @@ def _one_thread():
 
 
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    from dist_harness import free_port
+
+    return free_port()  # below the ephemeral range: see there
 
 
 def _child_env(**extra: str) -> dict[str, str]:

@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -342,9 +341,9 @@ def test_a_stage_lost_under_regrid_schedules_no_relaunch(tmp_path):
 
 # --- the CLI and the agent's own death -----------------------------------------------------------
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from dist_harness import free_port
+
+    return free_port()  # below the ephemeral range: see there
 
 
 def _cli_agent(tmp_path: Path, *extra: str, env: dict | None = None) -> tuple[subprocess.Popen, list[int]]:

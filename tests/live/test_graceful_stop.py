@@ -13,7 +13,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,9 +31,9 @@ STEPS = 8
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from dist_harness import free_port
+
+    return free_port()  # below the ephemeral range: see there
 
 
 def _cli(tmp: Path, cfg: Path, job_id: str, name: str, port: int = 0, *, session: bool = False) -> subprocess.Popen:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 
@@ -54,9 +53,9 @@ def _assert_same_losses(got, healthy):
 
 
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    from dist_harness import free_port
+
+    return free_port()  # below the ephemeral range: see there
 
 
 def _stopped(tmp_path, *, first: int, second: int, args, nproc: int, second_step: int = 2) -> subprocess.CompletedProcess:

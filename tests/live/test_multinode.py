@@ -20,9 +20,9 @@ from test_live import REPO, SCRIPT, STEPS, _config, assert_equal_to_reference, r
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from dist_harness import free_port
+
+    return free_port()  # below the ephemeral range: see there
 
 
 def _run_two_nodes(tmp: Path, cfg: Path, dump: Path, *, timeout_s: float = 400.0):
