@@ -268,7 +268,6 @@ class Agent:
         self._regridded = False  # the survivors re-formed the grid: nobody re-joins any more
         self._t0 = time.time()
         self._nodes: NodeBeats | None = None  # the followers' beats (several nodes), from the first launch
-        self._first_node = 0 if head else 1  # the first node a follower runs
 
     # --- public ---------------------------------------------------------------------------------
     def run(self) -> int:
@@ -353,8 +352,8 @@ class Agent:
         if self._multi:
             signed_set(self.store, self.secret, keys.NODES_JOB,
                        job_description(self.script, self.script_args, self.nproc))
-            self._nodes = NodeBeats(self.store, range(self._first_node, self.nnodes), 0.75 * self.heartbeat_timeout_s,
-                                    time.monotonic())
+            followers = range(0 if self.head else 1, self.nnodes)  # node 0 is this agent's own, unless a head
+            self._nodes = NodeBeats(self.store, followers, 0.75 * self.heartbeat_timeout_s, time.monotonic())
         for rank in range(self.num_workers):
             self._launch(rank, 0)
 

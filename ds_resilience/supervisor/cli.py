@@ -109,7 +109,7 @@ def main_run(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(list(argv))
     if args.hostfile is not None and args.node_rank is None:
         return _launch_cluster(args)
-    from .agent import Agent, AgentError  # torch: imported once the agent is to run
+    from .agent import AgentError  # torch: imported once the agent is to run
     from .nodes import NodeAgent
 
     try:
@@ -119,39 +119,53 @@ def main_run(argv: Sequence[str]) -> int:
             from ..accelerator import device_count
 
             num = device_count() or 1  # one process per accelerator (one on a CPU machine)
-        interval, timeout, store_timeout = args.heartbeat_interval, args.heartbeat_timeout, None
-        max_restarts = 0
-        resilience = _script_resilience(args.script_args)
-        if resilience is not None:
-            detector = resilience.detector
-            if resilience.checkpoint.enabled:
-                max_restarts = resilience.checkpoint.max_restarts
-            interval = detector.heartbeat_interval_s if interval is None else interval
-            timeout = detector.heartbeat_timeout_s if timeout is None else timeout
-            store_timeout = detector.store_timeout_s
-        preload = preload_modules(args.preload) if args.preload is not None else None
-        secret = load_secret(args.secret_file)
+        interval, _, _, max_restarts = _detector(args)
         if args.node_rank or args.follow:
             if not (0 if args.follow else 1) <= args.node_rank < args.nnodes:
                 raise AgentError(f"--node_rank {args.node_rank} is out of range for --nnodes {args.nnodes}")
             return NodeAgent(args.script, args.script_args, node_rank=args.node_rank, master_addr=args.master_addr,
-                             master_port=args.master_port, secret=secret, log_dir=args.log_dir,
-                             local_rank_arg=not args.no_local_rank, preload=preload,
+                             master_port=args.master_port, secret=load_secret(args.secret_file),
+                             log_dir=args.log_dir, local_rank_arg=not args.no_local_rank, preload=_preload(args),
                              beat_s=interval or 0.5, nproc=num, under_head=args.follow).run()
         if max_restarts and args.nnodes > 1:
             print("ds-resilience run: a restart from the snapshots is not supported across nodes yet: beyond "
                   "tolerance the job stops after its survivors save", file=sys.stderr)
-        agent = Agent(args.script, args.script_args, num_workers=num, nnodes=args.nnodes, master_addr=args.master_addr,
-                      master_port=args.master_port, heartbeat_interval_s=interval,
-                      heartbeat_timeout_s=timeout, rejoin_after_s=args.rejoin_after,
-                      stop_grace_s=args.stop_grace, store_timeout_s=store_timeout, log_dir=args.log_dir,
-                      max_restarts=None, host_dir=None, regrid=None, local_rank_arg=not args.no_local_rank,
-                      preload=preload, job_id=args.job_id, term_grace_s=args.term_grace_s, secret=secret,
-                      head=args.head)
-        return agent.run()
+        return _leader(args, num_workers=num, master_addr=args.master_addr, head=args.head).run()
     except ResilienceError as exc:
         print(f"ds-resilience run: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _preload(args: argparse.Namespace) -> tuple[str, ...] | None:
+    return preload_modules(args.preload) if args.preload is not None else None
+
+
+def _detector(args: argparse.Namespace) -> tuple[float | None, float | None, float | None, int]:
+    """(heartbeat interval, heartbeat timeout, store timeout, restarts): the command line's, else
+    the script's resilience settings (``None``: the agent's defaults)."""
+    interval, timeout, store_timeout, max_restarts = args.heartbeat_interval, args.heartbeat_timeout, None, 0
+    resilience = _script_resilience(args.script_args)
+    if resilience is not None:
+        detector = resilience.detector
+        if resilience.checkpoint.enabled:
+            max_restarts = resilience.checkpoint.max_restarts
+        interval = detector.heartbeat_interval_s if interval is None else interval
+        timeout = detector.heartbeat_timeout_s if timeout is None else timeout
+        store_timeout = detector.store_timeout_s
+    return interval, timeout, store_timeout, max_restarts
+
+
+def _leader(args: argparse.Namespace, *, num_workers: int, master_addr: str, head: bool):
+    """The leading agent (node 0's, or a head's) as the command line describes it."""
+    from .agent import Agent
+
+    interval, timeout, store_timeout, _ = _detector(args)
+    return Agent(args.script, args.script_args, num_workers=num_workers, nnodes=args.nnodes, master_addr=master_addr,
+                 master_port=args.master_port, heartbeat_interval_s=interval, heartbeat_timeout_s=timeout,
+                 rejoin_after_s=args.rejoin_after, stop_grace_s=args.stop_grace, store_timeout_s=store_timeout,
+                 log_dir=args.log_dir, max_restarts=None, host_dir=None, regrid=None,
+                 local_rank_arg=not args.no_local_rank, preload=_preload(args), job_id=args.job_id,
+                 term_grace_s=args.term_grace_s, secret=load_secret(args.secret_file), head=head)
 
 
 def _place(args: argparse.Namespace) -> None:
@@ -192,13 +206,16 @@ def _launch_cluster(args: argparse.Namespace) -> int:
     proc = subprocess.Popen(cmd, env=env)
     if args.head:  # this machine leads: the nodes' agents follow it
         try:
-            code = _head_agent(args).run()
+            return _leader(args, num_workers=args.num_gpus, master_addr=args.bind_addr, head=True).run()
+        except ResilienceError as exc:
+            print(f"ds-resilience run: error: {exc}", file=sys.stderr)
+            proc.kill()
+            return 2
         finally:
             try:
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 proc.kill()
-        return code
     forward = {signum: signal.signal(signum, lambda n, f: proc.send_signal(n))
                for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -206,23 +223,3 @@ def _launch_cluster(args: argparse.Namespace) -> int:
     finally:
         for signum, old in forward.items():
             signal.signal(signum, old)
-
-
-def _head_agent(args: argparse.Namespace):
-    """The leader of a ``--hostfile --head`` launch, on this machine (its nodes and slots are the
-    launch's: ``args.nnodes``, ``args.num_gpus`` as :func:`cluster_command` chose them)."""
-    from .agent import Agent
-
-    resilience = _script_resilience(args.script_args)
-    detector = resilience.detector if resilience is not None else None
-    interval = args.heartbeat_interval if args.heartbeat_interval is not None else (
-        detector.heartbeat_interval_s if detector else None)
-    timeout = args.heartbeat_timeout if args.heartbeat_timeout is not None else (
-        detector.heartbeat_timeout_s if detector else None)
-    return Agent(args.script, args.script_args, num_workers=args.num_gpus, nnodes=args.nnodes,
-                 master_addr=args.bind_addr, master_port=args.master_port, heartbeat_interval_s=interval,
-                 heartbeat_timeout_s=timeout, rejoin_after_s=args.rejoin_after, stop_grace_s=args.stop_grace,
-                 store_timeout_s=detector.store_timeout_s if detector else None, log_dir=args.log_dir,
-                 max_restarts=None, host_dir=None, regrid=None, local_rank_arg=not args.no_local_rank,
-                 preload=None, job_id=args.job_id, term_grace_s=args.term_grace_s,
-                 secret=load_secret(args.secret_file), head=True)

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from ..errors import ResilienceError
+from .job_secret import new_secret
 
 __all__ = ["DEFAULT_MASTER_PORT", "LAUNCHERS", "NodeSpec", "cluster_command", "describe", "expand_nodelist",
            "node_from_scheduler", "write_secret_file"]
@@ -108,7 +109,7 @@ def write_secret_file(directory: Path | None = None) -> Path:
     path = directory / f"job-{os.getpid()}-{secrets.token_hex(4)}.secret"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32) + "\n")
+        f.write(new_secret() + "\n")
     return path
 
 

@@ -226,7 +226,6 @@ class NodeAgent:
         self.reported: set[tuple[int, int]] = set()
         self.next_request = 0
         self.beat_s = beat_s
-        self.beats = 0
         self.nproc = nproc
 
     def run(self) -> int:
@@ -275,7 +274,6 @@ class NodeAgent:
         while not stop.is_set():
             try:
                 store.add(keys.node_alive(self.node), 1)
-                self.beats += 1
             except RuntimeError:  # the store is gone: the main loop sees it too
                 return
             stop.wait(self.beat_s)
