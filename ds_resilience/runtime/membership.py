@@ -341,6 +341,10 @@ class Heartbeat(_Loop):
                 # bound, a connection of its own (one client is never used by two threads at once)
                 client = self._store if not self.is_alive() else _clone(self._store)
                 client.set(hb_stopped_key(self._rank), "1")
+                # a TCPStore set is sent without an answer: a round trip on the same connection
+                # returns once the store has it, before this worker exits (the agent, on another
+                # connection, reads the mark when it sees the exit)
+                client.check([hb_stopped_key(self._rank)])
             except Exception as exc:  # noqa: BLE001 - the agent may be gone already
                 self._log_error("marking the heartbeat stopped", exc)
 
