@@ -137,7 +137,8 @@ class ResilientPipelineEngine(SurvivorAPI, PipelineEngine):
             StageDescription(
                 topology=self.topology, me=self.me, rank=self.rank, mode=mode, launch=launch, config=resilience,
                 host=self.stage_host, session=self.session, alive=self.alive,
-                keep_pre_step=live or self.validator is not None,
+                # live handling may roll back any step; a speculative step's copy is kept either way
+                keep_pre_step=live,
                 # pipeline-major: a placement group spans stages, so a lost stage keeps its snapshots
                 machine_key=lambda rank: (topology.coord(rank)[0].pipeline, topology.coord(rank)[0].stage),
                 exclude=self.gone, info={"pipeline": self.me.pipeline, "stage": self.me.stage, "dp": self.topology.dp,
@@ -203,6 +204,9 @@ class ResilientPipelineEngine(SurvivorAPI, PipelineEngine):
             device=self._comm_device(), solver=resilience.planner.solver, timeout_s=resilience.detector.pg_timeout_s)
         self.live.begin(generation)
         sharded = self.sharded_optimizer
+        # ZeRO-1: every replica of a stage makes the same choice (speculate or wait), so their
+        # collective steps pair up; one replica finding every norm in while another does not would not
+        self.executor.ready_path = sharded is None
         if sharded is not None and self.alive:  # ZeRO-1; a worker simulated failed never steps
             sharded.bind(me=self.me.pipeline, members=self._stage_members(self.generation.topology),
                          group=lambda: self.executor.groups.stage if self.executor.groups is not None else None)

@@ -32,9 +32,13 @@ from ..runtime.recovery import Generation
 from ..topology import Topology, Worker
 
 __all__ = ["EnginePlans", "PlanAgreement", "PlanSettings", "adopting_provider", "agreed_plans", "first_generation", "healthy_schedule",
-           "joined_plans", "plans_timeout_s", "publisher_failed", "replan", "schedule_provider"]
+           "joined_plans", "plans_timeout_s", "REPLAN_SOLVER", "publisher_failed", "replan", "schedule_provider"]
 
 log = get_logger(__name__)
+
+REPLAN_SOLVER = "heuristic"
+"""The solver of the re-plan after the self-profile (:func:`replan`): it runs between two training
+iterations, which must not stall for a solver's time limit."""
 
 
 @dataclass(frozen=True)
@@ -182,11 +186,16 @@ def replan(plans: Callable[..., ScheduleProvider], cost, *, rank: int, adopt: Ca
            reporter: Callable[[], bool]) -> None:
     """The profile is in (``resilience.profile_steps``): plan every failure set with it.
 
-    ``plans(build=1, cost=cost)`` gives the new table; ``adopt`` installs it and says what changed
-    in the healthy schedule (``""``: nothing); the reporting rank says so."""
+    ``plans(build=1, cost=cost, solver=REPLAN_SOLVER)`` gives the new table; ``adopt`` installs it
+    and says what changed in the healthy schedule (``""``: nothing); the reporting rank says so.
+
+    This runs on the training thread between two iterations, so it plans with the list-scheduling
+    heuristic (milliseconds per failure set): with CP-SAT (``planner.time_limit_s`` per failure
+    set, 10 s by default) a 4-rank job stopped for 12-24 s at the profile's end, a stall of every
+    rank while healthy. The start's table, planned before training, keeps the configured solver."""
     started = time.perf_counter()
     try:
-        provider = plans(build=1, cost=cost)
+        provider = plans(build=1, cost=cost, solver=REPLAN_SOLVER)
     except PublisherLost as exc:  # nobody took the new table: every survivor keeps the agreed one
         log.info("rank %d: re-plan abandoned: %s", rank, exc)
         return

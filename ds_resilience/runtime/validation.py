@@ -10,6 +10,10 @@ staggered optimizer (each stage stepping as soon as its own gradients are reduce
   overflow, and its own share does not already exceed the limit, it steps at once as if the global
   coefficient were 1 (the executor keeps its reduced gradients and the pre-step state); otherwise
   it waits for every stage's value and steps exactly;
+* a stage that finds every stage's value published already when it publishes its own (the last
+  stage to reduce: stage 0 of a healthy pipeline, whose backward ends the iteration) has nothing to
+  wait for: it steps exactly at once (:meth:`StepValidator.ready`), with neither a pre-step copy
+  nor a validation;
 * at the end of its ``train_batch`` (and before any save or evaluation) the stage *validates*: it
   reads every stage's value of that iteration, waiting for the last ones in time it would spend
   idle anyway (its next forward needs an activation that follows the first stage's step, which
@@ -80,7 +84,8 @@ class StepValidator:
         self.speculated = 0
         self.rollbacks = 0
         self.waited = 0
-        self.history: list[tuple[int, str]] = []  # (iteration, "speculated" | "rolled back" | "waited")
+        self.ready_steps = 0  # exact steps taken at once: every stage's value was in already
+        self.history: list[tuple[int, str]] = []  # (iteration, "speculated" | "rolled back" | "waited" | "ready")
 
     @property
     def active(self) -> bool:
@@ -115,6 +120,16 @@ class StepValidator:
             else:  # a fresh process and a fresh store (a restart): every worker alike, no history
                 self.last = None
         return self.last is None or self.last.speculation_holds
+
+    def ready(self, iteration: int) -> Decision | None:
+        """``iteration``'s exact decision if every stage's value is in the store already (this
+        stage published last), else ``None``; a decision found becomes :attr:`last`."""
+        if not self.active:
+            return None
+        decision = self._published(iteration)
+        if decision is not None:
+            self.last, self.last_iteration = decision, iteration
+        return decision
 
     def _published(self, iteration: int) -> Decision | None:
         """``iteration``'s decision if every stage's value is in the store now, else ``None``."""
@@ -162,6 +177,8 @@ class StepValidator:
             self.rollbacks += 1
         elif what == "waited":
             self.waited += 1
+        elif what == "ready":
+            self.ready_steps += 1
         self.history.append((iteration, what))
         del self.history[:-1000]
 

@@ -229,7 +229,8 @@ def train(kind: str, case: dict, world: int, *, start: int = 0, steps: int | Non
     out["skipped_steps"] = int(getattr(engine, "skipped_steps", 0))
     validator = getattr(engine, "validator", None)
     out["validation"] = (None if validator is None else
-                         {"speculated": validator.speculated, "rolled back": validator.rollbacks, "waited": validator.waited})
+                         {"speculated": validator.speculated, "rolled back": validator.rollbacks, "waited": validator.waited,
+                          "ready": validator.ready_steps})
     out["grad_norm"] = engine.get_global_grad_norm()
     sharded = getattr(engine, "sharded_optimizer", None)
     if sharded is not None:

@@ -60,8 +60,13 @@ def test_every_optimizer_trains_as_vanilla_and_through_a_failure_as_fault_free()
     # moves it by a little more than a 1e-7 atol)
     assert_same_params(results, "clip/resilient", "clip-failed/resilient", atol=1e-6)
     counts = [r["clip/resilient"]["validation"] for r in results]
-    assert all(sum(c.values()) == 5 and c["waited"] + c["rolled back"] for c in counts), counts
-    # the speculative steps and their rollbacks equal the barrier's bitwise
+    # every step decided exactly, at once (the stage that publishes last: "ready") or after a wait
+    # or a rollback; the norm stays above 1.0, so the stages that publish first never keep a speculation
+    assert all(sum(c.values()) == 5 and c["waited"] + c["rolled back"] + c["ready"] == 5 for c in counts), counts
+    assert any(c["waited"] + c["rolled back"] for c in counts), counts
+    # the speculative steps and their rollbacks (and the steps taken at once when every stage's norm
+    # was in) equal the barrier's bitwise
     assert_same_params(results, "clip1.5-barrier/resilient", "clip1.5/resilient", rtol=0, atol=0)
     counts = [r["clip1.5/resilient"]["validation"] for r in results]
-    assert all(c["speculated"] and c["rolled back"] and sum(c.values()) == 8 for c in counts), counts
+    assert all(sum(c.values()) == 8 for c in counts), counts
+    assert any(c["speculated"] and c["rolled back"] for c in counts), counts
