@@ -23,7 +23,8 @@ from .stage_mix import as_split, costly_stages, fuse, prefer_mixed, split_margin
 __all__ = ["one_f_one_b", "decoupled", "decoupled_candidates", "one_f_one_b_order", "activation_caps", "SCHEDULES", "generate"]
 
 
-def _check_grid(dp: int, pp: int, microbatches: int) -> None:
+def check_grid(dp: int, pp: int, microbatches: int) -> None:
+    """Raise :class:`PlanningError` unless the grid's three sizes are integers >= 1."""
     for name, value in (("dp", dp), ("pp", pp), ("microbatches", microbatches)):
         if not isinstance(value, int) or value < 1:
             raise PlanningError(f"{name} must be an integer >= 1, got {value!r}")
@@ -67,7 +68,7 @@ def one_f_one_b(dp: int, pp: int, microbatches: int, *, tied: TiedGroups = ()) -
 
 @lru_cache(maxsize=2)
 def _one_f_one_b(dp: int, pp: int, microbatches: int, tied: TiedGroups) -> Schedule:
-    _check_grid(dp, pp, microbatches)
+    check_grid(dp, pp, microbatches)
     orders = []
     for w in range(dp * pp):
         stage, pipeline = divmod(w, dp)
@@ -110,7 +111,7 @@ def decoupled_candidates(
 ) -> tuple[Schedule, Schedule | None]:
     """:func:`decoupled`'s two candidates: the fully split schedule, and the mixed one fusing the
     costly stages (``None`` without a costly stage)."""
-    _check_grid(dp, pp, microbatches)
+    check_grid(dp, pp, microbatches)
     cost.check_stages(pp)
     split = _decoupled(dp, pp, microbatches, cost, (), tied)
     costly = costly_stages(cost, pp)

@@ -21,7 +21,7 @@ from typing import Sequence
 from ..costs import CostModel, format_memory, parse_size
 from ..errors import MemoryCapError, PlanningError
 from ..ir import Action, ActionKind, Schedule, TiedGroups, native
-from .generators import one_f_one_b
+from .generators import check_grid, one_f_one_b
 
 __all__ = ["parse_memory", "worker_peaks", "fault_free_peak", "resolve_cap", "max_deferred_w", "format_memory"]
 
@@ -65,10 +65,18 @@ def worker_peaks(schedule: Schedule, cost: CostModel) -> tuple[float, ...]:
 
 
 @lru_cache(maxsize=64)
-def fault_free_peak(dp: int, pp: int, microbatches: int, cost: CostModel, tied: TiedGroups = ()) -> float:
+def fault_free_peak(dp: int, pp: int, microbatches: int, cost: CostModel, tied: TiedGroups = (), *,
+                    one_pipeline: bool = True) -> float:
     """The largest per-worker peak of fault-free 1F1B: the memory the job is known to fit in (cached:
-    every plan of a table asks for it)."""
-    return max(worker_peaks(one_f_one_b(dp, pp, microbatches, tied=tied), cost))
+    every plan of a table asks for it).
+
+    Computed on one pipeline (``one_pipeline``, the default): fault-free, every pipeline runs its own
+    micro-batches on its own workers in the first pipeline's order, and a worker's memory depends on
+    its stage and its order only, so the largest peak of the ``dp x pp`` grid is the first
+    pipeline's, bit for bit, for ``1 / dp`` of the work (``tests/unit/planning/
+    test_fault_free_symmetry.py`` holds the two equal; ``one_pipeline=False`` is the whole grid)."""
+    check_grid(dp, pp, microbatches)
+    return max(worker_peaks(one_f_one_b(1 if one_pipeline else dp, pp, microbatches, tied=tied), cost))
 
 
 def resolve_cap(

@@ -44,7 +44,7 @@ from ..ir.timeline import STEADY_ITERATIONS, iteration_time, memory_peaks
 from ..topology import Topology, Worker
 from ..vocab import SOLVERS, VARIANT_CHOICES, VARIANTS
 from .bounds import lower_bound
-from .generators import decoupled_candidates, one_f_one_b
+from .generators import check_grid, decoupled_candidates, one_f_one_b
 from .list_scheduler import list_schedule
 from .lowering import lower
 from .memory import fault_free_peak, resolve_cap, worker_peaks
@@ -93,36 +93,55 @@ def _check_variant(variant: str, solver: str) -> None:
 
 
 @lru_cache(maxsize=256)
-def one_f_one_b_time(dp: int, pp: int, microbatches: int, cost: CostModel, *, tied: TiedGroups = ()) -> float:
+def one_f_one_b_time(dp: int, pp: int, microbatches: int, cost: CostModel, *, tied: TiedGroups = (),
+                     one_pipeline: bool = True) -> float:
     """Iteration time of fault-free 1F1B (what DeepSpeed runs today) on the grid; cached.
 
     The one cache of this figure: every :class:`Plan` carries it (``fault_free_iteration_time``) and
     the failure-trace simulator's ``PlanCache`` asks for it here. ``tied``: the model's tied groups.
+    Replayed on one pipeline (``one_pipeline``, the default; ``False``: the whole grid), which gives
+    the same figure bit for bit: see :func:`_best_fault_free_time`.
     """
-    return iteration_time(one_f_one_b(dp, pp, microbatches, tied=tied), cost, "adaptive")
+    check_grid(dp, pp, microbatches)
+    return iteration_time(one_f_one_b(1 if one_pipeline else dp, pp, microbatches, tied=tied), cost, "adaptive")
 
 
 @lru_cache(maxsize=64)
 def _best_fault_free_time(
-    dp: int, pp: int, microbatches: int, cost: CostModel, variant: str, tied: TiedGroups, memory_cap: float
+    dp: int, pp: int, microbatches: int, cost: CostModel, variant: str, tied: TiedGroups, memory_cap: float,
+    one_pipeline: bool = True,
 ) -> float:
     """The best fault-free schedule under ``variant``'s rules and ``memory_cap``: the fault-free
     decoupled generator's (staggered optimizer for ``recycle``) if it fits the cap, the heuristic's
     own schedules for the empty failure set, and 1F1B if it fits. The same rules as the plans it is
     compared with (steady state for ``recycle``), so a degradation against it is a real one.
     Both the fully split and the mixed schedules count, whichever :func:`.stage_mix.prefer_mixed`
-    would run: the best is the fastest replay, never one the margin chose for robustness."""
+    would run: the best is the fastest replay, never one the margin chose for robustness.
+
+    Computed on one pipeline (``one_pipeline``, the default; ``False``: the whole ``dp x pp`` grid,
+    the reference). Fault-free, every pipeline is a copy of the first: it runs its own micro-batches
+    on its own workers, its only messages are to its own neighbours (each pair of workers has its
+    own link), and the list scheduler's choices on a worker depend on its own pipeline's arrivals
+    only, under the same caps (taken from the whole grid's, see :func:`_list_candidates`). The
+    pipelines meet only in collectives (REDUCE_GRAD of a stage, TIED_REDUCE, a global OPT_STEP, the
+    step check's norms), whose durations do not depend on ``dp`` and whose members all arrive at
+    the same instant, computed by the same double operations. So one pipeline's schedules have the
+    same peaks and replay to the same times, bit for bit, for ``1 / dp`` of the work: at D=64, P=16,
+    M=64, about 2,000 actions per worker grid instead of 130,000 (``tests/unit/planning/
+    test_fault_free_symmetry.py`` holds the two paths equal over a grid of shapes and cost models)."""
+    grid = 1 if one_pipeline else dp
     times = []
-    for schedule in decoupled_candidates(dp, pp, microbatches, cost, tied=tied):
+    for schedule in decoupled_candidates(grid, pp, microbatches, cost, tied=tied):
         if schedule is None:
             continue
         if variant == "recycle":
             schedule = replace(schedule, optimizer="staggered")
         if max(worker_peaks(schedule, cost)) <= memory_cap + 1e-9:
             times.append(iteration_time(schedule, cost, variant))
-    if fault_free_peak(dp, pp, microbatches, cost, tied) <= memory_cap + 1e-9:
-        times.append(one_f_one_b_time(dp, pp, microbatches, cost, tied=tied))
-    candidates = _heuristic_candidates(Topology(dp=dp, pp=pp), microbatches, cost, variant, memory_cap, tied)
+    if fault_free_peak(dp, pp, microbatches, cost, tied, one_pipeline=one_pipeline) <= memory_cap + 1e-9:
+        times.append(one_f_one_b_time(dp, pp, microbatches, cost, tied=tied, one_pipeline=one_pipeline))
+    candidates = _heuristic_candidates(Topology(dp=dp, pp=pp), microbatches, cost, variant, memory_cap, tied,
+                                       one_pipeline=one_pipeline)
     times.extend(t for _, t in candidates)
     return min(times)
 
@@ -136,17 +155,19 @@ def _choose(candidates: list[tuple[Schedule, float]], cost: CostModel) -> tuple[
 
 
 def _heuristic_candidates(
-    topology: Topology, microbatches: int, cost: CostModel, variant: str, memory_cap: float, tied: TiedGroups = ()
+    topology: Topology, microbatches: int, cost: CostModel, variant: str, memory_cap: float, tied: TiedGroups = (),
+    *, one_pipeline: bool = False,
 ) -> list[tuple[Schedule, float]]:
     """The heuristic's candidates: the best list schedule over a few splits of the memory cap
     between activations and pending W (as fractions of the pending W's that fit: all, three
     quarters, half, and at most ``pp``), each timed under ``cost``, fully split; then, where
     ``variant`` may fuse costly stages (:func:`.stage_mix.fusable_stages`), the same with those
-    stages fused (the mixed one). :func:`_choose` picks between them."""
-    out = [_list_candidates(topology, microbatches, cost, variant, memory_cap, tied, ())]
+    stages fused (the mixed one). :func:`_choose` picks between them. ``one_pipeline``: see
+    :func:`_list_candidates`."""
+    out = [_list_candidates(topology, microbatches, cost, variant, memory_cap, tied, (), one_pipeline)]
     costly = fusable_stages(cost, topology.pp, variant)
     if costly:
-        out.append(_list_candidates(topology, microbatches, cost, variant, memory_cap, tied, costly))
+        out.append(_list_candidates(topology, microbatches, cost, variant, memory_cap, tied, costly, one_pipeline))
     return out
 
 
@@ -187,14 +208,22 @@ def _solved(
 
 def _list_candidates(
     topology: Topology, microbatches: int, cost: CostModel, variant: str, memory_cap: float, tied: TiedGroups,
-    fused: tuple[int, ...],
+    fused: tuple[int, ...], one_pipeline: bool = False,
 ) -> tuple[Schedule, float]:
     """:func:`_heuristic_candidates`' candidate with the stages ``fused`` run fused: listed as split stages
-    under :func:`.stage_mix.as_split` (a W there lasts nothing and runs at once), then fused back."""
+    under :func:`.stage_mix.as_split` (a W there lasts nothing and runs at once), then fused back.
+
+    ``one_pipeline`` (fault-free ``topology`` only): the caps and the candidate splits are the whole
+    grid's (they depend on ``dp``: the pending-W cap of a stage with weightless W's, and the
+    one-split rule of large grids), then only the first pipeline is listed and timed. The schedule
+    returned is that one pipeline's; its time is the whole grid's (:func:`_best_fault_free_time`)."""
     real, cost = cost, as_split(cost, fused, topology.pp)
     dp, pp = topology.dp, topology.pp
     n = dp * pp
-    assignments = [reroute_assignment(topology, microbatches)]
+    one_pipeline = one_pipeline and dp > 1
+    if one_pipeline and topology.failed:
+        raise PlanningError("internal error: one pipeline stands for the grid only without a failure")
+    assignments = [reroute_assignment(Topology(dp=1, pp=pp) if one_pipeline else topology, microbatches)]
     if topology.failed and dp * pp * microbatches <= _LARGE_GRID:
         other = reroute_assignment(topology, microbatches, ties="last")
         if other != assignments[0]:
@@ -215,6 +244,10 @@ def _list_candidates(
     else:  # distinct ones, in this order
         candidates = list(dict.fromkeys([tuple(fit_w), *(tuple(max(1, int(f * x)) for f in fit_w) for x in (0.75, 0.5)),
                                          tuple(min(pp, f) for f in fit_w)]))
+    if one_pipeline:  # the whole grid's caps, on its first pipeline (every other is its copy)
+        act_caps, weights = _first_pipeline(act_caps, dp, pp), _first_pipeline(weights, dp, pp)
+        candidates = [tuple(_first_pipeline(list(c), dp, pp)) for c in candidates]
+        dp, n = 1, pp
     best: tuple[Schedule, float] | None = None
     for assignment, w_caps in ((a, c) for a in assignments for c in candidates):
         result = list_schedule(
@@ -245,6 +278,11 @@ def _list_candidates(
             best = (schedule, value)
     assert best is not None
     return best
+
+
+def _first_pipeline(values: list, dp: int, pp: int) -> list:
+    """Of per-worker ``values`` of a ``dp x pp`` grid (stage-major), the first pipeline's."""
+    return [values[s * dp] for s in range(pp)]
 
 
 def plan(
@@ -328,8 +366,9 @@ def _plan(dp: int, pp: int, microbatches: int, failed: Iterable[Worker], *, cost
     # a re-routed schedule is also a valid fault-free one (the failed worker idles), so the best
     # fault-free figure is never above the plan itself: degradation_vs_best is never negative
     best = min(_best_fault_free_time(dp, pp, microbatches, cost, variant, tied, cap), value)
-    # a split variant's plan that runs some stages fused (stage_mix) says which
-    fused = fused_in(schedule) if variant != "adaptive" else []
+    # a split variant's plan that runs some stages fused (stage_mix) says which; only the fusable
+    # stages can be (a split variant's list schedule emits no BW), so without them there is no scan
+    fused = fused_in(schedule) if fusable_stages(cost, pp, variant) else []
     return Plan(
         dp=dp,
         pp=pp,
