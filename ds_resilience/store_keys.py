@@ -30,6 +30,14 @@ Nodes (the leader's store, :mod:`ds_resilience.supervisor.nodes`): ``dsr/nodes/l
 ``dsr/nodes/kill/{rank}/{incarnation}``, ``dsr/nodes/done``, ``dsr/nodes/job`` (what every node runs), ``dsr/nodes/alive/{node}`` (a follower
 agent's beat), ``dsr/nodes/lost/{node}`` (the first launch request a replacement of that node takes).
 
+Attempts (a restart of every worker from the snapshots keeps the store: same address and port, so
+the other nodes' followers and a head stay connected): attempt ``n >= 1`` sees every key above but
+the node keys through the prefix ``dsr/attempt/{n}`` (:func:`attempt_prefix`), workers and agents
+alike (``membership.attempt_view``); torch's ``env://`` rendezvous of a restarted worker too
+(``runtime/attempt_scope.py``). The node keys that outlive an attempt (the launch requests, the
+beats, the losses, the job and its end) stay unprefixed; a process's exit and kill keys are its
+attempt's.
+
 Per session (a live stage's generation of groups): ``dsr/{session}/val/{iteration}/{stage}``
 (gradient norms for validation), ``dsr/{session}/loss/{epoch}/{step}``,
 ``dsr/{session}/idle/{step}``, ``dsr/{name}/{ranks}`` (a group's own prefix), and the snapshot
@@ -144,6 +152,14 @@ def node_alive(node: int) -> str:
 
 def node_lost(node: int) -> str:
     return f"{NODES}lost/{node}"
+
+
+# --- attempts -------------------------------------------------------------------------------------
+def attempt_prefix(n: int) -> str:
+    """The prefix of attempt ``n``'s keys (``n >= 1``: the restarts; attempt 0 has none)."""
+    if n < 1:
+        raise ValueError(f"attempt {n} has no prefix (the first attempt, 0, writes at the root)")
+    return f"{ROOT}/attempt/{n}"
 
 
 # --- per session and group -------------------------------------------------------------------------

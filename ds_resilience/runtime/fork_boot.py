@@ -82,9 +82,11 @@ def run_script(script: str, args: list[str], env: dict[str, str], log: str | Non
         sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
     code: int = 0
     try:
+        from .attempt_scope import scope_rendezvous
         from .rejoin_boot import stand_in_if_rejoining
 
         stand_in_if_rejoining(env)
+        scope_rendezvous(env)
         runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
         if exc.code is None:

@@ -43,7 +43,7 @@ __all__ = [
     "hb_key", "hb_stopped_key", "worker_key", "epoch_key", "status_key", "LATEST_KEY",
     "publish_epoch", "read_epoch", "latest_epoch", "wait_epoch",
     "register_worker", "read_worker", "admitted_key", "mark_admitted", "admitted", "set_status", "read_status", "read_heartbeat",
-    "AgentEnv", "agent_env", "agent_store_from_env", "connect_store", "EpochWatcher", "Heartbeat",
+    "AgentEnv", "agent_env", "agent_store_from_env", "attempt_view", "connect_store", "EpochWatcher", "Heartbeat",
 ]
 
 log = logging.getLogger(__name__)
@@ -210,14 +210,23 @@ agent_env = launch_env
 """Read the contract from the environment (:func:`ds_resilience.launch.launch_env`)."""
 
 
-def agent_store_from_env(timeout_s: float = 30.0, launch: LaunchEnv | None = None) -> dist.TCPStore | None:
+def agent_store_from_env(timeout_s: float = 30.0, launch: LaunchEnv | None = None) -> dist.Store | None:
     """A client of the agent's store when launched by the agent, else None.
 
     ``launch`` is the parsed contract (default: read from the environment); raises
     :class:`MembershipError` if the store cannot be reached within ``timeout_s``.
     """
     settings = launch if launch is not None else launch_env()
-    return None if settings is None else connect_store(settings.host, settings.port, timeout_s)
+    if settings is None:
+        return None
+    return attempt_view(connect_store(settings.host, settings.port, timeout_s), settings.restart)
+
+
+def attempt_view(store: dist.Store, attempt: int) -> dist.Store:
+    """The store as attempt ``attempt`` sees it: itself for the first attempt (0), else every key
+    under ``store_keys.attempt_prefix(attempt)`` (a restart keeps the agent's store; the keys of
+    the attempts before it stay where they were and are never read again)."""
+    return store if attempt == 0 else dist.PrefixStore(keys.attempt_prefix(attempt), store)
 
 
 def _clone(store: dist.Store) -> dist.Store:

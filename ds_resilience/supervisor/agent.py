@@ -235,8 +235,6 @@ class Agent:
         # None: learnt from the workers' registrations (their config, however it was given)
         self._given = {"max_restarts": max_restarts, "regrid": regrid, "host_dir": host_dir}
         self.max_restarts, self.restarts = max_restarts or 0, 0
-        if multi:  # a restart hosts a new store, which the followers would not find
-            self.max_restarts = self._given["max_restarts"] = 0
         self.regrid = bool(regrid)
         self.preload = preload_modules(preload)
         named = named_job_id(job_id, {**os.environ, **self.env})
@@ -255,7 +253,8 @@ class Agent:
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self._echo = echo or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.tick_s = min(heartbeat_interval_s / 2, 0.05)
-        self.store: dist.TCPStore | None = None
+        self._base: dist.TCPStore | None = None  # the store this agent hosts, kept across restarts
+        self.store: dist.Store | None = None  # the current attempt's view of it (membership.attempt_view)
         self.events: list[AgentEvent] = []
         self.epochs: list[mb.EpochRecord] = []
         self.exit_code: int | None = None
@@ -302,9 +301,9 @@ class Agent:
             for signum, old in handlers.items():
                 signal.signal(signum, old)
             self._kill_all()
-            if self._multi and self.store is not None:
+            if self._multi and self._base is not None:
                 try:  # the followers stop (and kill whatever they still run)
-                    signed_set(self.store, self.secret, keys.NODES_DONE,
+                    signed_set(self._base, self.secret, keys.NODES_DONE,
                                str(self.exit_code if self.exit_code is not None else 1))
                     time.sleep(2 * self.tick_s + 0.5)  # let them read it before the store goes
                 except RuntimeError:
@@ -335,25 +334,31 @@ class Agent:
         shutil.rmtree(root, ignore_errors=True)
 
     def _start_attempt(self) -> None:
-        """Host a fresh store and launch every rank (the first attempt, or a restart)."""
-        try:
-            listener = _listen(self.master_addr, 0 if self.restarts else self.port)
-            port = listener.getsockname()[1]
-            fd = listener.detach()  # the store owns the socket from now on (and closes it)
-            self.store = dist.TCPStore(self.master_addr, port, is_master=True, wait_for_workers=False,
-                                       timeout=timedelta(seconds=self.store_timeout_s), master_listen_fd=fd)
-        except (RuntimeError, OSError) as exc:  # port taken, bad address
-            raise AgentError(f"cannot host the store on {self.master_addr}:{self.port}: {exc}") from exc
-        self.port = self.store.port
+        """Launch every rank (the first attempt, or a restart). The first hosts the store; a restart
+        keeps it (same address and port: the other nodes' followers stay connected) and sees it under
+        its attempt's prefix (``store_keys.attempt_prefix``), as its workers do."""
+        if self._base is None:
+            try:
+                listener = _listen(self.master_addr, self.port)
+                port = listener.getsockname()[1]
+                fd = listener.detach()  # the store owns the socket from now on (and closes it)
+                self._base = dist.TCPStore(self.master_addr, port, is_master=True, wait_for_workers=False,
+                                           timeout=timedelta(seconds=self.store_timeout_s), master_listen_fd=fd)
+            except (RuntimeError, OSError) as exc:  # port taken, bad address
+                raise AgentError(f"cannot host the store on {self.master_addr}:{self.port}: {exc}") from exc
+            self.port = self._base.port
+        self.store = mb.attempt_view(self._base, self.restarts)
         what = f"restart {self.restarts} from the in-memory snapshots" if self.restarts else "launching"
-        self._echo(f"[ds_resilience agent] store at {self.master_addr}:{self.port}; {what}: "
-                   f"{self.num_workers} workers of {self.script}")
+        self._echo(f"[ds_resilience agent] store at {self.master_addr}:{self.port}"
+                   + (f" (attempt {self.restarts}'s keys under {keys.attempt_prefix(self.restarts)}/)" if self.restarts
+                      else "") + f"; {what}: {self.num_workers} workers of {self.script}")
         self._publish("start", f"{what}: {self.num_workers} workers")  # before any worker looks
         if self._multi:
-            signed_set(self.store, self.secret, keys.NODES_JOB,
-                       job_description(self.script, self.script_args, self.nproc))
+            if not self.restarts:
+                signed_set(self._base, self.secret, keys.NODES_JOB,
+                           job_description(self.script, self.script_args, self.nproc))
             followers = range(0 if self.head else 1, self.nnodes)  # node 0 is this agent's own, unless a head
-            self._nodes = NodeBeats(self.store, followers, 0.75 * self.heartbeat_timeout_s, time.monotonic())
+            self._nodes = NodeBeats(self._base, followers, 0.75 * self.heartbeat_timeout_s, time.monotonic())
         for rank in range(self.num_workers):
             self._launch(rank, 0)
 
@@ -377,9 +382,9 @@ class Agent:
         self._start_attempt()
 
     def _can_export(self) -> bool:
-        """Whether a restart can restore every stage to save it: one node (a restart hosts a new
-        store), snapshots on, and a front end that saves on an interrupt (its registration says so)."""
-        if self._multi or self._exporting:
+        """Whether a restart can restore every stage to save it: snapshots on, and a front end that
+        saves on an interrupt (its registration says so)."""
+        if self._exporting:
             return False
         settings = self._registered_settings()
         return settings is not None and bool(settings.get("snapshots")) and bool(settings.get("export_restart"))
@@ -446,7 +451,7 @@ class Agent:
         suffix = f".restart{self.restarts}" if self.restarts else ""
         log = self.log_dir / f"rank{rank}.{incarnation}{suffix}.log" if self.log_dir is not None else None
         if node != 0 or self.head:  # another node's follower launches it
-            post_launch(self.store, self.secret, node, rank=rank, incarnation=incarnation, local_rank=local,
+            post_launch(self._base, self.secret, node, rank=rank, incarnation=incarnation, local_rank=local,
                         env=protocol)
             return self._track(rank, incarnation, RemoteProc(self.store, self.secret, node, rank, incarnation,
                                                              echo=self._echo), None)
@@ -599,8 +604,8 @@ class Agent:
         lost, back = self._nodes.check(now)
         failures = []
         for node, silence, beats in lost:
-            first = self.store.add(keys.node_launches(node), 0)
-            signed_set(self.store, self.secret, keys.node_lost(node), f"{first} {beats}")
+            first = self._base.add(keys.node_launches(node), 0)
+            signed_set(self._base, self.secret, keys.node_lost(node), f"{first} {beats}")
             ranks = []
             for w in self._workers.values():
                 if self._node_of(w.rank) != node or w.state not in _LIVE:

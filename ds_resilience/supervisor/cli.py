@@ -127,9 +127,6 @@ def main_run(argv: Sequence[str]) -> int:
                              master_port=args.master_port, secret=load_secret(args.secret_file),
                              log_dir=args.log_dir, local_rank_arg=not args.no_local_rank, preload=_preload(args),
                              beat_s=interval or 0.5, nproc=num, under_head=args.follow).run()
-        if max_restarts and args.nnodes > 1:
-            print("ds-resilience run: a restart from the snapshots is not supported across nodes yet: beyond "
-                  "tolerance the job stops after its survivors save", file=sys.stderr)
         return _leader(args, num_workers=num, master_addr=args.master_addr, head=args.head).run()
     except ResilienceError as exc:
         print(f"ds-resilience run: error: {exc}", file=sys.stderr)

@@ -29,13 +29,16 @@ Store keys (the leader's store, under ``dsr/nodes/``; spelled in :mod:`ds_resili
     lost/{node}               "{first} {beats}": a replacement of the lost node takes launch requests
                               from index ``first``; ``beats``, the count when the loss was declared
 
+A restart of every worker from the snapshots keeps the store (``store_keys.attempt_prefix``): its
+launch requests follow the earlier ones in the same queue, each naming its attempt
+(``DSR_RESTART``); the exit and kill keys of a process are under its attempt's prefix (incarnation 0
+comes back at every restart). A follower that reads a request of a newer attempt kills what it
+still runs of the older ones first.
+
 Every value but the counter is sealed with the job's secret (``job_secret.py``): the store has no
 authentication, so an agent acts only on what the job's agents signed, and logs what it drops. A
 request's environment may hold only the launch contract's variables (``launch.CONTRACT_KEYS``): the
 rest of a worker's environment, and where its output goes, are the follower's own.
-
-Not yet across nodes: a restart of every worker from the snapshots (it hosts a new store), so a
-multi-node job stops beyond tolerance (exit 3) after its survivors save.
 """
 
 from __future__ import annotations
@@ -56,6 +59,8 @@ import torch.distributed as dist
 from .. import store_keys as keys
 from ..errors import ResilienceError
 from ..launch import CONTRACT_KEYS
+from ..runtime.attempt_scope import restart_of
+from ..runtime.membership import attempt_view
 from .job_secret import BadSignature, seal, unseal
 from .spawn import WorkerProcess, preload_modules, start_worker
 
@@ -221,9 +226,12 @@ class NodeAgent:
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self._echo = echo or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.preload = preload_modules(preload)
-        self.children: dict[tuple[int, int], WorkerProcess] = {}  # (rank, incarnation) -> process
+        # (attempt, rank, incarnation) -> process; attempt: the restarts before it (DSR_RESTART)
+        self.children: dict[tuple[int, int, int], WorkerProcess] = {}
         self._refused: set[str] = set()  # keys whose unsigned value was told once
-        self.reported: set[tuple[int, int]] = set()
+        self.reported: set[tuple[int, int, int]] = set()
+        self.attempt = 0  # the newest attempt a request named
+        self._views: dict[int, dist.Store] = {}
         self.next_request = 0
         self.beat_s = beat_s
         self.nproc = nproc
@@ -351,28 +359,55 @@ class NodeAgent:
             if why:
                 self._echo(f"[ds_resilience node {self.node}] refused launch request {i}: {why}")
                 continue
-            self._launch(request)
+            attempt = restart_of({"DSR_AGENT": "1", **request["env"]})
+            if attempt > self.attempt:
+                self._new_attempt(attempt)
+            self._launch(request, attempt)
 
-    def _launch(self, request: dict[str, Any]) -> None:
+    def _new_attempt(self, attempt: int) -> None:
+        """The leader restarted every worker (attempt ``attempt``): what still runs of the attempts
+        before it is killed (the leader's kill orders for them may not have been read yet)."""
+        self.attempt = attempt
+        old = [proc for (a, _, _), proc in self.children.items() if a < attempt and proc.poll() is None]
+        for proc in old:
+            proc.kill()
+        for proc in old:
+            try:
+                proc.wait(timeout=10.0)
+            except subprocess.TimeoutExpired:
+                pass
+        self._echo(f"[ds_resilience node {self.node}] restart {attempt}: every worker restarts from the snapshots"
+                   + (f" ({len(old)} of the earlier attempt's killed)" if old else ""))
+
+    def _launch(self, request: dict[str, Any], attempt: int) -> None:
         rank, incarnation = int(request["rank"]), int(request["incarnation"])
         env = {**os.environ, "OMP_NUM_THREADS": "1", **request["env"],
                "DSR_AGENT_PID": str(os.getpid())}  # orphan check: this agent is the parent here
-        log = str(self.log_dir / f"rank{rank}.{incarnation}.log") if self.log_dir is not None else None
+        suffix = f".restart{attempt}" if attempt else ""  # as the leader names its own ranks' logs
+        log = str(self.log_dir / f"rank{rank}.{incarnation}{suffix}.log") if self.log_dir is not None else None
         extra = [f"--local_rank={int(request['local_rank'])}"] if self.local_rank_arg else []
         proc = start_worker(self.script, [*self.script_args, *extra], env=env, log=log, preload=self.preload)
-        self.children[rank, incarnation] = proc
-        self._echo(f"[ds_resilience node {self.node}] launched rank {rank} (incarnation {incarnation}, pid {proc.pid})")
+        self.children[attempt, rank, incarnation] = proc
+        self._echo(f"[ds_resilience node {self.node}] launched rank {rank} (incarnation {incarnation}, pid {proc.pid}"
+                   + (f", restart {attempt}" if attempt else "") + ")")
+
+    def _view(self, store: dist.Store, attempt: int) -> dist.Store:
+        """``store`` as attempt ``attempt`` sees it (its processes' exit and kill keys)."""
+        if attempt not in self._views:
+            self._views[attempt] = attempt_view(store, attempt)
+        return self._views[attempt]
 
     def _report_exits(self, store: dist.Store) -> None:
         for key, proc in self.children.items():
             if key not in self.reported and (code := proc.poll()) is not None:
-                signed_set(store, self.secret, keys.node_exit(*key), str(code))
+                attempt, rank, incarnation = key
+                signed_set(self._view(store, attempt), self.secret, keys.node_exit(rank, incarnation), str(code))
                 self.reported.add(key)
 
     def _kill_ordered(self, store: dist.Store) -> None:
-        for key, proc in self.children.items():
-            order = keys.node_kill(*key)
-            if proc.poll() is None and _has(store, order) and self._verified(store, order, "a kill order"):
+        for (attempt, rank, incarnation), proc in self.children.items():
+            view, order = self._view(store, attempt), keys.node_kill(rank, incarnation)
+            if proc.poll() is None and _has(view, order) and self._verified(view, order, "a kill order"):
                 proc.kill()
 
 

@@ -30,6 +30,7 @@ from typing import Any, Mapping, Protocol, Sequence
 
 from ..runtime.build_locks import clear_stale_locks, extensions_root
 from ..runtime.fork_boot import run_script
+from ..runtime.rejoin_boot import needs_boot
 
 __all__ = ["PRELOAD_VAR", "WorkerProcess", "fork_context", "preload_modules", "start_worker"]
 
@@ -147,7 +148,7 @@ def start_worker(script: str, args: Sequence[str], *, env: Mapping[str, str], lo
         Path(log).parent.mkdir(parents=True, exist_ok=True)
         out = open(log, "wb")  # noqa: SIM115 - the child keeps it
     try:
-        boot = ["-m", "ds_resilience.runtime.rejoin_boot"] if env.get("DSR_REJOIN") == "1" else []
+        boot = ["-m", "ds_resilience.runtime.rejoin_boot"] if needs_boot(env) else []
         return subprocess.Popen([sys.executable, "-u", *boot, str(script), *args], env=dict(env), stdin=subprocess.DEVNULL,
                                 stdout=out, stderr=subprocess.STDOUT if out else None)
     finally:

@@ -374,3 +374,58 @@ def test_with_a_head_node_the_loss_of_node_0_is_survived(tmp_path, reference6):
     logs = "".join(p.read_text(errors="replace") for p in (tmp_path / "logs").glob("rank*.log"))
     assert "not built" not in logs, logs  # every survivor's replicas were re-placed
     assert_equal_to_reference(_dumps(dump, 6), reference6, dead=[0, 1], steps=NODE_STEPS)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(os.geteuid() != 0, reason="nodes are emulated in network and mount namespaces: needs root")
+def test_a_stage_lost_whole_restarts_every_node_from_its_own_memory(tmp_path, reference6):
+    """Three nodes emulated in namespaces, launched with ``--hostfile`` through DeepSpeed's pdsh
+    runner (node 0's agent leads: store and membership). Stage 1 (ranks 3, 4, 5, on nodes 1 and 2)
+    loses every replica in one iteration's gradient reduce: beyond tolerance. The leader restarts
+    every worker from the in-memory snapshots and keeps its store (same address and port: the
+    followers stay connected; the restart's keys, torch's rendezvous included, under
+    ``dsr/attempt/1/``). The followers launch the restart's ranks, each restores the newest step held
+    for every rank from its own node's memory, and the run ends equal to the fault-free one."""
+    import re
+
+    from netns_nodes import NetnsNodes
+
+    faults = [{"rank": r, "step": 3, "point": "in_reduce", "kind": "sigkill"} for r in (3, 4, 5)]
+    cfg = _config(tmp_path, dp=3, faults=faults, resilience={"max_failures": 2},
+                  checkpoint={"ranks_per_machine": 2, "replicas": 2, "stall_budget": 1.0, "max_restarts": 1,
+                              "persistent_dir": None})
+    hosts = ["node-a", "node-b", "node-c"]
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("".join(f"{h} slots=2\n" for h in hosts))
+    dump = tmp_path / "job"
+    with NetnsNodes(3) as nodes:
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **nodes.pdsh_env(hosts),
+               "PATH": f"{Path(__file__).parent / 'cluster_bin'}{os.pathsep}{os.environ.get('PATH', '')}"}
+        env.pop("DSR_JOB_SECRET", None)
+        with open(tmp_path / "launcher.log", "wb") as out:
+            launcher = subprocess.Popen(
+                [sys.executable, "-m", "ds_resilience.cli", "run", "--hostfile", str(hostfile),
+                 "--master_addr", nodes.addr(0), "--master_port", str(_free_port()), "--heartbeat_interval", "0.2",
+                 "--heartbeat_timeout", "4.0", "--stop_grace", "60", "--log_dir", str(tmp_path / "logs"), str(SCRIPT),
+                 "--deepspeed_config", str(cfg), "--steps", str(NODE_STEPS), "--dump", str(dump),
+                 "--min-step-seconds", "0.25"],
+                env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = launcher.wait(timeout=500)
+        finally:
+            if launcher.poll() is None:
+                os.killpg(launcher.pid, signal.SIGKILL)
+    out = (tmp_path / "launcher.log").read_text(errors="replace")
+    assert code == 0, out
+    assert re.search(r"stage 1 lost every replica", out), out
+    port = re.search(rf"store at {re.escape(nodes.addr(0))}:(\d+); launching", out).group(1)
+    assert f"store at {nodes.addr(0)}:{port} (attempt 1's keys under dsr/attempt/1/); restart 1" in out, out
+    for k in (1, 2):  # the followers took the restart's requests on the store they had
+        assert f"[ds_resilience node {k}] restart 1: every worker restarts from the snapshots" in out, out
+        assert out.count(f"[ds_resilience node {k}] connected to") == 1, out
+    assert re.search(r"^node-c: \[ds_resilience node 2\] launched rank 5 \(incarnation 0, pid \d+, restart 1\)", out, re.M), out
+    dumps = _dumps(dump, 6)
+    for r in range(6):
+        restored = [x for x in dumps[r]["recovery"] if x["kind"] == "restored"]
+        assert restored and restored[0]["sources"][str(r)] == "local", (r, dumps[r]["recovery"])
+    assert_equal_to_reference(dumps, reference6, steps=NODE_STEPS)
