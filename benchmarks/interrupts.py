@@ -53,6 +53,8 @@ from pathlib import Path
 
 import torch
 
+from ds_resilience.job_secret import SECRET_VAR, new_secret
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "train_gpt.py"
 PRELOAD = "torch,torch.distributed,deepspeed,ds_resilience,ds_resilience.integrations.deepspeed," \
@@ -81,12 +83,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+SECRET = new_secret()  # given to the agents, so that their sealed records can be read here
+
 def _start(tmp: Path, cfg: Path, job: str, name: str, steps: int, port: int, pace: float) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "ds_resilience.cli", "run", "--num_workers", "4", "--job_id", job,
            "--master_port", str(port), "--preload", PRELOAD, "--log_dir", str(tmp / f"{name}-logs"),
            str(SCRIPT), "--deepspeed_config", str(cfg), "--steps", str(steps), "--dump", str(tmp / name),
            "--min-step-seconds", str(pace), *DATA]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", SECRET_VAR: SECRET,
            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".venv" / "torch_extensions"))}
     return subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # its own process group: what a machine crash kills
@@ -104,7 +108,7 @@ def _worker_pid(port: int, rank: int) -> int:
     from ds_resilience.runtime import membership
 
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
-    return membership.read_worker(store, rank).pid
+    return membership.read_worker(store, rank, secret=SECRET).pid  # the registrations are sealed
 
 
 def _newest_held_for_all(root: Path, ranks: int = 4) -> int | None:

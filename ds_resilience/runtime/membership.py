@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from ..epochs import EPOCH_KINDS, EpochRecord, MembershipError, WorkerInfo
 from .. import store_keys as keys
+from ..job_secret import SECRET_VAR, BadSignature, seal, unseal
 from ..launch import LaunchEnv, launch_env
 
 __all__ = [
@@ -83,47 +84,94 @@ def _get(store: dist.Store, key: str) -> bytes | None:
     return store.get(key) if store.check([key]) else None
 
 
-def publish_epoch(store: dist.Store, record: EpochRecord) -> None:
-    """Write ``record`` then point ``dsr/epoch/latest`` at it.
+# --- sealed records -----------------------------------------------------------------------------
+# The store has no authentication: the records that decide who is alive (epochs, their pointer,
+# registrations) are sealed with the job's secret (job_secret.py), which a worker takes from its own
+# agent's environment (DSR_JOB_SECRET, never from a launch request) and the agent passes itself. A
+# record that does not verify reads as absent, and is logged once per key. Without a secret (no
+# agent, or an agent-less test) records are plain. Heartbeat counters (``add``) cannot be sealed: a
+# rogue client can hide a hang from the heartbeat check (not from the progress check), never fail a
+# healthy rank.
+_refused: set[str] = set()  # keys whose forged value was logged (once each, in this process)
+
+
+def _secret(given: str | None) -> str | None:
+    return given if given is not None else (os.environ.get(SECRET_VAR) or None)
+
+
+def _set_record(store: dist.Store, key: str, value: str, secret: str | None) -> None:
+    secret = _secret(secret)
+    store.set(key, value if secret is None else seal(secret, key, value))
+
+
+def _get_record(store: dist.Store, key: str, secret: str | None) -> str | None:
+    """The record under ``key`` if it verifies; None when absent or forged (logged once)."""
+    raw = _get(store, key)
+    secret = _secret(secret)
+    if raw is None or secret is None:
+        return None if raw is None else raw.decode()
+    try:
+        return unseal(secret, key, raw)
+    except BadSignature as exc:
+        if key not in _refused:
+            _refused.add(key)
+            log.warning("ignored a membership record not signed with the job's secret (%s): someone else writes "
+                        "to the agent's store", exc)
+        return None
+
+
+def publish_epoch(store: dist.Store, record: EpochRecord, *, secret: str | None = None) -> None:
+    """Write ``record`` then point ``dsr/epoch/latest`` at it, both sealed with the job's secret
+    (``secret``, else ``$DSR_JOB_SECRET``; plain without one).
 
     Raises:
         MembershipError: the record is not exactly the successor of the latest epoch.
     """
-    latest = latest_epoch(store)
+    latest = latest_epoch(store, secret=secret)
     if record.epoch != latest + 1:
         raise MembershipError(f"epoch {record.epoch} published after epoch {latest}; expected {latest + 1}")
-    store.set(epoch_key(record.epoch), record.to_json())
-    store.set(LATEST_KEY, str(record.epoch))
+    _set_record(store, epoch_key(record.epoch), record.to_json(), secret)
+    _set_record(store, LATEST_KEY, str(record.epoch), secret)
 
 
-def read_epoch(store: dist.Store, epoch: int) -> EpochRecord | None:
-    """Record ``epoch``, or None if not (yet) published."""
-    raw = _get(store, epoch_key(epoch))
+def read_epoch(store: dist.Store, epoch: int, *, secret: str | None = None) -> EpochRecord | None:
+    """Record ``epoch``, or None if not (yet) published (or not signed by the agent)."""
+    raw = _get_record(store, epoch_key(epoch), secret)
     return None if raw is None else EpochRecord.from_json(raw)
 
 
-def latest_epoch(store: dist.Store) -> int:
-    """The latest published epoch; 0 if none."""
-    raw = _get(store, LATEST_KEY)
-    return 0 if raw is None else int(raw)
+def latest_epoch(store: dist.Store, *, secret: str | None = None) -> int:
+    """The latest published epoch; 0 if none. A pointer not signed by the agent gives way to the
+    newest epoch record that is (the records are written before the pointer)."""
+    raw = _get_record(store, LATEST_KEY, secret)
+    if raw is not None:
+        return int(raw)
+    if not store.check([LATEST_KEY]):
+        return 0
+    newest = 0
+    while store.check([epoch_key(newest + 1)]) and read_epoch(store, newest + 1, secret=secret) is not None:
+        newest += 1
+    return newest
 
 
-def failed_after(store: dist.Store, rank: int, since: int | None = None) -> EpochRecord | None:
+def failed_after(store: dist.Store, rank: int, since: int | None = None, *,
+                 secret: str | None = None) -> EpochRecord | None:
     """The epoch record that names ``rank`` failed, if any: the newest epoch only, or with ``since``
     any epoch after that one (newest first; the rank may have re-joined since)."""
-    newest_epoch = latest_epoch(store)
+    newest_epoch = latest_epoch(store, secret=secret)
     for epoch in range(newest_epoch, newest_epoch - 1 if since is None else since, -1):
-        record = read_epoch(store, epoch)
+        record = read_epoch(store, epoch, secret=secret)
         if record is not None and rank in record.failed:
             return record
     return None
 
 
-def wait_epoch(store: dist.Store, epoch: int, timeout_s: float, poll_s: float = _POLL_S) -> EpochRecord | None:
+def wait_epoch(store: dist.Store, epoch: int, timeout_s: float, poll_s: float = _POLL_S, *,
+               secret: str | None = None) -> EpochRecord | None:
     """Wait up to ``timeout_s`` for record ``epoch``; None on timeout."""
     deadline = time.monotonic() + timeout_s
     while True:
-        record = read_epoch(store, epoch)
+        record = read_epoch(store, epoch, secret=secret)
         if record is not None:
             return record
         if time.monotonic() >= deadline:
@@ -169,14 +217,15 @@ def admitted(store: dist.Store, rank: int) -> int | None:
     return None if raw is None else int(raw)
 
 
-def register_worker(store: dist.Store, info: WorkerInfo) -> None:
-    """Publish ``info`` under ``dsr/worker/{rank}`` (the agent uses it to judge tolerance)."""
-    store.set(worker_key(info.rank), info.to_json())
+def register_worker(store: dist.Store, info: WorkerInfo, *, secret: str | None = None) -> None:
+    """Publish ``info`` under ``dsr/worker/{rank}`` (the agent uses it to judge tolerance), sealed
+    with the job's secret (``secret``, else ``$DSR_JOB_SECRET``)."""
+    _set_record(store, worker_key(info.rank), info.to_json(), secret)
 
 
-def read_worker(store: dist.Store, rank: int) -> WorkerInfo | None:
-    """Registration of ``rank``, or None if it has not registered."""
-    raw = _get(store, worker_key(rank))
+def read_worker(store: dist.Store, rank: int, *, secret: str | None = None) -> WorkerInfo | None:
+    """Registration of ``rank``, or None if it has not registered (or it is not signed)."""
+    raw = _get_record(store, worker_key(rank), secret)
     return None if raw is None else WorkerInfo.from_json(raw)
 
 

@@ -49,6 +49,7 @@ import torch.distributed as dist
 from .. import store_keys as keys
 from ..config import DetectorConfig
 from ..errors import ResilienceError
+from ..job_secret import SECRET_VAR, new_secret
 from ..launch import DEFAULT_HOST_DIR, LaunchEnv, snapshot_root
 from ..planning.recovery import lost_stages
 from ..epochs import STOP_KINDS
@@ -206,7 +207,9 @@ class Agent:
             raise AgentError("a job of several nodes needs a secret shared by its agents (the store has no "
                              "authentication): set $DSR_JOB_SECRET on every node (e.g. export DSR_JOB_SECRET=$(python "
                              "-c 'import secrets; print(secrets.token_hex(32))')), or give --secret_file FILE (mode 600)")
-        self.secret = secret
+        # seals the agents' messages and the membership records; one node makes its own (its workers
+        # take it from their environment)
+        self.secret = secret or new_secret()
         defaults = DetectorConfig()  # the one place the detector's defaults live
         heartbeat_interval_s = defaults.heartbeat_interval_s if heartbeat_interval_s is None else heartbeat_interval_s
         heartbeat_timeout_s = defaults.heartbeat_timeout_s if heartbeat_timeout_s is None else heartbeat_timeout_s
@@ -393,13 +396,13 @@ class Agent:
         """The config settings the first worker that registered any reports (every worker runs the
         same config), or ``None`` before one did."""
         for rank in range(self.num_workers):
-            info = mb.read_worker(self.store, rank)
+            info = mb.read_worker(self.store, rank, secret=self.secret)
             if info is not None and info.settings:
                 return info.settings
         return None
 
     def _all_registered(self) -> bool:
-        return all(mb.read_worker(self.store, r) is not None for r in range(self.num_workers))
+        return all(mb.read_worker(self.store, r, secret=self.secret) is not None for r in range(self.num_workers))
 
     # --- launching ------------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: Any) -> None:
@@ -455,7 +458,7 @@ class Agent:
                         env=protocol)
             return self._track(rank, incarnation, RemoteProc(self.store, self.secret, node, rank, incarnation,
                                                              echo=self._echo), None)
-        env = {**os.environ, "OMP_NUM_THREADS": "1", **self.env, **protocol}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **self.env, **protocol, SECRET_VAR: self.secret}
         proc = start_worker(self.script, [*self.script_args, *([f"--local_rank={local}"] if self.local_rank_arg else [])],
                             env=env, log=log, preload=self.preload)
         try:
@@ -759,7 +762,7 @@ class Agent:
         pipeline_of: dict[int, int] = {}  # a replica is (pipeline, stage): a tensor-parallel group's ranks share it
         infos = {}
         for rank in range(self.num_workers):
-            info = mb.read_worker(self.store, rank)
+            info = mb.read_worker(self.store, rank, secret=self.secret)
             if info is None:
                 if rank in self._failed:
                     return EXIT_STARTUP, f"rank {rank} failed before it registered (its stage is unknown)"
@@ -786,7 +789,7 @@ class Agent:
                 self._event("relaunch", rank, detail=f"incarnation {w.incarnation}, pid {w.proc.pid}")
         registered, unregistered = [], []
         for w in self._workers.values():
-            info = mb.read_worker(self.store, w.rank) if w.state == "joining" else None
+            info = mb.read_worker(self.store, w.rank, secret=self.secret) if w.state == "joining" else None
             if info is not None and info.incarnation == w.incarnation:
                 if w.registered_at is None:
                     w.registered_at = now
@@ -840,7 +843,7 @@ class Agent:
         record = mb.EpochRecord(epoch=len(self.epochs) + 1, failed=tuple(self._failed), alive=alive,
                                 joining=joining, stop=kind in STOP_KINDS, reason=reason, detected_at=time.time(),
                                 kind=kind, restart=restart)
-        mb.publish_epoch(self.store, record)
+        mb.publish_epoch(self.store, record, secret=self.secret)
         self.epochs.append(record)
         self._echo(f"[ds_resilience agent] epoch {record.epoch} ({kind}): {reason}; alive {list(alive)}")
         if kind == "start":

@@ -18,7 +18,7 @@ from typing import Sequence
 from ..config import load_resilience_config, load_resilience_file
 from ..errors import ResilienceError
 from .cluster import DEFAULT_MASTER_PORT, node_from_scheduler
-from .job_secret import load_secret
+from ..job_secret import load_secret
 from .spawn import PRELOAD_VAR, preload_modules
 
 __all__ = ["build_parser", "main_run"]

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from ..errors import ResilienceError
-from .job_secret import new_secret
+from ..job_secret import new_secret
 
 __all__ = ["DEFAULT_MASTER_PORT", "LAUNCHERS", "NodeSpec", "cluster_command", "describe", "expand_nodelist",
            "node_from_scheduler", "write_secret_file"]

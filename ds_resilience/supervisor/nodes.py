@@ -61,7 +61,7 @@ from ..errors import ResilienceError
 from ..launch import CONTRACT_KEYS
 from ..runtime.attempt_scope import restart_of
 from ..runtime.membership import attempt_view
-from .job_secret import BadSignature, seal, unseal
+from ..job_secret import SECRET_VAR, BadSignature, seal, unseal
 from .spawn import WorkerProcess, preload_modules, start_worker
 
 __all__ = ["NodeAgent", "NodeBeats", "RemoteProc", "job_description", "post_launch", "refused_env", "signed_get", "signed_set"]
@@ -382,7 +382,8 @@ class NodeAgent:
     def _launch(self, request: dict[str, Any], attempt: int) -> None:
         rank, incarnation = int(request["rank"]), int(request["incarnation"])
         env = {**os.environ, "OMP_NUM_THREADS": "1", **request["env"],
-               "DSR_AGENT_PID": str(os.getpid())}  # orphan check: this agent is the parent here
+               "DSR_AGENT_PID": str(os.getpid()),  # orphan check: this agent is the parent here
+               SECRET_VAR: self.secret}  # the membership records' seal: this agent's, never a request's
         suffix = f".restart{attempt}" if attempt else ""  # as the leader names its own ranks' logs
         log = str(self.log_dir / f"rank{rank}.{incarnation}{suffix}.log") if self.log_dir is not None else None
         extra = [f"--local_rank={int(request['local_rank'])}"] if self.local_rank_arg else []

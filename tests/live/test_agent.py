@@ -151,14 +151,17 @@ def test_clean_run_publishes_epoch_1_and_exits_0(tmp_path):
     agent, code, logs = run_agent(tmp_path, 2, args=("--steps", "5"))
     assert code == 0, worker_output(tmp_path)
     assert [(r.epoch, r.kind, r.alive, r.failed) for r in agent.epochs] == [(1, "start", (0, 1), ())]
-    assert mb.read_epoch(agent.store, 1) == agent.epochs[0] and mb.latest_epoch(agent.store) == 1
+    assert mb.read_epoch(agent.store, 1, secret=agent.secret) == agent.epochs[0]
+    assert mb.latest_epoch(agent.store, secret=agent.secret) == 1
+    raw = agent.store.get(mb.epoch_key(1)).decode()  # sealed: HMAC-SHA256 of the job's secret, then the record
+    assert raw.partition(":")[2] == agent.epochs[0].to_json() and len(raw.partition(":")[0]) == 64
     for r in (0, 1):
         events = logs[f"rank{r}.0"]
         assert epochs_seen(events) == [1] and first(events, "done")["steps"] == 5
         assert first(events, "start")["env"] == {
             "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1",
             "TORCHELASTIC_USE_AGENT_STORE": "True", "DSR_REJOIN": "0"}
-        assert mb.read_worker(agent.store, r).pid == first(events, "start")["pid"]
+        assert mb.read_worker(agent.store, r, secret=agent.secret).pid == first(events, "start")["pid"]
     assert sorted(e.rank for e in agent.events if e.kind == "exit") == [0, 1]
     assert any("exit code 0" in m for m in agent.messages)
 
@@ -246,7 +249,7 @@ def test_rejoin_relaunches_the_rank_and_publishes_a_rejoin_epoch(tmp_path):
     relaunch = next(e for e in agent.events if e.kind == "relaunch")
     crash = next(e for e in agent.events if e.kind == "crash")
     assert relaunch.time - crash.time >= 0.3 - 0.05
-    assert mb.read_worker(agent.store, 1).incarnation == 1
+    assert mb.read_worker(agent.store, 1, secret=agent.secret).incarnation == 1
     assert [e.kind for e in agent.events if e.rank == 1] == ["crash", "relaunch", "register", "rejoin", "exit"]
     register, rejoin = (next(e for e in agent.events if e.kind == k) for k in ("register", "rejoin"))
     assert register.epoch == rejoin.epoch == 3 and rejoin.latency_s >= register.latency_s
@@ -509,14 +512,64 @@ def test_after_a_regrid_the_agent_judges_failures_on_the_newest_grids_registrati
     agent.store = dist.HashStore()
     old = {0: (0, 0), 1: (1, 0), 2: (0, 1), 3: (1, 1), 4: (0, 2), 5: (1, 2)}  # rank -> (pipeline, stage), 2 x 3
     for rank, (p, s) in old.items():
-        mb.register_worker(agent.store, mb.WorkerInfo(rank=rank, pipeline=p, stage=s, pid=1, dp=2, pp=3))
+        mb.register_worker(agent.store, mb.WorkerInfo(rank=rank, pipeline=p, stage=s, pid=1, dp=2, pp=3),
+                           secret=agent.secret)
     agent._failed = {2, 3}
     assert "stage 1 lost every replica" in agent._beyond_tolerance()[1]
     new = {0: (0, 0), 1: (1, 0), 4: (0, 1), 5: (1, 1)}  # the survivors re-formed 2 x 2
     for rank, (p, s) in new.items():
-        mb.register_worker(agent.store, mb.WorkerInfo(rank=rank, pipeline=p, stage=s, pid=1, dp=2, pp=2, grid=1))
+        mb.register_worker(agent.store, mb.WorkerInfo(rank=rank, pipeline=p, stage=s, pid=1, dp=2, pp=2, grid=1),
+                           secret=agent.secret)
     assert agent._beyond_tolerance()[1] == ""  # stage 1 of the new grid is ranks 4 and 5
     agent._failed = {2, 3, 4}
     assert agent._beyond_tolerance()[1] == ""
     agent._failed = {2, 3, 4, 5}
     assert "stage 1 lost every replica" in agent._beyond_tolerance()[1]
+
+
+@pytest.mark.timeout(90)
+def test_membership_records_not_signed_by_the_agent_are_ignored(tmp_path):
+    """The store has no authentication: a rogue client on its port writes a stop epoch 2 that names
+    rank 1 failed, points ``latest`` at it, and overwrites rank 1's registration. The records are
+    sealed with the job's secret (the agent makes one for a one-node job and gives it to its
+    workers in their environment): the workers ignore the forged epoch, log it once, and train to
+    the end; the agent reads the forged registration as absent; the job ends normally."""
+    from datetime import timedelta
+
+    from ds_resilience import store_keys as keys
+
+    forged: list[str] = []
+
+    def rogue(agent: Agent) -> None:
+        deadline = time.monotonic() + 30
+        while agent.store is None or not agent.store.check([keys.worker(1)]):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.02)
+        client = dist.TCPStore("127.0.0.1", agent.port, is_master=False, timeout=timedelta(seconds=10))
+        record = mb.EpochRecord(epoch=2, failed=(1,), alive=(0,), stop=True, reason="forged", kind="stop",
+                                detected_at=time.time())
+        client.set(keys.epoch(2), record.to_json())
+        client.set(keys.LATEST_EPOCH, "2")
+        client.set(keys.worker(1), mb.WorkerInfo(rank=1, pipeline=0, stage=0, pid=1).to_json())
+        forged.append("done")
+
+    messages: list[str] = []
+    agent = Agent(WORKER, ["--steps", "60"], num_workers=2, env={"DSR_TEST_OUT": str(tmp_path), "DSR_FAULTS": "[]"},
+                  heartbeat_interval_s=INTERVAL, heartbeat_timeout_s=TIMEOUT, log_dir=tmp_path / "logs",
+                  echo=messages.append, stop_grace_s=30.0)
+    thread = threading.Thread(target=rogue, args=(agent,), daemon=True)
+    thread.start()
+    code = agent.run()
+    thread.join(5)
+    logs = read_logs(tmp_path)
+    assert forged and code == 0, worker_output(tmp_path)
+    for r in (0, 1):
+        assert epochs_seen(logs[f"rank{r}.0"]) == [1], logs  # the forged stop epoch was never applied
+        assert first(logs[f"rank{r}.0"], "done")["steps"] == 60
+        assert not (tmp_path / f"saved.{r}").exists()
+    out = worker_output(tmp_path)
+    assert out.count("ignored a membership record not signed with the job's secret (dsr/epoch/2") == 2, out
+    assert mb.read_worker(agent.store, 1, secret=agent.secret) is None  # the forged registration reads as absent
+    assert mb.latest_epoch(agent.store, secret=agent.secret) == 1  # the forged pointer gives way to epoch 1
+    assert [e.kind for e in agent.events if e.kind in ("crash", "hang", "stop")] == []

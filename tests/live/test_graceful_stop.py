@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from ds_resilience.job_secret import SECRET_VAR, new_secret
 from ds_resilience.launch import DEFAULT_HOST_DIR
 from ds_resilience.runtime import membership
 from test_live import REPO, SCRIPT, TRAINING_DATA, USER_CONFIG, _config, assert_masters_equal, logs, run_job  # noqa: E402
@@ -36,6 +37,8 @@ def _free_port() -> int:
     return free_port()  # below the ephemeral range: see there
 
 
+SECRET = new_secret()  # the agents' (one node's agent makes its own unless given one): the test reads their records
+
 def _cli(tmp: Path, cfg: Path, job_id: str, name: str, port: int = 0, *, session: bool = False) -> subprocess.Popen:
     """The README's way: ``ds-resilience run`` with the user's config, paced steps (``session``: in a
     process group of its own, which a machine crash kills whole)."""
@@ -45,7 +48,7 @@ def _cli(tmp: Path, cfg: Path, job_id: str, name: str, port: int = 0, *, session
            str(SCRIPT), "--deepspeed_config", str(cfg), "--steps", str(STEPS), "--dump", str(tmp / name),
            "--min-step-seconds", "0.5", *TRAINING_DATA]
     return subprocess.Popen(cmd, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+                            env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", SECRET_VAR: SECRET},
                             start_new_session=session)
 
 
@@ -69,7 +72,7 @@ def _wait_for_step(tmp: Path, name: str, step: int, proc: subprocess.Popen, time
 def _worker_pid(port: int, rank: int) -> int:
     """The pid ``rank`` registered with the agent (its store at ``port``)."""
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
-    info = membership.read_worker(store, rank)
+    info = membership.read_worker(store, rank, secret=SECRET)  # the registrations are sealed
     assert info is not None, f"rank {rank} is not registered"
     return info.pid
 

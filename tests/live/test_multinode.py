@@ -30,7 +30,7 @@ def _run_two_nodes(tmp: Path, cfg: Path, dump: Path, *, timeout_s: float = 400.0
     common = ["--nnodes", "2", "--num_gpus", "2", "--master_addr", "127.0.0.1", "--master_port", str(port),
               "--heartbeat_interval", "0.2", "--heartbeat_timeout", "4.0"]
     script = [str(SCRIPT), "--deepspeed_config", str(cfg), "--steps", str(STEPS), "--dump", str(dump)]
-    from ds_resilience.supervisor.job_secret import SECRET_VAR, new_secret
+    from ds_resilience.job_secret import SECRET_VAR, new_secret
 
     env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **{k: v for k, v in __import__("os").environ.items()
                                                                 if k not in ("PYTHONPATH",)},
@@ -97,7 +97,7 @@ def test_a_follower_launches_only_what_the_jobs_agents_signed(tmp_path):
     import torch.distributed as dist
 
     from ds_resilience import store_keys as keys
-    from ds_resilience.supervisor.job_secret import SECRET_VAR, new_secret, seal, unseal
+    from ds_resilience.job_secret import SECRET_VAR, new_secret, seal, unseal
     from ds_resilience.supervisor.nodes import job_description
 
     secret = new_secret()
@@ -159,7 +159,7 @@ def test_a_follower_started_with_another_job_than_the_leaders_refuses_to_run(tmp
     import torch.distributed as dist
 
     from ds_resilience import store_keys as keys
-    from ds_resilience.supervisor.job_secret import SECRET_VAR, new_secret, seal
+    from ds_resilience.job_secret import SECRET_VAR, new_secret, seal
     from ds_resilience.supervisor.nodes import job_description
 
     secret = new_secret()
@@ -270,7 +270,7 @@ def test_a_node_lost_whole_is_one_event_and_a_replacement_node_takes_its_ranks_b
     import re
     import shlex
 
-    from ds_resilience.supervisor.job_secret import SECRET_VAR, new_secret
+    from ds_resilience.job_secret import SECRET_VAR, new_secret
     from netns_nodes import NetnsNodes, wrap_command
 
     nodes = NetnsNodes(3).__enter__()

@@ -1,4 +1,4 @@
-"""supervisor/job_secret.py: the job's secret and the sealed messages between the agents of a job,
+"""job_secret.py: the job's secret and the sealed messages between the agents of a job,
 and the environment a follower takes from a launch request (supervisor/nodes.py)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 import pytest
 
 from ds_resilience.launch import CONTRACT_KEYS
-from ds_resilience.supervisor.job_secret import (SECRET_VAR, BadSignature, SecretError, load_secret, new_secret,
+from ds_resilience.job_secret import (SECRET_VAR, BadSignature, SecretError, load_secret, new_secret,
                                                  seal, unseal)
 from ds_resilience.supervisor.nodes import refused_env
 

@@ -21,7 +21,7 @@ import stat
 from pathlib import Path
 from typing import Mapping
 
-from ..errors import ResilienceError
+from .errors import ResilienceError
 
 __all__ = ["SECRET_VAR", "BadSignature", "SecretError", "load_secret", "new_secret", "seal", "unseal"]
 
