@@ -63,6 +63,7 @@ class CheckpointTier:
         self.memory = memory
         self.fault_hook = fault_hook
         self._pre_step: StageState | None = None
+        self._spare: StageState | None = None  # an earlier pre-step copy whose buffers the next one fills
         self._windows: dict[int, Any] = {}
         self._windows_of: Schedule | None = None
         self._measured: dict[int, float] = {}
@@ -80,10 +81,15 @@ class CheckpointTier:
         mem = self.memory
         if mem is not None:
             mem.wait_copied()  # the previous capture still reads the live tensors
-        self._pre_step = None
+        # the last copy's buffers are filled again (no allocation, no page faults): nothing reads it
+        # after this step begins (a rollback applies copies of it)
+        spare, self._pre_step = self._pre_step or self._spare, None
+        self._spare = spare
         needed = speculative or self.keep_pre_step
         if needed and (mem is None or mem.last_captured != self.host.counters()[0]):
-            self._pre_step = self.state().clone(host=True)  # a GPU stage's copy in host memory
+            # a GPU stage's copy in host memory
+            self._pre_step = self.state().clone(host=True, reuse=spare)
+            self._spare = None
 
     def after_step(self) -> None:
         self.capture_due()

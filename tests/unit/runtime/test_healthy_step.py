@@ -176,3 +176,50 @@ def test_the_re_plan_after_the_profile_never_runs_the_cp_sat_solver(monkeypatch,
                     reporter=lambda: False)
     assert len(adopted) == 1 and adopted[0].solver == "heuristic"
     assert adopted[0].table is not None and len(adopted[0].table) > 1  # every failure set planned
+
+
+def test_a_pre_step_copy_fills_the_last_ones_buffers_and_a_rollback_restores_the_exact_state():
+    from ds_resilience.checkpoint.tier import CheckpointTier
+
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    params = list(model.parameters())
+    opt = torch.optim.Adam(params, lr=1e-2)
+
+    class Host:
+        parameters, optimizer, lr_scheduler = params, opt, None
+        steps, samples = 0, 0
+
+        def counters(self):
+            return self.steps, self.samples
+
+        def set_counters(self, steps, samples):
+            self.steps, self.samples = steps, samples
+
+    host = Host()
+    tier = CheckpointTier(host, stage=0, rank=0, keep_pre_step=False)
+
+    def step(speculative: bool):
+        model(torch.randn(3, 8)).pow(2).sum().backward()
+        tier.before_step(speculative=speculative)
+        opt.step()
+        opt.zero_grad()
+        host.steps += 1
+
+    step(True)
+    step(True)  # Adam's moments exist now: the copy holds them
+    first = tier._pre_step
+    buffers = [t.data_ptr() for t in first.params] + [
+        v.data_ptr() for s in first.optimizer["state"].values() for v in s.values() if torch.is_tensor(v) and v.dim()]
+    before = ([p.detach().clone() for p in params],
+              {k: {n: v.clone() for n, v in s.items()} for k, s in opt.state_dict()["state"].items()})
+    step(True)  # the third copy fills the second one's buffers
+    again = tier._pre_step
+    assert [t.data_ptr() for t in again.params] + [
+        v.data_ptr() for s in again.optimizer["state"].values() for v in s.values() if torch.is_tensor(v) and v.dim()
+    ] == buffers
+    tier.undo_step()
+    assert host.steps == 2
+    assert all(torch.equal(p, b) for p, b in zip(params, before[0]))
+    for k, s in opt.state_dict()["state"].items():
+        assert all(torch.equal(v, before[1][k][n]) for n, v in s.items())
