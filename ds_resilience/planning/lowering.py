@@ -37,12 +37,21 @@ Key = tuple[int, int, int]  # (pipeline, stage, microbatch)
 def placement_of(orders: Sequence[Sequence[Action]]) -> dict[Key, int]:
     """Map each (pipeline, stage, microbatch) to the worker that runs its forward."""
     where: dict[Key, int] = {}
+    F = ActionKind.F
+    placed = 0
     for w, actions in enumerate(orders):
         for a in actions:
-            if a.kind is ActionKind.F:
-                if a.key in where:
-                    raise ScheduleError(f"{a} is placed on workers {where[a.key]} and {w}")
-                where[a.key] = w  # type: ignore[index]
+            if a.kind is F:
+                where[a.pipeline, a.stage, a.microbatch] = w  # type: ignore[index]
+                placed += 1
+    if placed != len(where):  # a forward placed twice: find it, in order
+        seen: dict[Key, int] = {}
+        for w, actions in enumerate(orders):
+            for a in actions:
+                if a.kind is F:
+                    if a.key in seen:
+                        raise ScheduleError(f"{a} is placed on workers {seen[a.key]} and {w}")
+                    seen[a.key] = w  # type: ignore[index]
     return where
 
 
@@ -72,15 +81,33 @@ def lower(
         The schedule (not yet validated: call :func:`ds_resilience.ir.validate`).
     """
     where: Mapping[Key, int] = placement_of(orders)
-    last = pp - 1
     tied = check_tied(tied, pp)
+    try:
+        workers, sent, received = _lowered(orders, where, dp, pp, microbatches, failed, tied)
+    except KeyError as exc:  # a peer's micro-batch placed nowhere
+        p, s, m = exc.args[0]
+        raise ScheduleError(f"micro-batch {m} of pipeline {p} at stage {s} is not placed on any worker") from None
+    n = dp * pp
+    unordered = {pair % n for pair, seq in received.items() if sent.get(pair) != seq}
+    if unordered:
+        workers = _receives_in_send_order(workers, unordered)
+    return Schedule(
+        dp=dp,
+        pp=pp,
+        microbatches=microbatches,
+        workers=tuple(workers),
+        failed=failed,
+        optimizer=optimizer,
+        name=name,
+        tied=tied,
+    )
 
-    def peer(p: int, s: int, m: int) -> int:
-        try:
-            return where[(p, s, m)]
-        except KeyError:
-            raise ScheduleError(f"micro-batch {m} of pipeline {p} at stage {s} is not placed on any worker") from None
 
+def _lowered(orders: Sequence[Sequence[Action]], where: Mapping[Key, int], dp: int, pp: int, microbatches: int,
+             failed: frozenset[int], tied: TiedGroups) -> tuple[list[tuple[Action, ...]], dict, dict]:
+    """:func:`lower`'s loop: each worker's actions, and per directed pair the messages in the sender's
+    order and in the receiver's (a peer placed nowhere raises ``KeyError`` with its key)."""
+    last = pp - 1
     workers: list[tuple[Action, ...]] = []
     # per directed pair (src * n + dst): the messages in the sender's order and in the receiver's;
     # where the two agree for every pair into a worker (nearly always), its receives stay put
@@ -104,23 +131,23 @@ def lower(
             if kind is F:
                 msg = p * span + 2 * m
                 if s > 0:
-                    src = peer(p, s - 1, m)
+                    src = where[p, s - 1, m]
                     out.append(make(RA, s, m, p, src))
                     received[src * n + w].append(msg)
                 out.append(a)
                 if s < last:
-                    dst = peer(p, s + 1, m)
+                    dst = where[p, s + 1, m]
                     out.append(make(SA, s, m, p, dst))
                     sent[w * n + dst].append(msg)
             elif kind is B or kind is BW:
                 msg = p * span + 2 * m + 1
                 if s < last:
-                    src = peer(p, s + 1, m)
+                    src = where[p, s + 1, m]
                     out.append(make(RG, s, m, p, src))
                     received[src * n + w].append(msg)
                 out.append(a)
                 if s > 0:
-                    dst = peer(p, s - 1, m)
+                    dst = where[p, s - 1, m]
                     out.append(make(SG, s, m, p, dst))
                     sent[w * n + dst].append(msg)
             else:
@@ -131,19 +158,7 @@ def lower(
                 out.append(make(ActionKind.TIED_REDUCE, stage, g))
         out.append(make(ActionKind.OPT_STEP, stage))
         workers.append(tuple(out))
-    unordered = {pair % n for pair, seq in received.items() if sent.get(pair) != seq}
-    if unordered:
-        workers = _receives_in_send_order(workers, unordered)
-    return Schedule(
-        dp=dp,
-        pp=pp,
-        microbatches=microbatches,
-        workers=tuple(workers),
-        failed=failed,
-        optimizer=optimizer,
-        name=name,
-        tied=tied,
-    )
+    return workers, sent, received
 
 
 _RECEIVES = {ActionKind.RECV_ACT: (ActionKind.SEND_ACT, -1), ActionKind.RECV_GRAD: (ActionKind.SEND_GRAD, 1)}
