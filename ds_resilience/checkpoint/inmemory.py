@@ -12,7 +12,11 @@
   and, every ``persistent_interval`` steps, it is copied to the persistent tier
   (``<persistent_dir>/snapshots/<job>``, same format, ``keep_last`` versions).
 * **budget**: when a capture costs more than ``stall_budget`` of the iteration time, captures are
-  spread over more iterations (the effective interval grows) instead of stalling training.
+  spread over more iterations (the effective interval grows) instead of stalling training. A
+  capture costs the training thread's wait (the hand-over and :meth:`wait_copied`); when the
+  workers have no spare core (no more cores than ranks on the machine: the background copy and
+  the replicas' sends then run on the training threads' cores), it costs the background copy and
+  this rank's replica sends of the version too (:meth:`capture_cost`).
 * **restore** (:meth:`restore`, collective at start-up of a restart): every rank reports what its
   machine holds, ``restore_plan.plan_restore`` picks the newest step held for every rank, peers
   send the snapshots whose owners lost them, and each rank loads its own.
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections import deque
 import queue
 import threading
@@ -58,6 +63,14 @@ __all__ = ["DEFAULT_HOST_DIR", "InMemoryCheckpointer", "host_root", "owner_name"
 logger = logging.getLogger("ds_resilience.checkpoint")
 
 _XFER_TAG = 1 << 26
+
+
+def _usable_cores() -> int:
+    """The CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def owner_name(rank: int) -> str:
@@ -92,8 +105,14 @@ class InMemoryCheckpointer:
 
     def __init__(self, cfg: CheckpointConfig, *, rank: int, world: int, job_id: str, local_world_size: int,
                  name: str, replicate: bool = True, group_store=None, timeout_s: float = 60.0,
-                 machine_key: Callable[[int], Any] | None = None, exclude: Sequence[int] = ()) -> None:
+                 machine_key: Callable[[int], Any] | None = None, exclude: Sequence[int] = (),
+                 spare_core: bool | None = None) -> None:
         self.cfg, self.rank, self.world = cfg, rank, world
+        # whether the background copy and sends have a core of their own (default: more cores than
+        # ranks on this machine); without one they are charged to the stall budget
+        self.spare_core = spare_core if spare_core is not None else _usable_cores() > local_world_size
+        self._busy_noted, self._sent_noted = 0.0, 0  # the replicator's busy seconds and versions sent, last look
+        self._sends: deque[float] = deque(maxlen=5)  # send seconds per captured version, recent
         self.timeout_s = timeout_s
         self._cond = threading.Condition()
         rpm = cfg.ranks_per_machine or local_world_size
@@ -325,13 +344,36 @@ class InMemoryCheckpointer:
         self._noted_step = step
         if not self.captures or seconds <= 0:
             return
-        recent = [c["stall_s"] for c in list(self.captures)[-5:]]
-        stall = sorted(recent)[len(recent) // 2]
+        stall = self.capture_cost()
         needed = max(1, math.ceil(stall / (self.cfg.stall_budget * seconds * self.cfg.interval))) * self.cfg.interval
         if needed != self.schedule.need:
-            logger.info("rank %d: snapshot stall %.1f ms vs iteration %.1f ms (budget %.0f%%): needs interval %d",
-                        self.rank, stall * 1e3, seconds * 1e3, self.cfg.stall_budget * 100, needed)
+            logger.info("rank %d: snapshot %s %.1f ms vs iteration %.1f ms (budget %.0f%%): needs interval %d",
+                        self.rank, "stall" if self.spare_core else "stall, copy and sends (no spare core)",
+                        stall * 1e3, seconds * 1e3, self.cfg.stall_budget * 100, needed)
             self.schedule.request(needed, step)
+
+    def capture_cost(self) -> float:
+        """What one capture costs training, the median of the recent ones: the training thread's
+        stall; without a spare core (:attr:`spare_core`) at least the background copy (it ran on
+        a training core; the stall's wait for it is part of it) plus this rank's sends of the
+        version to its replica holders."""
+        recent = list(self.captures)[-5:]
+        if not recent:
+            return 0.0
+        if self.spare_core:
+            costs = [c["stall_s"] for c in recent]
+        else:
+            replicator = self.replicator
+            if replicator is not None:
+                busy, sent = replicator.stats.busy_seconds, replicator.stats.versions_sent
+                if busy < self._busy_noted or sent < self._sent_noted:  # another replicator's stats
+                    self._busy_noted, self._sent_noted = 0.0, 0
+                if sent > self._sent_noted:  # per version sent since the last look
+                    self._sends.append((busy - self._busy_noted) / (sent - self._sent_noted))
+                    self._busy_noted, self._sent_noted = busy, sent
+            send = sorted(self._sends)[len(self._sends) // 2] if self._sends else 0.0
+            costs = [max(c["stall_s"], c["copy_s"]) + send for c in recent]
+        return sorted(costs)[len(costs) // 2]
 
     def _commit_loop(self) -> None:
         while True:

@@ -130,6 +130,7 @@ class ReplicationStats:
     rejected: int = 0
     bytes_sent: int = 0
     send_seconds: float = 0.0  # wall time from a version's header to its last chunk (all holders)
+    busy_seconds: float = 0.0  # time spent sending chunks (gate waits left out): what the sends cost a core
     errors: list[str] = field(default_factory=list)
 
     @property
@@ -290,6 +291,7 @@ class Replicator:
         def measured(nbytes: int, seconds: float) -> None:
             self.chunk_seconds = seconds if not self.chunk_seconds else 0.8 * self.chunk_seconds + 0.2 * seconds
             self.stats.bytes_sent += nbytes
+            self.stats.busy_seconds += seconds
 
         for dst in self.send_to:
             if dst in self._dead:

@@ -413,3 +413,37 @@ def test_replicas_travel_on_the_configured_interface(tmp_path):
 
     with pytest.raises(CommError, match=r"network interface 'nosuch0' cannot be used"):
         new_group([0], name="x", timeout_s=1.0, store=torch.distributed.HashStore(), me=0, interface="nosuch0")
+
+
+def test_without_a_spare_core_the_background_copy_and_the_sends_count_against_the_budget(tmp_path):
+    """Issue 45: with as many ranks as cores the snapshot copy and the replica sends run on the
+    training threads' cores, so they are charged to ``stall_budget`` as the training thread's own
+    wait is; with a spare core only the wait counts. The same captures give a longer interval."""
+    from types import SimpleNamespace
+
+    from ds_resilience.checkpoint.replication import ReplicationStats
+
+    cfg = CheckpointConfig.from_dict({"replicas": 1, "ranks_per_machine": 1, "host_dir": str(tmp_path),
+                                      "stall_budget": 0.02})
+    captures = [{"step": s, "stall_s": 0.001, "copy_s": 0.020} for s in range(5)]
+    spare = InMemoryCheckpointer(cfg, rank=0, world=1, job_id="j", local_world_size=1, name="j", spare_core=True)
+    spare.captures = list(captures)
+    spare.note_iteration(0.100)  # 1 ms of wait against a 2 ms budget: every step
+    assert spare.interval == 1 and spare.capture_cost() == 0.001
+    spare.close()
+    shared = InMemoryCheckpointer(cfg, rank=0, world=1, job_id="j2", local_world_size=1, name="j2", spare_core=False)
+    shared.captures = list(captures)
+    shared.note_iteration(0.100)  # the 20 ms copy: every 10th step
+    assert shared.capture_cost() == 0.020 and shared.interval == 10
+    stats = ReplicationStats(busy_seconds=0.060, versions_sent=3)  # 20 ms of sends per version
+    shared.replicator = SimpleNamespace(stats=stats)
+    shared.note_iteration(0.100)
+    assert shared.capture_cost() == pytest.approx(0.040) and shared.interval == 20
+    shared.replicator = None
+    shared.close()
+    # the default: no spare core when the machine has no more cores than ranks
+    import os
+    cores = len(os.sched_getaffinity(0))
+    auto = InMemoryCheckpointer(cfg, rank=0, world=1, job_id="j3", local_world_size=cores, name="j3")
+    assert auto.spare_core is False
+    auto.close()
