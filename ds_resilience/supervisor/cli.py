@@ -213,10 +213,21 @@ def _launch_cluster(args: argparse.Namespace) -> int:
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 proc.kill()
+    from ..job_secret import load_secret
+    from .nodes import LeaderEnd
+
+    leader = LeaderEnd(args.bind_addr, args.master_port, load_secret(args.secret_file)).start()
     forward = {signum: signal.signal(signum, lambda n, f: proc.send_signal(n))
                for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return proc.wait()
+        code = proc.wait()
     finally:
         for signum, old in forward.items():
             signal.signal(signum, old)
+    job = leader.stop()
+    if job is None:
+        return code
+    if job != code:  # pdsh returns the largest of the nodes' codes: 137 for a node lost, even if the job finished
+        print(f"[ds_resilience launcher] the job's exit code is {job} (its leader's); {args.launcher} returned {code} "
+              f"(a node's: one lost or killed)", file=sys.stderr, flush=True)
+    return job

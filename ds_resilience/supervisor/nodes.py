@@ -64,7 +64,7 @@ from ..runtime.membership import attempt_view
 from ..job_secret import SECRET_VAR, BadSignature, seal, unseal
 from .spawn import WorkerProcess, preload_modules, start_worker
 
-__all__ = ["NodeAgent", "NodeBeats", "RemoteProc", "job_description", "post_launch", "refused_env", "signed_get", "signed_set"]
+__all__ = ["LeaderEnd", "NodeAgent", "NodeBeats", "RemoteProc", "job_description", "post_launch", "refused_env", "signed_get", "signed_set"]
 
 
 def _has(store: dist.Store, key: str) -> bool:
@@ -97,6 +97,51 @@ def post_launch(store: dist.Store, secret: str, node: int, *, rank: int, incarna
     request = {"rank": rank, "incarnation": incarnation, "local_rank": local_rank, "env": contract}
     signed_set(store, secret, keys.node_launch(node, i), json.dumps(request))
     store.add(keys.node_launches(node), 1)
+
+
+class LeaderEnd:
+    """The leader's exit code as a launcher learns it: a client of the leader's store, from a thread
+    of its own, waits for the signed end (``done``), which the leader writes just before its store
+    goes. A launcher's own exit code is the nodes' (pdsh: the largest), 137 when a node was lost
+    although the job finished; this is the job's. ``code`` stays ``None`` if the store could not be
+    reached or the end was not seen."""
+
+    def __init__(self, addr: str, port: int, secret: str, connect_timeout_s: float = 300.0) -> None:
+        self.addr, self.port, self.secret, self.connect_timeout_s = addr, port, secret, connect_timeout_s
+        self.code: int | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True, name="dsr-leader-end")
+
+    def start(self) -> "LeaderEnd":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> int | None:
+        """Stop watching (the launcher's nodes are done); the leader's code, if seen."""
+        self._stop.set()
+        self._thread.join(timeout_s)
+        return self.code
+
+    def _watch(self) -> None:
+        deadline = time.monotonic() + self.connect_timeout_s
+        store = None
+        while store is None and not self._stop.is_set() and time.monotonic() < deadline:
+            try:
+                store = dist.TCPStore(self.addr, self.port, is_master=False, timeout=timedelta(seconds=5))
+            except (RuntimeError, ValueError):  # not up yet
+                self._stop.wait(0.5)
+        while store is not None and not self._stop.is_set():
+            try:  # returns when the end is set, raises at once when the store goes
+                store.wait([keys.NODES_DONE], timedelta(hours=1))
+            except dist.DistStoreError:  # an hour without an end: wait on
+                continue
+            except RuntimeError:
+                return  # the store is gone without an end: unknown
+            try:
+                self.code = int(signed_get(store, self.secret, keys.NODES_DONE))
+            except (BadSignature, RuntimeError, ValueError):
+                pass
+            return
 
 
 class NodeBeats:
