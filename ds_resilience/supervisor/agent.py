@@ -56,7 +56,7 @@ from ..epochs import STOP_KINDS
 from ..runtime import membership as mb
 from .events import AgentEvent, event_table
 from .host_memory import claim, disown, owner_alive, reclaim_orphans
-from .nodes import NodeBeats, RemoteProc, job_description, post_launch, signed_set
+from .nodes import NodeBeats, RemoteProc, end_message, job_description, post_launch, signed_set
 from .spawn import WorkerProcess, preload_modules, start_worker
 
 __all__ = ["Agent", "AgentEvent", "AgentError", "EXIT_OK", "EXIT_STARTUP", "EXIT_STOPPED", "SCHEDULER_JOB_VARS",
@@ -304,20 +304,23 @@ class Agent:
             for signum, old in handlers.items():
                 signal.signal(signum, old)
             self._kill_all()
+            release = self._snapshots_to_release()
             if self._multi and self._base is not None:
-                try:  # the followers stop (and kill whatever they still run)
+                try:  # the followers stop (kill whatever they still run, and release their node's snapshots)
                     signed_set(self._base, self.secret, keys.NODES_DONE,
-                               str(self.exit_code if self.exit_code is not None else 1))
+                               end_message(self.exit_code if self.exit_code is not None else 1, release))
                     time.sleep(2 * self.tick_s + 0.5)  # let them read it before the store goes
                 except RuntimeError:
                     pass
-            self._release_snapshots()
+            if release is not None:
+                shutil.rmtree(release, ignore_errors=True)
         self._summary()
         return self.exit_code
 
-    def _release_snapshots(self) -> None:
-        """Remove the job's snapshots from host memory, unless asked to keep them or a stop's
-        checkpoint is missing (they are then the only copy of the newest state)."""
+    def _snapshots_to_release(self) -> Path | None:
+        """Where the job's snapshots are in host memory (on every node) if they are to be removed;
+        ``None`` when asked to keep them or a stop's checkpoint is missing (they are then the only
+        copy of the newest state)."""
         if self.store is not None:
             self._learn_settings()  # where the workers put them
         root = snapshot_root(self.host_dir, self.job_id)
@@ -326,15 +329,13 @@ class Agent:
             shutil.rmtree(claimed, ignore_errors=True)
         if self.keep_snapshots:
             disown(root)
-            return
-        if not root.exists():
-            return
+            return None
         stopped = self._interrupted is not None or self.exit_code == EXIT_STOPPED
         if stopped and self.checkpoint_dir is None and not self._restart_pending:
             # the only copy of the newest state: kept, and reclaimed by the next agent that starts
             self.message += f"; no complete checkpoint was written: the snapshots stay in {root}"
-            return
-        shutil.rmtree(root, ignore_errors=True)
+            return None
+        return root
 
     def _start_attempt(self) -> None:
         """Launch every rank (the first attempt, or a restart). The first hosts the store; a restart

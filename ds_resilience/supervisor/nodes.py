@@ -22,7 +22,9 @@ Store keys (the leader's store, under ``dsr/nodes/``; spelled in :mod:`ds_resili
     launch/{node}/{i}         request i: JSON {rank, incarnation, local_rank, env}
     exit/{rank}/{incarnation} the exit code (text) of that process, set by its node's follower
     kill/{rank}/{incarnation} "1": SIGKILL that process
-    done                      the leader's exit code: followers stop
+    done                      "{code}[ {root}]": the leader's exit code, and where the job's snapshots
+                              are in host memory when they are to go: followers stop, and remove
+                              that directory if it is the job's whose ranks they ran
     job                       JSON {script, args, nproc}: what the leader runs; a follower that was
                               given something else refuses to start
     alive/{node}              counter: the follower's beat (every ``beat_s``)
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -64,7 +67,7 @@ from ..runtime.membership import attempt_view
 from ..job_secret import SECRET_VAR, BadSignature, seal, unseal
 from .spawn import WorkerProcess, preload_modules, start_worker
 
-__all__ = ["LeaderEnd", "NodeAgent", "NodeBeats", "RemoteProc", "job_description", "post_launch", "refused_env", "signed_get", "signed_set"]
+__all__ = ["LeaderEnd", "NodeAgent", "NodeBeats", "RemoteProc", "end_message", "read_end", "job_description", "post_launch", "refused_env", "signed_get", "signed_set"]
 
 
 def _has(store: dist.Store, key: str) -> bool:
@@ -79,6 +82,18 @@ def signed_set(store: dist.Store, secret: str, key: str, value: str) -> None:
 def signed_get(store: dist.Store, secret: str, key: str) -> str:
     """The value of ``key`` if the job's agents signed it (raises :class:`BadSignature` if not)."""
     return unseal(secret, key, store.get(key))
+
+
+def end_message(code: int, release: str | os.PathLike[str] | None) -> str:
+    """The leader's end (``done``): its exit code, and the snapshots' directory to remove on every
+    node (``None``: they are kept, e.g. the only copy of the newest state)."""
+    return f"{code}" if release is None else f"{code} {release}"
+
+
+def read_end(text: str) -> tuple[int, str | None]:
+    """(exit code, snapshots' directory or ``None``) of :func:`end_message`'s text."""
+    code, _, release = text.partition(" ")
+    return int(code), release or None
 
 
 def job_description(script: str, script_args: Sequence[str], nproc: int) -> str:
@@ -138,7 +153,7 @@ class LeaderEnd:
             except RuntimeError:
                 return  # the store is gone without an end: unknown
             try:
-                self.code = int(signed_get(store, self.secret, keys.NODES_DONE))
+                self.code = read_end(signed_get(store, self.secret, keys.NODES_DONE))[0]
             except (BadSignature, RuntimeError, ValueError):
                 pass
             return
@@ -276,6 +291,7 @@ class NodeAgent:
         self._refused: set[str] = set()  # keys whose unsigned value was told once
         self.reported: set[tuple[int, int, int]] = set()
         self.attempt = 0  # the newest attempt a request named
+        self._job_ids: set[str] = set()  # of the requests it ran: the snapshots' directory it may remove
         self._views: dict[int, dist.Store] = {}
         self.next_request = 0
         self.beat_s = beat_s
@@ -289,7 +305,7 @@ class NodeAgent:
             raise ResilienceError(f"node {self.node}: cannot reach the leader's store at {self.addr}:{self.port}: "
                                   f"{exc}") from exc
         self._echo(f"[ds_resilience node {self.node}] connected to {self.addr}:{self.port}")
-        code = 1
+        code, release = 1, None
         stop_beating = threading.Event()
         try:
             self._check_job(store)
@@ -304,7 +320,7 @@ class NodeAgent:
                 self._report_exits(store)
                 self._kill_ordered(store)
                 if _has(store, keys.NODES_DONE) and (done := self._verified(store, keys.NODES_DONE, "an end")):
-                    code = int(done)
+                    code, release = read_end(done)
                     break
                 time.sleep(self.tick_s)
         except RuntimeError as exc:  # the store is gone: the leader (and the job) ended
@@ -319,8 +335,21 @@ class NodeAgent:
                     proc.wait(timeout=10.0)
                 except subprocess.TimeoutExpired:
                     pass
+        self._release(release)
         self._echo(f"[ds_resilience node {self.node}] exit code {code}")
         return code
+
+    def _release(self, root: str | None) -> None:
+        """Remove the job's snapshots from this node's host memory, as the leader said: only a
+        directory named for the job id of the ranks this agent ran (a signed end names it)."""
+        if root is None:
+            return
+        if Path(root).name not in self._job_ids:
+            self._echo(f"[ds_resilience node {self.node}] kept {root}: not the directory of a job this node ran")
+            return
+        if Path(root).exists():
+            shutil.rmtree(root, ignore_errors=True)
+            self._echo(f"[ds_resilience node {self.node}] removed the job's snapshots from host memory ({root})")
 
     def _beat(self, store: dist.Store, stop: threading.Event) -> None:
         """This node's beat (``alive/{node}``) every ``beat_s`` until ``stop``."""
@@ -426,6 +455,8 @@ class NodeAgent:
 
     def _launch(self, request: dict[str, Any], attempt: int) -> None:
         rank, incarnation = int(request["rank"]), int(request["incarnation"])
+        if request["env"].get("DSR_JOB_ID"):
+            self._job_ids.add(request["env"]["DSR_JOB_ID"])
         env = {**os.environ, "OMP_NUM_THREADS": "1", **request["env"],
                "DSR_AGENT_PID": str(os.getpid()),  # orphan check: this agent is the parent here
                SECRET_VAR: self.secret}  # the membership records' seal: this agent's, never a request's

@@ -398,6 +398,8 @@ def test_with_a_head_node_the_loss_of_node_0_is_survived(tmp_path, reference6):
     assert re.search(r"node 0 lost whole \(its agent silent for [\d.]+ s\): ranks 0, 1 at once", out), out
     logs = "".join(p.read_text(errors="replace") for p in (tmp_path / "logs").glob("rank*.log"))
     assert "not built" not in logs, logs  # every survivor's replicas were re-placed
+    for k in (1, 2):  # the job ended with its checkpoint-free run complete: each node's snapshots go
+        assert f"[ds_resilience node {k}] removed the job's snapshots from host memory" in out, out
     assert_masters_equal(_dumps(dump, 6), reference6, dead=[0, 1], steps=NODE_STEPS)
 
 
@@ -449,6 +451,8 @@ def test_a_stage_lost_whole_restarts_every_node_from_its_own_memory(tmp_path, re
         assert f"[ds_resilience node {k}] restart 1: every worker restarts from the snapshots" in out, out
         assert out.count(f"[ds_resilience node {k}] connected to") == 1, out
     assert re.search(r"^node-c: \[ds_resilience node 2\] launched rank 5 \(incarnation 0, pid \d+, restart 1\)", out, re.M), out
+    for k in (1, 2):  # the followers' nodes held the snapshots the restart read: released at the end
+        assert f"[ds_resilience node {k}] removed the job's snapshots from host memory" in out, out
     dumps = _dumps(dump, 6)
     for r in range(6):
         restored = [x for x in dumps[r]["recovery"] if x["kind"] == "restored"]
