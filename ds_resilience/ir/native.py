@@ -39,7 +39,8 @@ from ..costs import CostModel
 from .action import ActionKind
 from .schedule import Schedule
 
-__all__ = ["NativeTimes", "available", "check", "list_orders", "peaks", "replay_times", "why_unavailable"]
+__all__ = ["NativeTimes", "available", "check", "kind_codes", "list_orders", "peaks", "remember", "replay_times",
+           "why_unavailable"]
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +132,10 @@ class _Structure:
     messages matched: the k-th receive of a key with the k-th send (a key has one sender and one
     receiver, so within a key this is program order)."""
 
-    def __init__(self, schedule: Schedule, np) -> None:  # noqa: ANN001 (numpy, imported lazily)
+    def __init__(self, schedule: Schedule, np, columns: tuple | None = None) -> None:  # noqa: ANN001 (numpy)
+        """``columns``: the actions' (kind code, stage, microbatch, pipeline, peer) as int arrays in
+        worker order, ``None`` read as 0, as whoever built ``schedule`` from them knows them
+        (:func:`remember`); else read from the actions."""
         from operator import attrgetter
 
         n = len(schedule.workers)
@@ -141,9 +145,14 @@ class _Structure:
         total = self.total = int(self.sizes.sum())
         self.off = np.zeros(n + 1, dtype=np.int64)
         self.off[1:] = np.cumsum(self.sizes)
-        rows = list(map(attrgetter("kind", "stage", "microbatch", "pipeline", "peer"),
-                        (x for actions in schedule.workers for x in actions)))
-        if rows:
+        rows = None if columns is not None else list(map(attrgetter("kind", "stage", "microbatch", "pipeline", "peer"),
+                                                         (x for actions in schedule.workers for x in actions)))
+        if columns is not None:
+            kinds, stages, mbs, pipes, peers = columns
+            self.kinds = np.ascontiguousarray(kinds, dtype=np.int32)
+            self.stage = np.ascontiguousarray(stages, dtype=np.int32)
+            self.mb, self.pipe, self.peer = (np.ascontiguousarray(c, dtype=np.int64) for c in (mbs, pipes, peers))
+        elif rows:
             k_col, s_col, m_col, p_col, q_col = zip(*rows)
             self.kinds = np.fromiter(map(_INDEX.__getitem__, k_col), dtype=np.int32, count=total)
             self.stage = np.fromiter(s_col, dtype=np.int32, count=total)
@@ -205,6 +214,22 @@ def _structure(schedule: Schedule, np) -> _Structure:  # noqa: ANN001
     structure = _Structure(schedule, np)
     _last = (schedule, structure)
     return structure
+
+
+def remember(schedule: Schedule, kinds, stages, microbatches, pipelines, peers) -> None:  # noqa: ANN001
+    """Hold ``schedule``'s arrays for the C loops that read it next (the replay, the check, the peaks),
+    from the columns it was built from: per action in worker order, its kind's code
+    (:func:`kind_codes`), stage, microbatch, pipeline and peer, ``None`` given as 0. The caller
+    vouches that they are ``schedule``'s (``tests/unit/planning/test_lowering_arrays.py``)."""
+    global _last
+    import numpy as np
+
+    _last = (schedule, _Structure(schedule, np, (kinds, stages, microbatches, pipelines, peers)))
+
+
+def kind_codes() -> dict[ActionKind, int]:
+    """Each action kind's code in the arrays the C loops read."""
+    return dict(_K)
 
 
 def replay_times(schedule: Schedule, cost: CostModel, *, repeat: int = 1, mode: str = "plain") -> NativeTimes | None:
@@ -375,11 +400,15 @@ _TASK_KINDS = (ActionKind.F, ActionKind.B, ActionKind.W, ActionKind.BW)
 
 
 def list_orders(*, dp: int, pp: int, microbatches: int, cost: CostModel, assignment, split_backward: bool,
-                act_caps, w_caps, mem_caps, start_times, mem_weights) -> tuple[list[list], float] | None:  # noqa: ANN001
+                act_caps, w_caps, mem_caps, start_times, mem_weights, raw: bool = False) -> tuple | None:  # noqa: ANN001
     """The list scheduler's orders and makespan from the C loop (arguments as
     :func:`ds_resilience.planning.list_scheduler.list_schedule`, every one given), or ``None``
     where only the Python loop applies: the library is off, the placement is not a full one of
-    same-stage workers, or the caps leave it stuck (the Python loop then says why)."""
+    same-stage workers, or the caps leave it stuck (the Python loop then says why).
+
+    ``raw``: instead of the orders, the arrays ``(worker, kind, pipeline, microbatch, owner)``: every
+    task in the order the loop emitted it, its kind an index in ``(F, B, W, BW)``, and the
+    placement (``owner[(p * pp + s) * microbatches + m]``: the worker of that item)."""
     lib = _library()
     if lib is None:
         return None
@@ -418,6 +447,8 @@ def list_orders(*, dp: int, pp: int, microbatches: int, cost: CostModel, assignm
         raise MemoryError("native list scheduler: out of memory")
     if got < 0:
         return None
+    if raw:  # the tasks in the order the loop emitted them, each (worker, kind index in _TASK_KINDS, pipeline, mb)
+        return (o_w[:got], o_kind[:got], o_p[:got], o_m[:got], owner), makespan.value
     orders: list[list] = [[] for _ in range(n)]
     kinds = _TASK_KINDS
     for w, k, p, m in zip(o_w[:got].tolist(), o_kind[:got].tolist(), o_p[:got].tolist(), o_m[:got].tolist()):

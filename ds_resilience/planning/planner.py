@@ -39,7 +39,7 @@ from typing import Iterable
 
 from ..costs import CostModel
 from ..errors import MemoryCapError, PlanningError, ScheduleError
-from ..ir import Schedule, TiedGroups, check_tied, validate
+from ..ir import Schedule, TiedGroups, check_tied, native, validate
 from ..ir.timeline import STEADY_ITERATIONS, iteration_time, memory_peaks
 from ..topology import Topology, Worker
 from ..vocab import SOLVERS, VARIANT_CHOICES, VARIANTS
@@ -47,6 +47,7 @@ from .bounds import lower_bound
 from .generators import check_grid, decoupled_candidates, one_f_one_b
 from .list_scheduler import list_schedule
 from .lowering import lower
+from .lowering_arrays import lower_arrays
 from .memory import fault_free_peak, resolve_cap, worker_peaks
 from .plan import Plan, SolverReport
 from .reroute import reroute_assignment
@@ -250,28 +251,16 @@ def _list_candidates(
         dp, n = 1, pp
     best: tuple[Schedule, float] | None = None
     for assignment, w_caps in ((a, c) for a in assignments for c in candidates):
-        result = list_schedule(
-            dp=dp,
-            pp=pp,
-            microbatches=microbatches,
-            cost=cost,
-            assignment=assignment,
-            split_backward=split,
-            act_caps=act_caps,
-            w_caps=list(w_caps),
-            mem_caps=[memory_cap] * n,
-            mem_weights=weights,
-        )
-        schedule = lower(
-            result.orders,
-            dp=dp,
-            pp=pp,
-            microbatches=microbatches,
-            failed=failed,
-            optimizer=optimizer,
-            name=f"{variant}-heuristic",
-            tied=tied,
-        )
+        listing = dict(dp=dp, pp=pp, microbatches=microbatches, cost=cost, assignment=assignment,
+                       split_backward=split, act_caps=act_caps, w_caps=list(w_caps), mem_caps=[memory_cap] * n,
+                       mem_weights=weights)
+        lowering = dict(dp=dp, pp=pp, microbatches=microbatches, failed=failed, optimizer=optimizer,
+                        name=f"{variant}-heuristic", tied=tied)
+        # the C list scheduler's tasks lowered as arrays (lowering_arrays), else the same in Python
+        raw = native.list_orders(**listing, start_times=None, raw=True)
+        schedule = lower_arrays(raw[0], **lowering) if raw is not None else None
+        if schedule is None:
+            schedule = lower(list_schedule(**listing).orders, **lowering)
         schedule = fuse(schedule, fused)
         value = iteration_time(schedule, real, variant)
         if best is None or value < best[1] - 1e-9:
