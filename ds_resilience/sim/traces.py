@@ -3,7 +3,11 @@
 Two file formats are read (:func:`load_trace` tells them apart by their first line):
 
 * **events** (``*.csv``): ``ms,add|remove,nodeN`` per line, times in milliseconds, non-decreasing;
-  the Bamboo/Oobleck spot-instance traces (``p3-trace.csv``, ``6h.csv``, ...).
+  the Bamboo/Oobleck spot-instance traces (``p3-trace.csv``, ``6h.csv``, ...). Two more kinds
+  describe fail-slow workers: ``ms,slow,nodeN,SPEED`` (the live node runs at ``SPEED`` of its
+  speed, ``0 < SPEED < 1``, from then on; a second ``slow`` changes the speed) and
+  ``ms,recover,nodeN`` (the slow node is back at full speed). A slow node that is removed dies
+  slow: the removal is an ordinary failure and ends the slowdown.
 * **samples** (``gcp-*.txt``): ``YYYY-MM-DD, HH:MM:SS, N`` per line, the number of live nodes
   observed at that time. A change of N is a membership change at the first line that reports the new
   value; the files repeat each value a few times and the repeats may step back in time, so only the
@@ -12,7 +16,8 @@ Two file formats are read (:func:`load_trace` tells them apart by their first li
 
 Generators: :func:`periodic_trace` (one removal every interval, like the published ``6h``/``1h``/
 ``10m`` traces), :func:`poisson_trace` (exponential gaps with a mean time between failures, seeded,
-optional repair) and :func:`redraw_victims` (same times, victims drawn again uniformly).
+optional repair), :func:`redraw_victims` (same times, victims drawn again uniformly) and
+:func:`add_slow_events` (seeded fail-slow episodes over any trace, see its docstring for the model).
 Every problem raises :class:`TraceError` naming the file and line. Pure Python.
 """
 
@@ -41,9 +46,18 @@ __all__ = [
     "poisson_trace",
     "redraw_victims",
     "counts_trace",
+    "add_slow_events",
+    "slow_stretch",
+    "SLOW_GAP",
+    "SLOW_DURATION",
+    "SLOW_SPEEDS",
 ]
 
 KINDS = ("add", "remove")
+"""Membership changes."""
+SLOW_KINDS = ("slow", "recover")
+"""Speed changes of a live node (fail-slow)."""
+ALL_KINDS = KINDS + SLOW_KINDS
 
 
 class SimulationError(ResilienceError, ValueError):
@@ -56,11 +70,13 @@ class TraceError(SimulationError):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TraceEvent:
-    """One membership change: ``node`` joins (``add``) or leaves (``remove``) at ``time_s``."""
+    """One change at ``time_s``: ``node`` joins (``add``), leaves (``remove``), runs at ``speed`` of
+    its speed (``slow``, ``0 < speed < 1``) or is back at full speed (``recover``)."""
 
     time_s: float
     kind: str
     node: str
+    speed: float = 1.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -68,7 +84,8 @@ class Trace:
     """A checked, time-ordered sequence of membership changes.
 
     Invariants (checked on construction): times finite, >= 0 and non-decreasing; a node is added
-    only when absent and removed only when present.
+    only when absent and removed only when present; ``slow`` only of a live node with a speed in
+    (0, 1), ``recover`` only of a slow one; membership events have speed 1.
     """
 
     name: str
@@ -77,24 +94,39 @@ class Trace:
     def __post_init__(self) -> None:
         object.__setattr__(self, "events", tuple(self.events))
         live: set[str] = set()
+        slow: set[str] = set()
         last = 0.0
         for i, e in enumerate(self.events):
             where = f"trace {self.name!r} event {i} ({e.time_s:g} s {e.kind} {e.node})"
-            if e.kind not in KINDS:
-                raise TraceError(f"{where}: kind must be one of {', '.join(KINDS)}")
+            if e.kind not in ALL_KINDS:
+                raise TraceError(f"{where}: kind must be one of {', '.join(ALL_KINDS)}")
             if not math.isfinite(e.time_s) or e.time_s < 0:
                 raise TraceError(f"{where}: time must be a finite number >= 0")
             if e.time_s < last:
                 raise TraceError(f"{where}: time goes back from {last:g} s; events must be in time order")
             last = e.time_s
+            if e.kind == "slow":
+                if isinstance(e.speed, bool) or not isinstance(e.speed, (int, float)) or not 0 < e.speed < 1:
+                    raise TraceError(f"{where}: speed {e.speed!r} must be a number in (0, 1)")
+            elif e.speed != 1.0:
+                raise TraceError(f"{where}: only a 'slow' event has a speed (got {e.speed!r})")
             if e.kind == "add":
                 if e.node in live:
                     raise TraceError(f"{where}: node is already live")
                 live.add(e.node)
-            else:
+            elif e.kind == "remove":
                 if e.node not in live:
                     raise TraceError(f"{where}: node is not live")
                 live.discard(e.node)
+                slow.discard(e.node)
+            elif e.kind == "slow":
+                if e.node not in live:
+                    raise TraceError(f"{where}: only a live node can run slow")
+                slow.add(e.node)
+            else:
+                if e.node not in slow:
+                    raise TraceError(f"{where}: node is not slow")
+                slow.discard(e.node)
         if not self.events:
             raise TraceError(f"trace {self.name!r} has no events")
 
@@ -102,6 +134,15 @@ class Trace:
     def end_s(self) -> float:
         """Time of the last event: the simulation stops there (as the published simulators do)."""
         return self.events[-1].time_s
+
+    @property
+    def slowdowns(self) -> int:
+        """Number of ``slow`` events."""
+        return sum(1 for e in self.events if e.kind == "slow")
+
+    def membership(self) -> "Trace":
+        """The trace without its speed events (the failure trace it was built on)."""
+        return Trace(name=self.name, events=tuple(e for e in self.events if e.kind in KINDS))
 
     @property
     def removals(self) -> int:
@@ -116,6 +157,8 @@ class Trace:
         out: list[tuple[float, int]] = []
         n = 0
         for e in self.events:
+            if e.kind not in KINDS:
+                continue
             n += 1 if e.kind == "add" else -1
             if out and out[-1][0] == e.time_s:
                 out[-1] = (e.time_s, n)
@@ -129,7 +172,8 @@ class Trace:
 
     def to_csv(self) -> str:
         """The events format (milliseconds), one line per event."""
-        return "".join(f"{round(e.time_s * 1000)},{e.kind},{e.node}\n" for e in self.events)
+        return "".join(f"{round(e.time_s * 1000)},{e.kind},{e.node}" + (f",{e.speed:g}" if e.kind == "slow" else "") + "\n"
+                       for e in self.events)
 
 
 _DURATION = re.compile(r"^\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(ms|s|m|min|h|d)?\s*$")
@@ -179,52 +223,80 @@ def load_trace(path: str | Path) -> Trace:
     if first is None:
         raise TraceError(f"trace file {str(path)!r} is empty")
     fields = [f.strip() for f in first.split(",")]
-    if len(fields) == 3 and fields[1] in KINDS:
+    if len(fields) in (3, 4) and fields[1] in ALL_KINDS:
         return parse_events(lines, source=str(path), name=path.stem)
     if len(fields) == 3 and re.match(r"^\d{4}-\d{2}-\d{2}$", fields[0]):
         return parse_samples(lines, source=str(path), name=path.stem)
     raise TraceError(
-        f"{path}:1: {first.strip()!r} is neither 'ms,add|remove,node' nor 'YYYY-MM-DD, HH:MM:SS, live_nodes'"
+        f"{path}:1: {first.strip()!r} is neither 'ms,add|remove|slow|recover,node[,speed]' nor "
+        "'YYYY-MM-DD, HH:MM:SS, live_nodes'"
     )
 
 
-def _records(lines: Iterable[str], source: str, form: str) -> Iterator[tuple[str, list[str]]]:
-    """(location for messages, the three comma-separated fields) of each line that is not blank or a
-    ``#`` comment; raises :class:`TraceError` naming ``form`` for a line without three fields."""
+def _records(lines: Iterable[str], source: str, form: str, counts: tuple[int, ...] = (3,)) -> Iterator[tuple[str, list[str]]]:
+    """(location for messages, the comma-separated fields) of each line that is not blank or a
+    ``#`` comment; raises :class:`TraceError` naming ``form`` for a line with another field count."""
     for lineno, raw in enumerate(lines, 1):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
         where = f"{source}:{lineno}: {line!r}"
         parts = [p.strip() for p in line.split(",")]
-        if len(parts) != 3:
-            raise TraceError(f"{where}: expected 3 fields {form}, got {len(parts)}")
+        if len(parts) not in counts:
+            expected = " or ".join(str(c) for c in counts)
+            raise TraceError(f"{where}: expected {expected} fields {form}, got {len(parts)}")
         yield where, parts
 
 
 def parse_events(lines: Iterable[str], *, source: str = "<trace>", name: str = "trace") -> Trace:
-    """Parse ``ms,add|remove,node`` lines (blank lines and ``#`` comments are skipped)."""
+    """Parse ``ms,add|remove,node``, ``ms,slow,node,speed`` and ``ms,recover,node`` lines (blank
+    lines and ``#`` comments are skipped); every problem names the source and line."""
     events: list[TraceEvent] = []
     live: set[str] = set()
+    slow: set[str] = set()
     last = 0
-    for where, parts in _records(lines, source, "'ms,add|remove,node'"):
-        ms_text, kind, node = parts
+    form = "'ms,add|remove|recover,node' or 'ms,slow,node,speed'"
+    for where, parts in _records(lines, source, form, counts=(3, 4)):
+        ms_text, kind, node = parts[:3]
         if not re.fullmatch(r"\d+", ms_text):
             raise TraceError(f"{where}: time {ms_text!r} must be a non-negative integer of milliseconds")
-        if kind not in KINDS:
-            raise TraceError(f"{where}: event {kind!r} must be one of {', '.join(KINDS)}")
+        if kind not in ALL_KINDS:
+            raise TraceError(f"{where}: event {kind!r} must be one of {', '.join(ALL_KINDS)}")
         if not node:
             raise TraceError(f"{where}: node name is empty")
+        speed = 1.0
+        if kind == "slow":
+            if len(parts) != 4:
+                raise TraceError(f"{where}: a slow event needs its speed: 'ms,slow,node,speed' (e.g. 0.5)")
+            try:
+                speed = float(parts[3])
+            except ValueError:
+                raise TraceError(f"{where}: speed {parts[3]!r} is not a number (a fraction of full speed, e.g. 0.5)") from None
+            if not 0 < speed < 1:
+                raise TraceError(f"{where}: speed {parts[3]} must be > 0 and < 1 (a fraction of full speed; "
+                                 "'recover' restores full speed, 'remove' a dead node)")
+        elif len(parts) != 3:
+            raise TraceError(f"{where}: only a slow event has a fourth field (its speed)")
         ms = int(ms_text)
         if ms < last:
             raise TraceError(f"{where}: time {ms} ms is before the previous event ({last} ms); lines must be in time order")
         last = ms
         if kind == "add" and node in live:
             raise TraceError(f"{where}: {node} is added while already live")
-        if kind == "remove" and node not in live:
-            raise TraceError(f"{where}: {node} is removed but is not live")
-        (live.add if kind == "add" else live.discard)(node)
-        events.append(TraceEvent(time_s=ms / 1000.0, kind=kind, node=node))
+        if kind in ("remove", "slow") and node not in live:
+            raise TraceError(f"{where}: {node} is {'removed' if kind == 'remove' else 'slowed'} but is not live")
+        if kind == "recover" and node not in slow:
+            raise TraceError(f"{where}: {node} recovers but is not slow")
+        if kind == "add":
+            live.add(node)
+        elif kind == "remove":
+            live.discard(node)
+            slow.discard(node)
+        elif kind == "slow":
+            slow.add(node)
+        else:
+            slow.discard(node)
+        events.append(TraceEvent(time_s=ms / 1000.0, kind=kind, node=node, speed=speed))
     if not events:
         raise TraceError(f"{source}: no events")
     return Trace(name=name, events=tuple(events))
@@ -371,6 +443,9 @@ def redraw_victims(trace: Trace, rng: random.Random) -> Trace:
     The published periodic traces were generated with an unseeded draw of the victims; systems
     whose outcome depends on which node fails (Bamboo) are reported as the mean over redraws.
     """
+    if trace.slowdowns:
+        raise SimulationError(f"trace {trace.name!r} has slow events: redraw the victims of its membership() "
+                              "and add the slow events to the redrawn trace (add_slow_events)")
     live: list[str] = []
     out: list[TraceEvent] = []
     fresh = 0
@@ -402,3 +477,127 @@ def counts_trace(points: Sequence[tuple[float, int]], *, name: str = "counts") -
         while len(live) > count:
             events.append(TraceEvent(time_s=float(t), kind="remove", node=live.pop()))
     return Trace(name=name, events=tuple(events))
+
+
+# --- fail-slow episodes ----------------------------------------------------------------------
+
+SLOW_GAP = "30m"
+"""Default mean gap between fail-slow onsets, cluster-wide (see :func:`add_slow_events`)."""
+SLOW_DURATION = "30m"
+"""Default mean length of a fail-slow episode."""
+SLOW_SPEEDS = (0.5, 0.75)
+"""Default speeds of a slow worker (a fraction of its full speed), drawn uniformly."""
+
+
+def add_slow_events(
+    trace: Trace,
+    *,
+    seed: int = 0,
+    mean_gap: str | float = SLOW_GAP,
+    mean_duration: str | float = SLOW_DURATION,
+    speeds: Sequence[float] = SLOW_SPEEDS,
+    die_fraction: float = 0.0,
+) -> Trace:
+    """``trace`` with seeded fail-slow episodes added (its membership events are kept unchanged).
+
+    The model: episodes start as a Poisson process of the whole cluster with mean gap ``mean_gap``;
+    each slows one node drawn uniformly among the live nodes at full speed, to a speed drawn
+    uniformly from ``speeds``, for an exponential time of mean ``mean_duration``; it then recovers,
+    or with probability ``die_fraction`` the node is removed (slow, then dead). An episode on a
+    node the trace removes ends there; episodes still running at the trace's end are not closed;
+    an onset with no node at full speed is skipped. Every random number is drawn up front from
+    ``random.Random(seed)``, so the same arguments give the same trace.
+
+    The defaults (one onset every 30 minutes on average, 30 minutes long, 0.5x or 0.75x) are an
+    assumption calibrated to the one figure we have, FALCON (2024): fail-slows stretched average
+    job completion on a >10,000-GPU cluster by 1.34x. A synchronous job that runs at its slowest
+    worker's pace is stretched by :func:`slow_stretch` 1.33x over a 480-hour trace (mean of 6 seeds) with
+    these defaults (1.23-1.35x on the shipped traces, mean of 8 seeds); neither the rates nor the lengths are published in
+    what we could read.
+
+    Raises:
+        SimulationError: a non-positive gap or duration, a speed outside (0, 1), a fraction outside
+            [0, 1], or a trace that already has slow events.
+    """
+    gap = parse_duration(mean_gap)
+    length = parse_duration(mean_duration)
+    speeds = tuple(speeds)
+    if not speeds or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1 for v in speeds):
+        raise SimulationError(f"slow speeds must be numbers in (0, 1), got {list(speeds)!r}")
+    if isinstance(die_fraction, bool) or not isinstance(die_fraction, (int, float)) or not 0 <= die_fraction <= 1:
+        raise SimulationError(f"die_fraction must be a number in [0, 1], got {die_fraction!r}")
+    if trace.slowdowns:
+        raise SimulationError(f"trace {trace.name!r} already has slow events")
+    rng = random.Random(seed)
+    end = trace.end_s
+    episodes: list[tuple[float, float, float, bool, float]] = []  # onset, speed, length, dies, victim draw
+    t = 0.0
+    while True:
+        t += rng.expovariate(1.0 / gap)
+        if t >= end:
+            break
+        episodes.append((t, speeds[rng.randrange(len(speeds))], rng.expovariate(1.0 / length),
+                         rng.random() < die_fraction, rng.random()))
+    out: list[TraceEvent] = []
+    live: list[str] = []
+    slow: dict[str, tuple[float, bool]] = {}  # node -> (end of its episode, dies)
+
+    def close_until(time: float, *, inclusive: bool) -> None:
+        while slow:
+            node, (stop, dies) = min(slow.items(), key=lambda kv: (kv[1][0], kv[0]))
+            if stop > time or (stop == time and not inclusive):
+                return
+            del slow[node]
+            if dies:
+                live.remove(node)
+            out.append(TraceEvent(time_s=stop, kind="remove" if dies else "recover", node=node))
+
+    pending = list(reversed(episodes))
+    for e in trace.events:
+        while pending and pending[-1][0] < e.time_s:
+            onset, speed, span, dies, draw = pending.pop()
+            close_until(onset, inclusive=True)
+            fast = [n for n in live if n not in slow]
+            if not fast:
+                continue
+            node = fast[min(int(draw * len(fast)), len(fast) - 1)]
+            out.append(TraceEvent(time_s=onset, kind="slow", node=node, speed=float(speed)))
+            if onset + span < end:
+                slow[node] = (onset + span, dies)
+            else:
+                slow[node] = (math.inf, False)
+        close_until(e.time_s, inclusive=False)
+        if e.kind == "add":
+            if e.node in live:  # a node that the trace re-adds after a slow-then-dead episode took it
+                continue
+            live.append(e.node)
+        elif e.kind == "remove":
+            if e.node not in live:  # died slow already
+                continue
+            live.remove(e.node)
+            slow.pop(e.node, None)
+        out.append(e)
+    return Trace(name=f"{trace.name}+slow{seed}", events=tuple(out))
+
+
+def slow_stretch(trace: Trace) -> float:
+    """How much longer a job that runs at its slowest live node's pace takes over ``trace``: the
+    window over the work it gets done, ``end / integral of min(speed of the live nodes) dt``
+    (1.0 with no slow events). The yardstick of :func:`add_slow_events`'s calibration."""
+    speeds: dict[str, float] = {}
+    live: set[str] = set()
+    work, last = 0.0, 0.0
+    for e in trace.events:
+        pace = min((speeds.get(n, 1.0) for n in live), default=1.0)
+        work += (e.time_s - last) * pace
+        last = e.time_s
+        if e.kind == "add":
+            live.add(e.node)
+        elif e.kind == "remove":
+            live.discard(e.node)
+            speeds.pop(e.node, None)
+        elif e.kind == "slow":
+            speeds[e.node] = e.speed
+        else:
+            speeds.pop(e.node, None)
+    return trace.end_s / work if work > 0 else 1.0

@@ -15,6 +15,7 @@ from ds_resilience.sim.traces import (
     Trace,
     TraceError,
     TraceEvent,
+    add_slow_events,
     counts_trace,
     load_trace,
     parse_duration,
@@ -23,6 +24,7 @@ from ds_resilience.sim.traces import (
     periodic_trace,
     poisson_trace,
     redraw_victims,
+    slow_stretch,
 )
 
 TRACES = Path(__file__).resolve().parents[3] / "configs" / "traces"
@@ -86,11 +88,22 @@ BAD_EVENTS = [
     (["0,add,node1", "10,explode,node1"], 2, "must be one of add, remove"),
     (["0,add,node1", "1.5,remove,node1"], 2, "non-negative integer of milliseconds"),
     (["0,add,node1", "-5,remove,node1"], 2, "non-negative integer"),
-    (["0,add,node1", "10,remove"], 2, "expected 3 fields"),
+    (["0,add,node1", "10,remove"], 2, "expected 3 or 4 fields"),
     (["0,add,node1", "10,add,node2", "5,remove,node1"], 3, "before the previous event"),
     (["0,add,node1", "10,remove,node2"], 2, "node2 is removed but is not live"),
     (["0,add,node1", "10,add,node1"], 2, "node1 is added while already live"),
     (["0,add,"], 1, "node name is empty"),
+    # fail-slow events
+    (["0,add,node1", "10,slow,node1"], 2, "a slow event needs its speed"),
+    (["0,add,node1", "10,slow,node1,half"], 2, "speed 'half' is not a number"),
+    (["0,add,node1", "10,slow,node1,1.5"], 2, "must be > 0 and < 1"),
+    (["0,add,node1", "10,slow,node1,0"], 2, "must be > 0 and < 1"),
+    (["0,add,node1", "10,slow,node1,1"], 2, "'recover' restores full speed"),
+    (["0,add,node1", "10,slow,node2,0.5"], 2, "node2 is slowed but is not live"),
+    (["0,add,node1", "10,recover,node1"], 2, "node1 recovers but is not slow"),
+    (["0,add,node1", "10,slow,node1,0.5", "20,remove,node1", "30,add,node1", "40,recover,node1"], 5, "node1 recovers but is not slow"),
+    (["0,add,node1", "10,remove,node1,0.5"], 2, "only a slow event has a fourth field"),
+    (["0,add,node1", "10,slow,node1,0.5,x"], 2, "expected 3 or 4 fields"),
 ]
 
 
@@ -199,3 +212,78 @@ def test_redraw_victims_keeps_times_and_is_seeded():
     assert a != redraw_victims(base, random.Random(6))
     rejoin = counts_trace([(0, 3), (10, 2), (20, 3)])  # the redraw must cope with re-added names
     redraw_victims(rejoin, random.Random(0))
+
+
+# --- fail-slow events ------------------------------------------------------------------------
+
+
+def test_slow_events_parse_round_trip_and_load(tmp_path):
+    lines = ["0,add,a", "0,add,b", "1000,slow,a,0.5", "2000,slow,a,0.75", "3000,recover,a", "4000,slow,b,0.5", "5000,remove,b",
+             "6000,add,end"]
+    trace = parse_events(lines, source="s.csv")
+    assert [(e.kind, e.node, e.speed) for e in trace.events][2:6] == [("slow", "a", 0.5), ("slow", "a", 0.75),
+                                                                        ("recover", "a", 1.0), ("slow", "b", 0.5)]
+    assert trace.slowdowns == 3 and trace.removals == 1 and trace.live_counts()[-1] == (6.0, 2)
+    assert trace.to_csv().splitlines() == lines
+    assert trace.membership().slowdowns == 0 and len(trace.membership().events) == 4
+    path = tmp_path / "slow.csv"
+    path.write_text("0,slow,a,0.5\n")  # the format is told by the first line; the check names the line
+    with pytest.raises(TraceError, match=r"slow\.csv:1: .*a is slowed but is not live"):
+        load_trace(path)
+    path.write_text(trace.to_csv())
+    assert load_trace(path).events == trace.events
+
+
+def test_trace_construction_checks_slow_invariants():
+    add = TraceEvent(time_s=0.0, kind="add", node="a")
+    with pytest.raises(TraceError, match=r"speed 1\.2 must be a number in \(0, 1\)"):
+        Trace(name="t", events=(add, TraceEvent(time_s=1.0, kind="slow", node="a", speed=1.2)))
+    with pytest.raises(TraceError, match="only a 'slow' event has a speed"):
+        Trace(name="t", events=(add, TraceEvent(time_s=1.0, kind="remove", node="a", speed=0.5)))
+    with pytest.raises(TraceError, match="only a live node can run slow"):
+        Trace(name="t", events=(add, TraceEvent(time_s=1.0, kind="slow", node="b", speed=0.5)))
+    with pytest.raises(TraceError, match="node is not slow"):
+        Trace(name="t", events=(add, TraceEvent(time_s=1.0, kind="recover", node="a")))
+
+
+@pytest.mark.parametrize("name", ["6h.csv", "10m.csv", "p3-trace.csv", "scale_gcp-trace.csv"])
+def test_add_slow_events_keeps_the_membership_and_is_seeded(name):
+    base = load_trace(TRACES / name)
+    a = add_slow_events(base, seed=3)
+    assert a == add_slow_events(base, seed=3) and a != add_slow_events(base, seed=4)
+    assert a.membership().events == base.events  # recover, never die: the failure trace is unchanged
+    assert a.slowdowns > 0 and a.end_s == base.end_s
+    assert {e.speed for e in a.events if e.kind == "slow"} <= {0.5, 0.75}
+
+
+def test_add_slow_events_slow_then_dead():
+    base = load_trace(TRACES / "3h.csv")
+    t = add_slow_events(base, seed=1, die_fraction=1.0)
+    assert t.slowdowns > 0
+    assert t.removals > base.removals  # every closed episode ends in a removal
+    assert not any(e.kind == "recover" for e in t.events)
+
+
+def test_slow_model_is_calibrated_to_falcon():
+    """The default episodes stretch a job that runs at its slowest worker's pace by about FALCON's
+    1.34x (a long trace, mean of 4 seeds)."""
+    long = poisson_trace("1h", duration="480h", repair="1h")
+    stretch = statistics.fmean(slow_stretch(add_slow_events(long, seed=k)) for k in range(4))
+    assert 1.30 < stretch < 1.38
+    assert slow_stretch(long) == 1.0
+    half = parse_events(["0,add,a", "0,add,b", "0,slow,a,0.5", "3600000,recover,a", "7200000,add,c"])
+    assert slow_stretch(half) == pytest.approx(7200 / (3600 * 0.5 + 3600))
+
+
+def test_slow_generator_errors():
+    base = load_trace(TRACES / "1h.csv")
+    with pytest.raises(SimulationError, match=r"speeds must be numbers in \(0, 1\)"):
+        add_slow_events(base, speeds=(0.5, 1.0))
+    with pytest.raises(SimulationError, match=r"die_fraction must be a number in \[0, 1\]"):
+        add_slow_events(base, die_fraction=2)
+    with pytest.raises(SimulationError, match="must be > 0"):
+        add_slow_events(base, mean_gap="0")
+    with pytest.raises(SimulationError, match="already has slow events"):
+        add_slow_events(add_slow_events(base))
+    with pytest.raises(SimulationError, match="has slow events: redraw the victims of its membership"):
+        redraw_victims(add_slow_events(base), random.Random(0))
