@@ -15,6 +15,11 @@ micro-batch and 8 micro-batches per pipeline. Each configuration is one launch o
 with vanilla DeepSpeed, then as many with ``ds_resilience.initialize`` (which profiles itself in
 its first 5 steps and re-plans with what it measured). The figure is the median iteration of
 steps 6 to the end, the slowest rank's; the ratio is ds_resilience's throughput over vanilla's.
+The table also gives each engine's longest step after the first (a stall for the re-plan after the
+profile would show there), the step checks of clipping (summed over ranks: speculated, rolled back,
+waited, or "ready": the last stage to publish its norm stepped exactly at once) and, under the
+agent, the in-memory snapshots' interval in force at the end, the training thread's stall per
+capture and the background copy's time (the largest over ranks).
 ``--small`` (AlexNet's widths / 8, 1 round) checks the benchmark runs, in a minute.
 """
 
@@ -68,6 +73,11 @@ def summarize(data: dict, first: int) -> dict:
         per_rank = [statistics.median(r[engine]["times"][first - 1:]) for r in data["ranks"]]
         row[engine] = max(per_rank)
     row["ratio"] = row["vanilla"] / row["resilient"]
+    # the longest step after the first (the profile's end and the re-plan are at step 5): a re-plan
+    # that stalled training shows here (it once stopped a 4-rank job for 12-24 s)
+    row["longest"] = {e: max(max(r[e]["times"][1:]) for r in data["ranks"]) for e in ("vanilla", "resilient")}
+    row["steps_s"] = {e: [max(r[e]["times"][i] for r in data["ranks"]) for i in range(len(data["ranks"][0][e]["times"]))]
+                      for e in ("vanilla", "resilient")}
     res = [r["resilient"] for r in data["ranks"]]
     counts: dict[str, int] = {}
     for r in res:
@@ -85,8 +95,9 @@ def summarize(data: dict, first: int) -> dict:
 
 def table(rows: list[dict]) -> str:
     lines = ["| ranks | agent | `gradient_clipping` | vanilla s/iter | ds_resilience s/iter | ds_resilience throughput / vanilla "
-             "| steps speculated / rolled back / waited / ready | snapshot interval, stall, copy |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| longest step 2-N, vanilla / ds_resilience | steps speculated / rolled back / waited / ready "
+             "| snapshot interval, stall, copy |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         v = r["validation"]
         checks = (f"{v.get('speculated', 0)} / {v.get('rolled back', 0)} / {v.get('waited', 0)} / {v.get('ready', 0)}"
@@ -94,7 +105,8 @@ def table(rows: list[dict]) -> str:
         snap = r.get("snapshot")
         snap_text = f"{snap['interval']}, {snap['stall_ms']:.0f} ms, {snap['copy_ms']:.0f} ms" if snap else "-"
         lines.append(f"| {r['ranks']} | {'yes' if r['mode'] == 'agent' else 'no'} | {r['clip']:g} | {r['vanilla']:.3f} "
-                     f"| {r['resilient']:.3f} | **{r['ratio']:.2f}** | {checks} | {snap_text} |")
+                     f"| {r['resilient']:.3f} | **{r['ratio']:.2f}** | {r['longest']['vanilla']:.2f} / {r['longest']['resilient']:.2f} s "
+                     f"| {checks} | {snap_text} |")
     return "\n".join(lines)
 
 
@@ -125,6 +137,9 @@ def main() -> None:
                           f"{row['resilient']:.3f} s/iter, ratio {row['ratio']:.2f} (validation {row['validation']}, "
                           f"OPT {row['opt_step_s']}, snapshot {row.get('snapshot')}, launch {data['wall_s']:.0f} s)",
                           flush=True)
+                    for e in ("vanilla", "resilient"):
+                        print(f"  {e} steps (slowest rank): " + " ".join(f"{t:.2f}" for t in row["steps_s"][e]),
+                              flush=True)
     print()
     print(f"AlexNet widths / {args.width}, {args.steps} steps, median of steps {args.first}-{args.steps}, "
           f"{os.cpu_count()} CPUs")
