@@ -32,12 +32,16 @@ Keys (under ``"resilience"``), defaults in brackets::
     detector.store_timeout_s        number > 0                            [30.0]
     detector.pg_timeout_s           number > 0                            [60.0]
     detector.stall_timeout_s        number > 0 | null                     [300.0]
+    detector.straggler_window       int >= 2                              [5]
+    detector.straggler_margin       number > 0                            [0.3]
     fault_injection                 list of objects, each with all of:    [[]]
     fault_injection[].rank          int >= 0
     fault_injection[].step          int >= 0
     fault_injection[].point         "before_forward" | "mid_backward" | "in_reduce" | "in_optimizer" |
                                     "in_recovery" | "in_snapshot" | "in_rejoin"
-    fault_injection[].kind          "exit" | "sigkill" | "hang" | "stall" | "lose_machine"
+    fault_injection[].kind          "exit" | "sigkill" | "hang" | "stall" | "lose_machine" | "delay" | "slow"
+    fault_injection[].speed         number in (0, 1] (kind slow)          [null]
+    fault_injection[].steps         int >= 1 (kind slow)                  [null]
     fast_w                          bool                                  [true]
     checkpoint.enabled              bool                                  [true]
     checkpoint.interval             int >= 1                              [1]
@@ -295,6 +299,11 @@ class DetectorConfig(_Section):
     stall_timeout_s: float | None = _opt(float, "a worker whose main thread runs one action (not a wait on peers) "
                                          "this long stops beating and is taken for hung; null = never",
                                          default=300.0, nullable=True, exclusive_minimum=0)
+    straggler_window: int = _opt(int, "iterations over which a worker's compute pace (its fastest) is held against "
+                                 "its stage peers' (runtime/stragglers.py)", default=5, minimum=2)
+    straggler_margin: float = _opt(float, "a worker whose pace is slower than its stage peers' by more than this "
+                                   "fraction is reported slow; recovered below half of it", default=0.3,
+                                   exclusive_minimum=0)
 
     def _check_together(self) -> None:
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
@@ -315,11 +324,19 @@ class FaultInjection(_Section):
                    "thread sleeps `seconds`, then goes on)", choices=FAULT_KINDS)
     seconds: float | None = _opt(float, "how long a delay lasts (kind delay only)", default=None, nullable=True,
                                  exclusive_minimum=0)
+    speed: float | None = _opt(float, "the speed of a slow worker's forward and backward passes, a fraction of its "
+                               "own (kind slow only)", default=None, nullable=True, exclusive_minimum=0, maximum=1)
+    steps: int | None = _opt(int, "for how many iterations a worker stays slow, from `step` (kind slow only)",
+                             default=None, nullable=True, minimum=1)
 
     def _check_together(self) -> None:
         if (self.kind == "delay") != (self.seconds is not None):
             raise ConfigError("seconds", f"is required by kind 'delay' and allowed with it only; kind {self.kind!r}, "
                               f"seconds {self.seconds!r}")
+        for name in ("speed", "steps"):
+            if (self.kind == "slow") != (getattr(self, name) is not None):
+                raise ConfigError(name, f"is required by kind 'slow' and allowed with it only; kind {self.kind!r}, "
+                                  f"{name} {getattr(self, name)!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

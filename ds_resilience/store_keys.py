@@ -40,7 +40,8 @@ attempt's.
 
 Per session (a live stage's generation of groups): ``dsr/{session}/val/{iteration}/{stage}``
 (gradient norms for validation), ``dsr/{session}/loss/{epoch}/{step}``,
-``dsr/{session}/idle/{step}``, ``dsr/{name}/{ranks}`` (a group's own prefix), and the snapshot
+``dsr/{session}/idle/{step}``, ``dsr/{session}/pace/{rank}`` (a worker's compute pace, overwritten
+every iteration: runtime/stragglers.py), ``dsr/{name}/{ranks}`` (a group's own prefix), and the snapshot
 interval ``dsr/snapshot-interval[/{name}]``.
 """
 
@@ -173,6 +174,10 @@ def loss(session: str, epoch_: int, step: int) -> str:
 
 def idle(session: str, step: int) -> str:
     return f"{ROOT}/{session}/idle/{step}"
+
+
+def pace(session: str, rank: int) -> str:
+    return f"{ROOT}/{session}/pace/{rank}"
 
 
 def group(name: str, ranks: Iterable[int]) -> str:

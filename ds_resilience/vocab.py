@@ -34,5 +34,7 @@ re-joining worker (step: the resume step); while the plans are rebuilt after the
 publisher once it has announced the build, on every other rank before it waits for it (step: the
 last step of the profile)."""
 
-FAULT_KINDS = ("exit", "sigkill", "hang", "stall", "lose_machine", "delay")
-"""How an injected fault fails the worker (``delay``: a straggler, it goes on after ``seconds``)."""
+FAULT_KINDS = ("exit", "sigkill", "hang", "stall", "lose_machine", "delay", "slow")
+"""How an injected fault fails the worker (``delay``: a straggler, it goes on after ``seconds``;
+``slow``: a fail-slow worker, its forward and backward passes run at ``speed`` for ``steps``
+iterations)."""

@@ -118,6 +118,7 @@ class ResilientPipelineEngine(SurvivorAPI, PipelineEngine):
         self._idle_iteration = 0
         self._since_print = 0.0
         self._reported_recoveries = 0
+        self._reported_stragglers = 0
         self._monitor_warned = False
         self.eval_source = eval_source
         self.stage_host = DeepSpeedStage(self)

@@ -87,8 +87,17 @@ def report(engine, elapsed: float) -> None:
             events.append(("Resilience/waits_per_100", engine.validator.waits_per_100(), engine.global_samples))
         if engine.recovery_log[engine._reported_recoveries:] or engine.current.failed:
             events.append(("Resilience/rerouted_microbatches", float(engine.executor.stats.rerouted), engine.global_samples))
+        # a straggler's speed when it is found slow, 1.0 when it recovered (runtime/stragglers.py)
+        events += [(f"Resilience/rank{d.rank}_speed", d.speed if d.slow else 1.0, engine.global_samples)
+                   for d in _stragglers(engine)[engine._reported_stragglers:]]
         write_monitor(engine, events)
     engine._reported_recoveries = len(engine.recovery_log)
+    engine._reported_stragglers = len(_stragglers(engine))
+
+
+def _stragglers(engine) -> list:
+    watch = engine.live.stragglers
+    return watch.decisions if watch is not None else []
 
 
 def write_csv_events(log_dir: Path, events: list[tuple[str, float, int]]) -> None:

@@ -41,6 +41,9 @@ _PEER_WAITS = frozenset({ActionKind.RECV_ACT, ActionKind.RECV_GRAD, ActionKind.R
                          ActionKind.OPT_STEP})
 """Actions that wait for other workers (a receive, a collective, the step check): not timed as a hang."""
 
+_COMPUTE = frozenset({ActionKind.F, ActionKind.B, ActionKind.W, ActionKind.BW})
+"""Forward and backward passes: what a slow worker (``Executor.speed``) runs slower."""
+
 BatchSource = Callable[[int, int, int], tuple[Any, Any]]
 """(pipeline, iteration, microbatch) -> (inputs, labels)."""
 
@@ -299,6 +302,9 @@ class Executor:
         self.progress: Progress | None = None  # the main thread's progress, for hang detection
         self.stats = IterationStats()
         self.count_w_bytes = False  # peak pending-W bytes in the stats (a profile sets it: it costs a graph walk per B)
+        # the fraction of its own speed its forward and backward passes run at now (an injected
+        # ``slow`` fault: runtime/faults.py); None: full speed
+        self.speed: Callable[[], float] | None = None
         self.fast_w = True  # W without autograd where bw_split can (resilience.fast_w)
         self.wstore = WeightGradStore(count_bytes=False)
         self._inputs: dict = {}
@@ -382,6 +388,8 @@ class Executor:
             progress.advance(f"step {index} ({action})")
             with self.hooks.action_window(index), (progress.waiting() if action.kind in _PEER_WAITS else contextlib.nullcontext()):
                 handler(action)
+        if self.speed is not None and action.kind in _COMPUTE and (speed := self.speed()) < 1.0:
+            time.sleep((time.perf_counter() - t0) * (1.0 / speed - 1.0))  # a fail-slow worker
         self.stats.durations.setdefault(action.kind.value, []).append(time.perf_counter() - t0)
 
     def reset(self) -> None:

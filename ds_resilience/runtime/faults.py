@@ -81,6 +81,7 @@ class FaultInjector:
         self._on_fire = on_fire
         self._kill = kill
         self.fired: list[FaultInjection] = []
+        self._slow: tuple[int, int, float] | None = None  # (first slow step, first at full speed again, speed)
 
     @property
     def pending(self) -> tuple[FaultInjection, ...]:
@@ -108,7 +109,17 @@ class FaultInjector:
         if self._on_fire is not None:
             self._on_fire(fault)
         sys.stdout.flush()
+        if fault.kind == "slow":
+            self._slow = (step, step + (fault.steps or 1), fault.speed or 1.0)
+            return
         self._fire(fault.kind, fault.seconds)
+
+    def speed(self, step: int) -> float:
+        """The fraction of its own speed at which this worker's forward and backward passes run in
+        iteration ``step`` (a ``slow`` fault that fired and has not run out; else 1)."""
+        if self._slow is None or not self._slow[0] <= step < self._slow[1]:
+            return 1.0
+        return self._slow[2]
 
     def _fire(self, kind: str, seconds: float | None = None) -> None:
         if kind == "delay":

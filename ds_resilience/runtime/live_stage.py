@@ -23,6 +23,7 @@ The ways a stage starts are one :class:`StartMode`, chosen in one place (:meth:`
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -40,11 +41,14 @@ from .coordinator import Coordinator
 from .executor import Executor
 from .faults import FaultInjector
 from .progress import Progress
+from .stragglers import StragglerWatch
 from . import stop_signals
 from .recovery import Generation, LiveRecovery, RecoveryHooks, is_failure, release_on_epoch
 
 __all__ = ["LiveStage", "RecoveryHooks", "StageDescription", "StartMode"]
 
+
+log = logging.getLogger(__name__)
 
 class StartMode(enum.Enum):
     """How a stage starts."""
@@ -162,6 +166,8 @@ class LiveStage:
         self.recovery: LiveRecovery | None = None
         self.hooks: RecoveryHooks | None = None
         self.generation: Generation | None = None
+        self.stragglers: StragglerWatch | None = None  # under the agent: who runs slower than its stage peers
+        self._straggler_error = False
         self.closed = False
         self._derived: tuple[Any, tuple[Action, ...], dict[int, tuple[int, ...]]] | None = None
 
@@ -186,10 +192,13 @@ class LiveStage:
         self.executor = executor
         executor.progress = self.progress
         executor.fast_w = self.desc.config.fast_w
+        executor.speed = lambda: self.faults.speed(executor.iteration)  # an injected fail-slow worker
         self.hooks = hooks
         if not self.mode.live:
             return
         desc, det = self.desc, self.desc.config.detector
+        self.stragglers = StragglerWatch(self.coordinator.store, desc.session, desc.rank, self._members,
+                                         window=det.straggler_window, margin=det.straggler_margin)
         self.recovery = LiveRecovery(
             topology=desc.topology, me=desc.me, coordinator=self.coordinator, executor=executor, tier=self.tier,
             provider=provider, session=desc.session, timeout_s=det.pg_timeout_s,
@@ -267,10 +276,32 @@ class LiveStage:
             with self.progress.active():
                 run()
         ex.end_iteration()
+        self._watch_stragglers(step)
         result = after() if after is not None else None
         elapsed = time.perf_counter() - started
         self.tier.end_iteration(elapsed)
         return result, elapsed
+
+    def _members(self) -> dict[int, int]:
+        """{global rank: stage} of the alive workers of the current generation."""
+        generation = self.generation
+        if generation is None:
+            return {}
+        topology = generation.topology
+        return {topology.rank(w): w.stage for w in topology.alive_workers()}
+
+    def _watch_stragglers(self, step: int) -> None:
+        """Publish this worker's pace, and on the reporting rank decide who is slow
+        (runtime/stragglers.py); a store error here is told once and never stops training."""
+        if self.stragglers is None:
+            return
+        stats = self.executor.stats
+        try:
+            self.stragglers.after_iteration(step, stats.durations, stats.forwards)
+        except (RuntimeError, ValueError) as exc:
+            if not self._straggler_error:
+                self._straggler_error = True
+                log.warning("rank %s: straggler detection skipped (%s)", self.desc.rank, exc)
 
     def resilient(self, run: Callable[[], Any], *, rejoin: bool = True) -> Any:
         """``run()``; on a failure signal under the agent, recover (roll back, new groups and

@@ -83,8 +83,11 @@ NON_DEFAULT = [
     {"planner": {"solver": "heuristic", "time_limit_s": 1, "cache_dir": "/tmp/c", "workers": 4, "memory_cap": 3,
                  "all_coverable": True}},
     {"detector": {"heartbeat_interval_s": 1, "heartbeat_timeout_s": 2, "store_timeout_s": 3, "pg_timeout_s": 4}},
-    {"fault_injection": [{**FAULT, "seconds": None}, {"rank": 0, "step": 0, "point": "in_replan", "kind": "delay",
-                                                       "seconds": 2.5}]},
+    {"fault_injection": [{**FAULT, "seconds": None, "speed": None, "steps": None},
+                         {"rank": 0, "step": 0, "point": "in_replan", "kind": "delay", "seconds": 2.5, "speed": None,
+                          "steps": None},
+                         {"rank": 1, "step": 2, "point": "before_forward", "kind": "slow", "seconds": None,
+                          "speed": 0.5, "steps": 10}]},
     {"checkpoint": {"enabled": False, "interval": 5, "replicas": 3, "gpu_buffer_mb": 64, "num_sub_buffers": 2,
                     "persistent_interval": 10, "persistent_dir": "/ckpt", "keep_last": 1, "stall_budget": 1}},
 ]
