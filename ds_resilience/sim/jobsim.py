@@ -3,10 +3,17 @@
 The loop owns time, the live node set and the accounting; a :class:`Policy` (one per system, see
 :mod:`.systems`) owns the system's decisions and answers each event with an :class:`Action`.
 
+Fail-slow (``slow``/``recover`` trace events): the loop keeps each node's speed in
+:attr:`JobView.speeds` and runs every iteration :meth:`Policy.slowdown` times longer than the
+policy's ``iteration_s`` (the pace of the slowest node the policy uses, unless the policy re-plans);
+a speed change stretches or shrinks the rest of the iteration in flight by the ratio of the new
+slowdown to the old one, then asks :meth:`Policy.on_speed`. A removal is an ordinary failure
+whether the node was slow or not.
+
 Phases of the job: *idle* (cannot run), *paused* (a recovery: rendezvous, restart, re-grid),
 *running* (one iteration in flight), *checkpoint* (a blocking persistent checkpoint). Events at
 equal times are taken in a fixed order: node add, node remove, node ready, checkpoint durable, end
-of phase; then by insertion order (a heap of ``(time, priority, sequence)``), so every run is
+of phase (a speed change comes right after removals); then by insertion order (a heap of ``(time, priority, sequence)``), so every run is
 deterministic. A node becomes usable ``boot_s`` after it is added (the published simulators' 45 s).
 
 Accounting (seconds of wall time, they sum to the window): ``useful`` (iterations that count),
@@ -23,7 +30,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 from .traces import Trace
 
@@ -31,7 +38,7 @@ __all__ = ["Action", "NOTHING", "JobView", "Policy", "Result", "BREAKDOWN_KEYS",
 
 BREAKDOWN_KEYS = ("useful", "redundant", "checkpoint", "recovery", "lost", "idle")
 
-_ADD, _REMOVE, _READY, _DURABLE, _PHASE = range(5)
+_ADD, _REMOVE, _SPEED, _READY, _DURABLE, _PHASE = range(6)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -70,13 +77,19 @@ NOTHING = Action()
 
 @dataclass(slots=True)
 class JobView:
-    """What a policy may read: the clock, the ready nodes (join order) and the phase."""
+    """What a policy may read: the clock, the ready nodes (join order), the phase, and the speed of
+    each slow node (a fraction of full speed; nodes at full speed are absent)."""
 
     now: float = 0.0
     live: list[str] = field(default_factory=list)
     phase: str = "idle"
     started: bool = False
     iteration_s: float = math.inf
+    speeds: dict[str, float] = field(default_factory=dict)
+
+    def pace(self, nodes: Iterable[str]) -> float:
+        """The slowest speed among ``nodes`` (1.0 when none is slow)."""
+        return min((self.speeds.get(n, 1.0) for n in nodes), default=1.0)
 
 
 class Policy:
@@ -99,6 +112,21 @@ class Policy:
     def after_iteration(self, job: JobView) -> Action:
         """An iteration completed: durability, checkpoints, rebalancing."""
         return Action(durable=True)
+
+    def active_nodes(self, job: JobView) -> Iterable[str]:
+        """The nodes whose pace the iterations run at (default: every live node)."""
+        return job.live
+
+    def slowdown(self, job: JobView) -> float:
+        """Iterations take this many times ``iteration_s``: by default a synchronous job runs at
+        the pace of its slowest active node (``1 / min speed``)."""
+        if not job.speeds:
+            return 1.0
+        return 1.0 / job.pace(self.active_nodes(job))
+
+    def on_speed(self, job: JobView, node: str) -> Action:
+        """``node`` slowed down or recovered (:attr:`JobView.speeds` is updated already)."""
+        return NOTHING
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -161,6 +189,7 @@ class _Loop:
         self.iterations = 0
         self.failures = 0
         self.booting: set[str] = set()
+        self.factor = 1.0  # the in-flight iteration's slowdown
 
     # --- plumbing ------------------------------------------------------------------------
     def push(self, time: float, priority: int, payload: Any) -> None:
@@ -208,7 +237,8 @@ class _Loop:
             if self.start is None:
                 self.start = now
                 self.job.started = True
-            self.set_phase("running", now + self.job.iteration_s)
+            self.factor = self.policy.slowdown(self.job)
+            self.set_phase("running", now + self.job.iteration_s * self.factor)
         else:
             self.set_phase("idle", math.inf)
 
@@ -252,7 +282,8 @@ class _Loop:
     # --- the loop ------------------------------------------------------------------------
     def run(self) -> Result:
         for e in self.trace.events:
-            self.push(e.time_s, _ADD if e.kind == "add" else _REMOVE, (e.kind, e.node))
+            priority = {"add": _ADD, "remove": _REMOVE}.get(e.kind, _SPEED)
+            self.push(e.time_s, priority, (e.kind, e.node, e.speed))
         end = self.trace.end_s
         job = self.job
         while self.heap:
@@ -270,12 +301,19 @@ class _Loop:
                     job.live.append(payload[1])
                     self.apply(self.policy.on_ready(job, payload[1]))
             elif kind == "remove":
+                job.speeds.pop(payload[1], None)
                 if payload[1] in self.booting:
                     self.booting.discard(payload[1])
                 elif payload[1] in job.live:
                     job.live.remove(payload[1])
                     self.failures += 1
                     self.apply(self.policy.on_remove(job, payload[1]))
+            elif kind in ("slow", "recover"):
+                if kind == "slow":
+                    job.speeds[payload[1]] = payload[2]
+                else:
+                    job.speeds.pop(payload[1], None)
+                self.speed_changed(payload[1])
             elif kind == "durable":
                 if payload[1] == self.generation:
                     self.commit(payload[2] - (self.iterations - len(self.tentative)))
@@ -288,6 +326,17 @@ class _Loop:
             self.close_phase()
         self.commit(len(self.tentative))  # no failure took them: the job keeps them
         return self.result(end)
+
+    def speed_changed(self, node: str) -> None:
+        job = self.job
+        if job.phase == "running":
+            factor = self.policy.slowdown(job)
+            if factor != self.factor:
+                self.phase_end = job.now + (self.phase_end - job.now) * factor / self.factor
+                self.factor = factor
+                self.epoch += 1
+                self.push(self.phase_end, _PHASE, ("phase", self.epoch))
+        self.apply(self.policy.on_speed(job, node))
 
     def complete(self, when: float) -> None:
         """The running iteration completed at ``when``: record it as tentative."""

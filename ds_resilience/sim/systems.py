@@ -43,10 +43,21 @@ Planner-driven systems take iteration times from :class:`~.models.PlanCache` (th
     re-routed): a ``regrid_s`` pause;
   - ``"templates"`` (default): as ``"grid"``, and pipeline templates (Oobleck's heterogeneous
     pipelines, :mod:`.template_tier`) compete with the rectangular grids.
+
+Fail-slow workers (``slow``/``recover`` trace events, :mod:`.jobsim`). Every baseline runs at the
+pace of the slowest node it uses (``1 / speed`` times its iteration): Oobleck and Varuna every live
+node, Bamboo the nodes that hold a stage, checkpoint-restart its active grid, ReCycle its grid. None
+of the published systems re-plans around a slow worker: Oobleck detects only lost connections;
+Varuna records stragglers (``slow_machines.out``) but morphs only on preemption; Bamboo's
+redundancy covers a dead successor, not a slow one; ReCycle re-routes failed workers only.
+ds_resilience re-plans a slow worker as a partial failure (:meth:`DsResilience.slowdown`): the
+speed change is observed over one whole iteration and the weighted plan adopted at the next
+iteration boundary, with no pause (no process stops, no state moves); the same on recovery.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 import statistics
@@ -180,6 +191,9 @@ class Bamboo(Policy):
         self.base_s = _table_time(m, m.bamboo, n) if self.pipelines else math.inf
         return Action(iteration_s=self.base_s, redundant_fraction=m.bamboo_redundant_fraction)
 
+    def active_nodes(self, job: JobView) -> list[str]:
+        return [n for n, c in self.coords.items() if c]
+
     def after_iteration(self, job: JobView) -> Action:
         s = self.model.bamboo_stages
         overloaded = sum(1 for c in self.coords.values() if len(c) > 1)
@@ -218,6 +232,9 @@ class CheckpointRestart(Policy):
         self.count = 0
         return Action(iteration_s=self.cache.one_f_one_b_s(dp, m.pp) if dp else math.inf)
 
+    def active_nodes(self, job: JobView) -> set[str]:
+        return self.active
+
     def after_iteration(self, job: JobView) -> Action:
         self.count += 1
         return Action(checkpoint_s=self.model.checkpoint_s) if self.count % self.interval == 0 else NOTHING
@@ -250,6 +267,9 @@ class ReCycle(Policy):
 
     def _new_grid(self, job: JobView) -> Grid:
         return Grid(self.model, self.model.dp, self.model.pp, job.live)
+
+    def active_nodes(self, job: JobView) -> set[str]:
+        return self.grid.nodes if self.grid is not None else set()
 
     def _spares(self, job: JobView) -> list[str]:
         used = self.grid.nodes if self.grid else set()
@@ -307,6 +327,9 @@ class DsResilience(ReCycle):
         self.changes: list[float] = []
         self.pending: Grid | TemplateLayout | None = None  # the layout after the pause
         self.deferred: Grid | TemplateLayout | None = None  # a voluntary change, at the iteration's end
+        self.plan_speeds: dict[str, float] = {}  # the slow nodes (and speeds) the running plan was made for
+        self.window = 0  # iteration boundaries until a speed change is adopted
+        self._adapted: dict[tuple, float] = {}
 
     def healthy_s(self, dp: int, pp: int) -> float:
         if self.healthy == "1f1b":
@@ -420,7 +443,86 @@ class DsResilience(ReCycle):
     def _count(self, layout: Grid | TemplateLayout) -> None:
         self.layouts[layout.describe()] = self.layouts.get(layout.describe(), 0) + 1
 
+    # --- fail-slow workers ---------------------------------------------------------------------
+    def on_speed(self, job: JobView, node: str) -> Action:
+        self.window = 2  # the rest of the iteration in flight, then one whole iteration observed
+        return NOTHING
+
+    def slowdown(self, job: JobView) -> float:
+        """The running plan's iteration over :meth:`grid_time`'s: the plan made for
+        :attr:`plan_speeds` (:meth:`adapted_s`), slowed further by any node now slower than that
+        plan assumed (pace of the slowest, ``planned speed / speed``)."""
+        layout = self.grid
+        if layout is None or not (job.speeds or self.plan_speeds):
+            return 1.0
+        nodes = layout.nodes
+        actual = {n: v for n, v in job.speeds.items() if n in nodes}
+        planned = {n: v for n, v in self.plan_speeds.items() if n in nodes}
+        if not actual and not planned:
+            return 1.0
+        base = self.grid_time(layout)
+        if not math.isfinite(base) or base <= 0:
+            return 1.0
+        adapted = self.adapted_s(layout, planned) if planned else base
+        lag = max(1.0, max(planned.get(n, 1.0) / actual.get(n, 1.0) for n in set(actual) | set(planned)))
+        return adapted * lag / base
+
+    def adapted_s(self, layout: Grid | TemplateLayout, speeds: dict[str, float]) -> float:
+        """Seconds per iteration of the plan that treats slow nodes as partial failures.
+
+        Per stage (a stage of a template group for templates) with ``r`` live replicas whose slow
+        ones lose ``l = sum(1 - speed)`` of a replica's capacity: the planner's plans with the
+        ``k - 1`` and ``k = ceil(l)`` slowest of them as holes (their micro-batches re-routed to the
+        peers) bracket the capacities ``r - k + 1`` and ``r - k``, and the iteration time is
+        interpolated between the two plans in the inverse of the capacity ``r - l`` (the bound of
+        the remaining capacity: at speed 1 the first plan, at speed 0 the second). The slowest
+        stage sets the time. Never slower than running the unchanged plan at the slowest node's
+        pace (what a stage of one replica, which has no peer to take work, does).
+        """
+        key = (layout.describe(), frozenset(layout.slot.items()), frozenset(speeds.items()))
+        if key in self._adapted:
+            return self._adapted[key]
+        base = self.grid_time(layout)
+        unadapted = base / min(speeds.values(), default=1.0)
+        stages: dict[object, list[str]] = {}
+        for pos, node in layout.slot.items():
+            if node is not None:
+                stages.setdefault(pos[1] if len(pos) == 2 else (pos[0], pos[2]), []).append(node)
+        worst = base
+        for members in stages.values():
+            slow = sorted((speeds[n], n) for n in members if n in speeds)
+            if not slow:
+                continue
+            r, lost = len(members), sum(1.0 - v for v, _ in slow)
+            k = math.ceil(lost - 1e-9)
+            if k >= r:
+                worst = math.inf
+                break
+            try:
+                t_a, t_b = (self.grid_time(self._without(layout, [n for _, n in slow[:j]])) for j in (k - 1, k))
+            except PlanningError:
+                worst = math.inf
+                break
+            c_a, c_b, c_v = r - k + 1, r - k, r - lost
+            t = t_a + (t_b - t_a) * (1 / c_v - 1 / c_a) / (1 / c_b - 1 / c_a)
+            worst = max(worst, t)
+        result = min(worst, unadapted)
+        self._adapted[key] = result
+        return result
+
+    @staticmethod
+    def _without(layout: Grid | TemplateLayout, nodes: list[str]) -> Grid | TemplateLayout:
+        out = copy.copy(layout)
+        out.slot = dict(layout.slot)
+        for n in nodes:
+            out.vacate(n)
+        return out
+
     def after_iteration(self, job: JobView) -> Action:
+        if self.window:
+            self.window -= 1
+            if not self.window:  # the change was seen over a whole iteration: the weighted plan from now on
+                self.plan_speeds = dict(job.speeds)
         if self.deferred is not None:  # a change of layout nothing forced: at the iteration boundary
             self.pending, self.deferred = self.deferred, None
             return Action(durable=True, pause_s=self.regrid_pause_s)
