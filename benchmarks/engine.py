@@ -123,7 +123,8 @@ def _program(rank: int, world: int, opts: dict) -> dict:
                 rec["schedule"] = engine.schedule.to_text()
                 if engine.validator is not None:
                     v = engine.validator
-                    rec["validation"] = {"speculated": v.speculated, "rolled back": v.rollbacks, "waited": v.waited}
+                    rec["validation"] = {"speculated": v.speculated, "rolled back": v.rollbacks, "waited": v.waited,
+                                         "ready": v.ready_steps}
                 if sc.get("clip"):  # speculative against barrier: the same parameters after the same steps
                     rec["params"] = torch.cat([p.detach().double().flatten() for p in engine.module.parameters()])
             del engine

@@ -214,7 +214,8 @@ def main(argv=None) -> int:
             "masters": {n: master_of[id(p)].detach().clone() for n, p in module.named_parameters() if id(p) in master_of},
             "validation": None if getattr(engine, "validator", None) is None else {
                 "speculated": engine.validator.speculated, "rolled_back": engine.validator.rollbacks,
-                "waited": engine.validator.waited},
+                "waited": engine.validator.waited, "ready": engine.validator.ready_steps,
+                "clipped": engine.validator.clipped},
             "losses": losses,
             "times_s": times,
             "step_ends": step_ends,

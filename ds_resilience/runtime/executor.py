@@ -736,6 +736,8 @@ class Executor:
             self.hooks.after_step()
             return
         if decision.coef < 1.0:
+            if self.validator is not None:
+                self.validator.clipped += 1
             for g in self._grads():
                 g.mul_(decision.coef)
         self._step()

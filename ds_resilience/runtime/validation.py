@@ -85,6 +85,7 @@ class StepValidator:
         self.rollbacks = 0
         self.waited = 0
         self.ready_steps = 0  # exact steps taken at once: every stage's value was in already
+        self.clipped = 0  # steps taken with a clip coefficient below 1 (whichever way they were decided)
         self.history: list[tuple[int, str]] = []  # (iteration, "speculated" | "rolled back" | "waited" | "ready")
 
     @property

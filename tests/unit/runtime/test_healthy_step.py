@@ -223,3 +223,16 @@ def test_a_pre_step_copy_fills_the_last_ones_buffers_and_a_rollback_restores_the
     assert all(torch.equal(p, b) for p, b in zip(params, before[0]))
     for k, s in opt.state_dict()["state"].items():
         assert all(torch.equal(v, before[1][k][n]) for n, v in s.items())
+
+
+def test_clipped_steps_are_counted_whichever_way_they_were_decided():
+    store: dict = {}
+    ex, v, _, _ = _stage(1.0, store)
+    v.publish(0, 1, 1e4, False)
+    _iteration(ex, 0)  # ready, clipped
+    assert v.ready_steps == 1 and v.clipped == 1
+    ex2, v2, _, _ = _stage(1.0, {})
+    _iteration(ex2, 0)  # speculated
+    v2.publish(0, 1, 0.0, False)
+    ex2.resolve()  # held: not clipped
+    assert v2.speculated == 1 and v2.clipped == 0
