@@ -1,7 +1,9 @@
 """``ds-resilience simulate``: replay a failure trace against ds_resilience and the baselines.
 
     ds-resilience simulate (--trace FILE | --mtbf 30m [--seed S]) --model NAME
-                           [--systems all|a,b] [--json] [--png FILE]
+                           [--systems all|a,b] [--slow [--slow-seed S] [--slow-gap 30m]
+                           [--slow-duration 30m] [--slow-speeds 0.5,0.75] [--slow-die 0]]
+                           [--json] [--png FILE]
 
 Prints a table of average throughput (samples/s) and the time breakdown per system; ``--json``
 prints ``{"model": ..., "trace": {...}, "systems": {name: {"throughput": ..., "breakdown": {...}}}}``.
@@ -18,7 +20,7 @@ from ..logs import progress_bar
 from .jobsim import BREAKDOWN_KEYS, Result
 from .models import PlanCache, list_models, load_model
 from .systems import REGRID_TIERS, SYSTEMS, simulate_system
-from .traces import SimulationError, Trace, load_trace, poisson_trace
+from .traces import SLOW_DURATION, SLOW_GAP, SLOW_SPEEDS, SimulationError, Trace, add_slow_events, load_trace, poisson_trace
 
 __all__ = ["add_parser", "run", "parse_systems"]
 
@@ -48,6 +50,18 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="ds_resilience beyond re-routing: restart every worker from the in-memory snapshots "
                         "(restart), re-grid the survivors onto a dp x pp grid (grid), or onto a grid or pipeline "
                         "templates (templates, default)")
+    p.add_argument("--slow", action="store_true",
+                   help="add seeded fail-slow episodes to the trace (a model calibrated to FALCON's 1.34x; "
+                        "see docs/simulator.md)")
+    p.add_argument("--slow-seed", type=int, default=0, help="with --slow: random seed (default 0)")
+    p.add_argument("--slow-gap", default=SLOW_GAP, metavar="DURATION",
+                   help=f"with --slow: mean gap between onsets, cluster-wide (default {SLOW_GAP})")
+    p.add_argument("--slow-duration", default=SLOW_DURATION, metavar="DURATION",
+                   help=f"with --slow: mean length of an episode (default {SLOW_DURATION})")
+    p.add_argument("--slow-speeds", default=",".join(f"{v:g}" for v in SLOW_SPEEDS), metavar="V,V",
+                   help="with --slow: speeds drawn uniformly, fractions in (0, 1) (default %(default)s)")
+    p.add_argument("--slow-die", type=float, default=0.0, metavar="P",
+                   help="with --slow: probability that an episode ends in the node's removal (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--png", metavar="FILE", help="also write a throughput-over-time plot")
     p.set_defaults(handler=run)
@@ -67,9 +81,18 @@ def parse_systems(text: str) -> tuple[str, ...]:
 
 def _trace(args: argparse.Namespace, nodes: int) -> Trace:
     if args.trace:
-        return load_trace(args.trace)
-    return poisson_trace(args.mtbf, seed=args.seed, nodes=args.nodes or nodes, failures=args.failures,
-                         duration=args.duration, repair=args.repair)
+        trace = load_trace(args.trace)
+    else:
+        trace = poisson_trace(args.mtbf, seed=args.seed, nodes=args.nodes or nodes, failures=args.failures,
+                              duration=args.duration, repair=args.repair)
+    if not getattr(args, "slow", False):
+        return trace
+    try:
+        speeds = tuple(float(v) for v in args.slow_speeds.split(","))
+    except ValueError:
+        raise SimulationError(f"--slow-speeds {args.slow_speeds!r} must be comma-separated numbers in (0, 1)") from None
+    return add_slow_events(trace, seed=args.slow_seed, mean_gap=args.slow_gap, mean_duration=args.slow_duration,
+                           speeds=speeds, die_fraction=args.slow_die)
 
 
 def _report(trace: Trace, model_name: str, results: dict[str, Result], png: str | None) -> dict[str, Any]:
@@ -80,6 +103,7 @@ def _report(trace: Trace, model_name: str, results: dict[str, Result], png: str 
             "name": trace.name,
             "hours": trace.end_s / 3600.0,
             "removals": trace.removals,
+            "slowdowns": trace.slowdowns,
             "additions": trace.additions,
             "initial_nodes": counts[0][1],
             "max_nodes": trace.max_nodes,
@@ -93,7 +117,7 @@ def _table(report: dict[str, Any]) -> str:
     t = report["trace"]
     lines = [
         f"model {report['model']} on trace {t['name']}: {t['initial_nodes']} nodes at first, "
-        f"{t['removals']} removals, {t['additions']} additions, {t['hours']:.2f} h",
+        f"{t['removals']} removals, {t['additions']} additions, {t['slowdowns']} slowdowns, {t['hours']:.2f} h",
         f"{'system':<20}{'samples/s':>11}{'vs best':>9}  " + "".join(f"{k:>11}" for k in BREAKDOWN_KEYS),
     ]
     systems = report["systems"]

@@ -38,7 +38,8 @@ def binned(result: Result, start: float, end: float, bins: int = 300) -> tuple[l
 
 
 def plot_throughput(results: Sequence[Result], trace: Trace, path: str | Path, *, title: str = "") -> Path:
-    """Write a PNG: each system's throughput over time in 300 bins (top) and the live nodes (bottom)."""
+    """Write a PNG: each system's throughput over time in 300 bins (top) and the live nodes, and the
+    slow ones if the trace has fail-slow events (bottom)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -57,8 +58,20 @@ def plot_throughput(results: Sequence[Result], trace: Trace, path: str | Path, *
     counts = trace.live_counts()
     xs = [t / 3600.0 for t, _ in counts] + [trace.end_s / 3600.0]
     ys = [n for _, n in counts] + [counts[-1][1]]
-    bottom.step(xs, ys, where="post", color="#1f77b4", linewidth=0.8)
-    bottom.set_ylabel("live nodes")
+    bottom.step(xs, ys, where="post", color="#1f77b4", linewidth=0.8, label="live")
+    if trace.slowdowns:  # fail-slow: how many live nodes run slow
+        slow: set[str] = set()
+        sx, sy = [0.0], [0]
+        for e in trace.events:
+            if e.kind == "slow":
+                slow.add(e.node)
+            elif e.kind in ("recover", "remove"):
+                slow.discard(e.node)
+            sx.append(e.time_s / 3600.0)
+            sy.append(len(slow))
+        bottom.step(sx, sy, where="post", color="#d62728", linewidth=0.8, label="slow")
+        bottom.legend(loc="upper right", fontsize=8)
+    bottom.set_ylabel("nodes")
     bottom.set_xlabel("time (hours)")
     bottom.set_ylim(bottom=0)
     fig.tight_layout()

@@ -62,6 +62,7 @@ import math
 import random
 import statistics
 from dataclasses import replace
+from typing import Iterable
 
 from ..errors import PlanningError
 from ..logs import progress_bar
@@ -336,6 +337,9 @@ class DsResilience(ReCycle):
             return self.cache.one_f_one_b_s(dp, pp)
         return self.cache.plan_s(dp, pp, ())
 
+    def _spares(self, job: JobView) -> list[str]:
+        return [n for n in super()._spares(job) if n not in self.plan_speeds]  # a known slow node is no spare
+
     def _horizon(self, now: float) -> float:
         if self.horizon_s is not None:
             return self.horizon_s
@@ -344,16 +348,16 @@ class DsResilience(ReCycle):
             return 3600.0
         return (self.changes[-1] - self.changes[0]) / (len(self.changes) - 1)
 
-    def _candidates(self, job: JobView) -> list[Grid]:
+    def _candidates(self, live: list[str]) -> list[Grid]:
         m = self.model
-        n = min(len(job.live), m.nodes)
+        n = min(len(live), m.nodes)
         out: list[tuple[float, Grid]] = []
         for pp in m.stage_options():
             costs = [l * (1 + m.backward_ratio + m.weight_ratio) for l in stage_layers(m.layers, pp)]
             for dp in divisors(m.total_microbatches):
                 if (dp - 1) * pp >= n or dp * pp < n - pp:
                     continue  # a whole pipeline of holes, or a whole pipeline of spares
-                grid = Grid(m, dp, pp, job.live[:n])
+                grid = Grid(m, dp, pp, live[:n])
                 if not grid.covered():
                     continue
                 reps = [sum(1 for p in range(dp) if grid.slot[(p, s)] is not None) for s in range(pp)]
@@ -362,13 +366,15 @@ class DsResilience(ReCycle):
         out.sort(key=lambda x: x[0])
         return [g for _, g in out[:3]]
 
-    def _best(self, job: JobView) -> tuple[float, Grid | TemplateLayout | None]:
+    def _best(self, job: JobView, exclude: Iterable[str] = ()) -> tuple[float, Grid | TemplateLayout | None]:
         best: tuple[float, Grid | TemplateLayout | None] = (math.inf, None)
         m = self.model
-        home = Grid(m, m.dp, m.pp, job.live[: m.nodes])  # the configured grid wins ties
-        layouts: list[Grid | TemplateLayout] = [home, *self._candidates(job)]
+        out = set(exclude)
+        live = [n for n in job.live if n not in out]
+        home = Grid(m, m.dp, m.pp, live[: m.nodes])  # the configured grid wins ties
+        layouts: list[Grid | TemplateLayout] = [home, *self._candidates(live)]
         if self.templates is not None:
-            layout = self.templates.layout(job.live[: m.nodes])
+            layout = self.templates.layout(live[: m.nodes])
             if layout is not None:
                 layouts.append(layout)
         for grid in layouts:
@@ -518,11 +524,27 @@ class DsResilience(ReCycle):
             out.vacate(n)
         return out
 
+    def _adopt(self, job: JobView) -> None:
+        """A speed change seen over a whole iteration: the weighted plan from now on; and, beyond
+        re-routing (tiers grid and templates), a layout without the slow nodes (or with the
+        recovered ones back) when it repays its pause within the horizon, as for a failure."""
+        self.plan_speeds = dict(job.speeds)
+        if self.regrid == "restart" or self.grid is None or self.deferred is not None:
+            return
+        keep = self.grid_time(self.grid) * self.slowdown(job)
+        t_new, layout = self._best(job, exclude=job.speeds)
+        if layout is None or not math.isfinite(t_new):
+            return
+        n = len(self.changes)
+        horizon = self.horizon_s or (3600.0 if n < 3 else (self.changes[-1] - self.changes[0]) / (n - 1))
+        if (horizon - self.regrid_pause_s) / t_new > horizon / keep:
+            self.deferred = layout
+
     def after_iteration(self, job: JobView) -> Action:
         if self.window:
             self.window -= 1
-            if not self.window:  # the change was seen over a whole iteration: the weighted plan from now on
-                self.plan_speeds = dict(job.speeds)
+            if not self.window:
+                self._adopt(job)
         if self.deferred is not None:  # a change of layout nothing forced: at the iteration boundary
             self.pending, self.deferred = self.deferred, None
             return Action(durable=True, pause_s=self.regrid_pause_s)
