@@ -25,7 +25,10 @@ solver (:mod:`.cpsat`), warm-started from it, may improve one-iteration variants
 limit. Whatever produced it, a plan's schedule is validated and its claimed iteration time is the
 timeline simulator's replay of it: the simulator is the judge. Python (plus OR-Tools); the list
 scheduler's loop, the replay's and the validator's checks run in C where it builds (:mod:`..ir.native`),
-and Python's garbage collector is paused during a plan.
+the C list scheduler's tasks are lowered as arrays (:mod:`.lowering_arrays`), and Python's garbage
+collector is paused during a plan. The fault-free figures every plan carries (1F1B's time and peak,
+the best fault-free schedule's time) are computed on one pipeline, which gives the whole grid's
+figures bit for bit (:func:`_best_fault_free_time`).
 """
 
 from __future__ import annotations
