@@ -110,3 +110,30 @@ def test_every_system_under_slow_events(gpt2):
     assert keep["ds_resilience"] > 0.9  # the weighted plans keep most of the throughput
     assert all(keep["ds_resilience"] > v + 0.1 for s, v in keep.items() if s != "ds_resilience"), keep
     assert got["ds_resilience"].throughput > max(got[s].throughput for s in SYSTEMS if s != "ds_resilience")
+
+
+def test_cli_slow_options(capsys):
+    import argparse
+    import json
+
+    from ds_resilience.sim.cli import add_parser
+    from ds_resilience.sim.traces import SimulationError
+
+    def cli(*argv):
+        parser = argparse.ArgumentParser(prog="ds-resilience")
+        add_parser(parser.add_subparsers(dest="command"))
+        args = parser.parse_args(["simulate", *argv])
+        return args.handler(args)
+
+    base = ("--trace", str(TRACES / "10m.csv"), "--model", "gpt2", "--systems", "oobleck,ds_resilience", "--json")
+    assert cli(*base, "--slow", "--slow-seed", "2", "--slow-speeds", "0.5") == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["trace"]["slowdowns"] > 0 and out["trace"]["name"] == "10m+slow2"
+    assert cli(*base) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert plain["trace"]["slowdowns"] == 0
+    assert out["systems"]["oobleck"]["throughput"] < plain["systems"]["oobleck"]["throughput"]
+    with pytest.raises(SimulationError, match="--slow-speeds 'fast' must be comma-separated numbers"):
+        cli(*base, "--slow", "--slow-speeds", "fast")
+    with pytest.raises(SimulationError, match="die_fraction must be a number in"):
+        cli(*base, "--slow", "--slow-die", "1.5")
