@@ -7,11 +7,13 @@ from .traces import (
     Trace,
     TraceError,
     TraceEvent,
+    add_slow_events,
     load_trace,
     parse_duration,
     periodic_trace,
     poisson_trace,
     redraw_victims,
+    slow_stretch,
 )
 from .models import ModelProfile, ModelProfileError, PlanCache, list_models, load_model
 from .jobsim import Action, Policy, Result
@@ -27,6 +29,8 @@ __all__ = [
     "periodic_trace",
     "poisson_trace",
     "redraw_victims",
+    "add_slow_events",
+    "slow_stretch",
     "ModelProfile",
     "ModelProfileError",
     "PlanCache",
