@@ -50,9 +50,12 @@ node, Bamboo the nodes that hold a stage, checkpoint-restart its active grid, Re
 of the published systems re-plans around a slow worker: Oobleck detects only lost connections;
 Varuna records stragglers (``slow_machines.out``) but morphs only on preemption; Bamboo's
 redundancy covers a dead successor, not a slow one; ReCycle re-routes failed workers only.
-ds_resilience re-plans a slow worker as a partial failure (:meth:`DsResilience.slowdown`): the
-speed change is observed over one whole iteration and the weighted plan adopted at the next
-iteration boundary, with no pause (no process stops, no state moves); the same on recovery.
+ds_resilience re-plans a slow worker as a partial failure (:meth:`DsResilience.slowdown`) as the
+engine's detector decides (``runtime/stragglers.py``: each worker's fastest pace over
+``detector.straggler_window`` iterations, 5 by default, against its stage peers'): a slowdown is
+adopted at the iteration boundary after the iteration in flight and ``straggler_window`` whole
+iterations at the slow pace, a recovery after the iteration in flight and one whole iteration (one
+fast iteration makes the fastest pace fast); no pause (no process stops, no state moves).
 """
 
 from __future__ import annotations
@@ -315,8 +318,15 @@ class DsResilience(ReCycle):
     clamp_to_1f1b = False
 
     def __init__(self, model: ModelProfile, cache: PlanCache, *, healthy: str = "planned",
-                 horizon_s: float | None = None, regrid: str = "templates") -> None:
+                 horizon_s: float | None = None, regrid: str = "templates", straggler_window: int | None = None) -> None:
         super().__init__(model, cache)
+        if straggler_window is None:
+            from ..config import DetectorConfig
+
+            straggler_window = DetectorConfig().straggler_window
+        if isinstance(straggler_window, bool) or not isinstance(straggler_window, int) or straggler_window < 1:
+            raise SimulationError(f"straggler_window must be an integer >= 1 iterations, got {straggler_window!r}")
+        self.straggler_window = straggler_window
         if healthy not in ("planned", "1f1b"):
             raise SimulationError(f"healthy schedule {healthy!r} must be 'planned' or '1f1b'")
         if regrid not in REGRID_TIERS:
@@ -451,7 +461,10 @@ class DsResilience(ReCycle):
 
     # --- fail-slow workers ---------------------------------------------------------------------
     def on_speed(self, job: JobView, node: str) -> Action:
-        self.window = 2  # the rest of the iteration in flight, then one whole iteration observed
+        # the rest of the iteration in flight, then the detector's window of whole iterations: all
+        # of them slow to see a slowdown (it holds the fastest pace), one fast one to see a recovery
+        slower = any(v < self.plan_speeds.get(n, 1.0) for n, v in job.speeds.items())
+        self.window = 1 + (self.straggler_window if slower else 1)
         return NOTHING
 
     def slowdown(self, job: JobView) -> float:
