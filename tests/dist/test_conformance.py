@@ -217,7 +217,10 @@ def test_dynamic_shapes_train_as_vanilla_also_re_routed(pp):
     assert_same_training(results, "healthy/vanilla", "healthy/resilient")
     assert_same_eval(results, "healthy/vanilla", "healthy/resilient")
     if pp < 4:
-        assert_same_params(results, "healthy/vanilla", "failed/resilient")
+        # re-routed: the dead worker's micro-batches are summed on its peer, in another order; Adam
+        # divides by sqrt(v) and lifts that rounding to 1.16e-7 on a bias of 1e-3 on this session's
+        # machine (the default atol is 1e-7; the same figure at the commit before this session)
+        assert_same_params(results, "healthy/vanilla", "failed/resilient", atol=5e-7)
 
 
 # --- checkpoints --------------------------------------------------------------------------------
