@@ -151,13 +151,16 @@ def _opt_op(schedule: Schedule, cost: CostModel, stage: int, mode: str, t_opt: f
     return (_CHECKED, publish + t_opt, publish, read + redo)
 
 
-def _compile(schedule: Schedule, cost: CostModel, ckpt_chunk_bytes: float, mode: str = "plain") -> list[list[tuple]]:
+def _compile(schedule: Schedule, cost: CostModel, ckpt_chunk_bytes: float, mode: str = "plain",
+             speeds: Sequence[float] | None = None) -> list[list[tuple]]:
     """Each worker's actions as flat tuples the replay loop can run without attribute lookups.
 
     ``(_COMPUTE, duration)``, ``(_SEND, peer, key_id, busy, on_pair_stream)``, ``(_RECV, key_id, peer, on_pair_stream)``,
     ``(_COLLECTIVE, group_id, duration)`` (group ids: stage s, :data:`_GLOBAL`, :func:`_tied_gid`),
     ``(_CHECKED, step, published_after, validation)`` (a speculative OPT_STEP: publish, step, then
     wait for every survivor's norm of that step and validate). Message keys become small integers.
+    ``speeds``: per worker, the fraction of the cost model's speed at which its forward and backward
+    passes run (a straggler's is below 1); ``None``: every worker at full speed.
     """
     if mode not in STEP_MODES:
         raise ValueError(f"step mode {mode!r}; allowed: {', '.join(STEP_MODES)}")
@@ -169,6 +172,7 @@ def _compile(schedule: Schedule, cost: CostModel, ckpt_chunk_bytes: float, mode:
     program: list[list[tuple]] = []
     for w, actions in enumerate(schedule.workers):
         ops = []
+        slow = 1.0 if speeds is None else 1.0 / speeds[w]
         for a in actions:
             kind = a.kind
             if kind.is_send:
@@ -190,7 +194,7 @@ def _compile(schedule: Schedule, cost: CostModel, ckpt_chunk_bytes: float, mode:
             elif kind is ActionKind.OPT_STEP:
                 ops.append(_opt_op(schedule, cost, a.stage, mode, duration[kind, a.stage]))
             else:
-                ops.append((_COMPUTE, duration[kind, a.stage]))
+                ops.append((_COMPUTE, duration[kind, a.stage] * slow))
         program.append(ops)
     return program
 
@@ -198,6 +202,7 @@ def _compile(schedule: Schedule, cost: CostModel, ckpt_chunk_bytes: float, mode:
 def replay(
     schedule: Schedule, cost: CostModel | None = None, *, ckpt_chunk_bytes: float = 0.0, repeat: int = 1,
     mode: str | None = None, blocking_sends: bool = False, posts: Sequence[Mapping[int, tuple[int, ...]]] | None = None,
+    speeds: Sequence[float] | None = None,
 ) -> Replay:
     """Replay ``schedule`` under ``cost`` (unit costs when ``None``).
 
@@ -221,6 +226,8 @@ def replay(
         posts: with ``blocking_sends``: per worker, action index -> receive indices posted right
             before it (:func:`~.pairs.early_posts`); ``None``: every receive is posted where it
             waits, which deadlocks 1F1B.
+        speeds: per worker, the fraction of its stage's compute speed it runs at (a straggler's
+            below 1; :mod:`ds_resilience.planning.stragglers`); ``None``: all at full speed.
 
     Returns:
         The :class:`Replay`; check ``blocked`` for a deadlock.
@@ -228,7 +235,9 @@ def replay(
     cost = cost or CostModel.unit()
     if mode is None:
         mode = {"none": "plain", "barrier": "barrier", "speculative": "speculate"}[cost.step_check]
-    program = _compile(schedule, cost, ckpt_chunk_bytes, mode)
+    if speeds is not None and (len(speeds) != len(schedule.workers) or not all(0 < v <= 1 for v in speeds)):
+        raise ValueError(f"speeds: one value in (0, 1] per worker ({len(schedule.workers)}), got {list(speeds)}")
+    program = _compile(schedule, cost, ckpt_chunk_bytes, mode, speeds)
     latency = cost.p2p_latency
     n = len(program)
     lengths = [len(ops) * repeat for ops in program]

@@ -11,6 +11,7 @@ plans with it and :func:`simulate` fills :attr:`Timeline.iteration_time` with th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..costs import CostModel
@@ -170,7 +171,7 @@ def replayed_iteration_time(
     return steady_period(iteration_ends(schedule, ends, repeat))
 
 
-def iteration_time(schedule: Schedule, cost: CostModel, variant: str) -> float:
+def iteration_time(schedule: Schedule, cost: CostModel, variant: str, speeds: Sequence[float] | None = None) -> float:
     """The iteration time the timeline replay gives ``schedule`` under ``variant``'s semantics.
 
     ``recycle``: the steady-state period of :data:`STEADY_ITERATIONS` back-to-back iterations with
@@ -178,7 +179,8 @@ def iteration_time(schedule: Schedule, cost: CostModel, variant: str) -> float:
     fp16, ``cost.step_check``) the expected time over its modes: the barrier, or the speculative
     steps that hold, wait or roll back, weighted by their fractions (:meth:`CostModel.step_mix`).
     The same rule as :attr:`Timeline.iteration_time` of ``simulate(schedule, cost, repeat=...)``,
-    without measuring the spans.
+    without measuring the spans. ``speeds``: per worker, the fraction of its compute speed (a
+    straggler's below 1; the Python replay then).
 
     Raises:
         PlanningError: the schedule deadlocks in the replay.
@@ -186,14 +188,15 @@ def iteration_time(schedule: Schedule, cost: CostModel, variant: str) -> float:
     repeat = STEADY_ITERATIONS if variant == "recycle" else 1
     total = 0.0
     for mode, weight in cost.step_mix():
-        fast = replay_times(schedule, cost, repeat=repeat, mode=mode)  # the C loop where it applies
+        # the C loop where it applies (it has no per-worker speed)
+        fast = replay_times(schedule, cost, repeat=repeat, mode=mode) if speeds is None else None
         if fast is not None:
             if fast.blocked:
                 raise PlanningError(f"{variant} schedule deadlocks" + (" when repeated" if repeat > 1 else ""))
             ends = fast.iteration_ends
             total += weight * (fast.makespan if len(ends) == 1 else steady_period(ends))
             continue
-        result = replay(schedule, cost, repeat=repeat, mode=mode)
+        result = replay(schedule, cost, repeat=repeat, mode=mode, speeds=speeds)
         if result.blocked:
             raise PlanningError(f"{variant} schedule deadlocks" + (" when repeated" if repeat > 1 else ""))
         total += weight * replayed_iteration_time(schedule, result.ends, result.makespan, repeat)

@@ -51,6 +51,7 @@ def list_schedule(
     mem_caps: Sequence[float | None] | None = None,
     start_times: Sequence[float] | None = None,
     mem_weights: Sequence[tuple[float, float]] | None = None,
+    speeds: Sequence[float] | None = None,
 ) -> ListResult:
     """Order every worker's F/B/W for the given placement.
 
@@ -66,6 +67,8 @@ def list_schedule(
         start_times: per worker, the earliest time it may start (default 0).
         mem_weights: per worker, what one held activation and one pending W weigh against
             ``mem_caps`` (default 1 each: the caps count states).
+        speeds: per worker, the fraction of its stage's compute speed it runs at (a straggler's
+            below 1; the Python loop then); ``None``: all at full speed.
 
     Returns:
         The orders and predicted makespan.
@@ -74,9 +77,9 @@ def list_schedule(
         PlanningError: the caps make the placement unschedulable (e.g. a cap of 0).
     """
     n = dp * pp
-    fast = native.list_orders(dp=dp, pp=pp, microbatches=microbatches, cost=cost, assignment=assignment,
-                              split_backward=split_backward, act_caps=act_caps, w_caps=w_caps, mem_caps=mem_caps,
-                              start_times=start_times, mem_weights=mem_weights)
+    fast = None if speeds is not None else native.list_orders(
+        dp=dp, pp=pp, microbatches=microbatches, cost=cost, assignment=assignment, split_backward=split_backward,
+        act_caps=act_caps, w_caps=w_caps, mem_caps=mem_caps, start_times=start_times, mem_weights=mem_weights)
     if fast is not None:  # the same loop in C (csrc/schedule_core.c), where it builds
         return ListResult(orders=tuple(tuple(o) for o in fast[0]), makespan=fast[1])
     comm = cost.p2p_latency
@@ -113,10 +116,12 @@ def list_schedule(
     def transfer(stage: int) -> float:
         return links[stage]
 
+    slow = [1.0] * n if speeds is None else [1.0 / v for v in speeds]
+
     def emit(w: int, kind: ActionKind, key: Key, t: float, duration: float) -> float:
         p, s, m = key
         orders[w].append(trusted_action(kind, s, m, p))
-        end = t + duration
+        end = t + duration * slow[w]
         free_at[w] = end
         heapq.heappush(events, (end, w))
         return end

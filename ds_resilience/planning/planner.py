@@ -212,7 +212,8 @@ def _solved(
 
 def _list_candidates(
     topology: Topology, microbatches: int, cost: CostModel, variant: str, memory_cap: float, tied: TiedGroups,
-    fused: tuple[int, ...], one_pipeline: bool = False,
+    fused: tuple[int, ...], one_pipeline: bool = False, assignments: list[dict] | None = None,
+    speeds: tuple[float, ...] | None = None,
 ) -> tuple[Schedule, float]:
     """:func:`_heuristic_candidates`' candidate with the stages ``fused`` run fused: listed as split stages
     under :func:`.stage_mix.as_split` (a W there lasts nothing and runs at once), then fused back.
@@ -220,15 +221,21 @@ def _list_candidates(
     ``one_pipeline`` (fault-free ``topology`` only): the caps and the candidate splits are the whole
     grid's (they depend on ``dp``: the pending-W cap of a stage with weightless W's, and the
     one-split rule of large grids), then only the first pipeline is listed and timed. The schedule
-    returned is that one pipeline's; its time is the whole grid's (:func:`_best_fault_free_time`)."""
+    returned is that one pipeline's; its time is the whole grid's (:func:`_best_fault_free_time`).
+
+    ``assignments``: the placements to list (default: the re-routings of ``topology``'s failures);
+    ``speeds``: per worker, the fraction of its compute speed (stragglers: planning/stragglers.py),
+    listed and timed in Python (the C loops have no per-worker speed)."""
     real, cost = cost, as_split(cost, fused, topology.pp)
     dp, pp = topology.dp, topology.pp
     n = dp * pp
     one_pipeline = one_pipeline and dp > 1
     if one_pipeline and topology.failed:
         raise PlanningError("internal error: one pipeline stands for the grid only without a failure")
-    assignments = [reroute_assignment(Topology(dp=1, pp=pp) if one_pipeline else topology, microbatches)]
-    if topology.failed and dp * pp * microbatches <= _LARGE_GRID:
+    given = assignments is not None
+    if assignments is None:
+        assignments = [reroute_assignment(Topology(dp=1, pp=pp) if one_pipeline else topology, microbatches)]
+    if topology.failed and dp * pp * microbatches <= _LARGE_GRID and not given:
         other = reroute_assignment(topology, microbatches, ties="last")
         if other != assignments[0]:
             assignments.append(other)
@@ -260,12 +267,12 @@ def _list_candidates(
         lowering = dict(dp=dp, pp=pp, microbatches=microbatches, failed=failed, optimizer=optimizer,
                         name=f"{variant}-heuristic", tied=tied)
         # the C list scheduler's tasks lowered as arrays (lowering_arrays), else the same in Python
-        raw = native.list_orders(**listing, start_times=None, raw=True)
+        raw = native.list_orders(**listing, start_times=None, raw=True) if speeds is None else None
         schedule = lower_arrays(raw[0], **lowering) if raw is not None else None
         if schedule is None:
-            schedule = lower(list_schedule(**listing).orders, **lowering)
+            schedule = lower(list_schedule(**listing, speeds=speeds).orders, **lowering)
         schedule = fuse(schedule, fused)
-        value = iteration_time(schedule, real, variant)
+        value = iteration_time(schedule, real, variant, speeds)
         if best is None or value < best[1] - 1e-9:
             best = (schedule, value)
     assert best is not None

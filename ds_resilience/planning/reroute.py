@@ -9,10 +9,12 @@ than bunched at its end. Pure Python.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from ..errors import PlanningError
 from ..topology import Topology, Worker
 
-__all__ = ["check_coverable", "reroute_assignment"]
+__all__ = ["check_coverable", "reroute_assignment", "weighted_assignment"]
 
 Key = tuple[int, int, int]
 
@@ -56,4 +58,52 @@ def reroute_assignment(topology: Topology, microbatches: int, *, ties: str = "fi
                 target = min(survivors, key=lambda q: (load[q], q if ties == "first" else -q))
                 load[target] += 1
                 assignment[(p, s, m)] = s * dp + target
+    return assignment
+
+
+def weighted_assignment(topology: Topology, microbatches: int, speeds: Mapping[Worker, float]) -> dict[Key, int]:
+    """Like :func:`reroute_assignment`, with slow workers as partial failures: every stage's
+    ``dp x microbatches`` micro-batches are dealt to its live workers in proportion to their speeds
+    (``speeds``: a worker's fraction of full speed, 1 when not named; largest remainders round).
+    A worker keeps its own micro-batches up to its share (a slow one keeps evenly spaced ones, so
+    what it hands over is spread over the iteration); the rest, and a failed worker's, go in
+    micro-batch order to the peer with the most room left (ties to the lowest pipeline). The same
+    micro-batches as ever, each run once: only where they run changes.
+
+    Raises:
+        PlanningError: a stage has no survivor, or a speed is not in (0, 1].
+    """
+    check_coverable(topology)
+    for worker, v in speeds.items():
+        topology.check(worker)
+        if not 0 < v <= 1:
+            raise PlanningError(f"speed of worker {worker}: {v!r}; allowed: (0, 1]")
+    dp = topology.dp
+    assignment: dict[Key, int] = {}
+    for s in range(topology.pp):
+        alive = [w.pipeline for w in topology.stage_peers(s)]
+        v = {p: float(speeds.get(Worker(pipeline=p, stage=s), 1.0)) for p in alive}
+        total = dp * microbatches
+        ideal = {p: total * v[p] / sum(v.values()) for p in alive}
+        share = {p: int(ideal[p]) for p in alive}
+        for p in sorted(alive, key=lambda q: (-(ideal[q] - share[q]), q))[:total - sum(share.values())]:
+            share[p] += 1
+        handed: list[tuple[int, int]] = []  # (micro-batch, pipeline) run elsewhere
+        load = {}
+        for p in range(dp):
+            if p not in v:
+                handed += [(m, p) for m in range(microbatches)]
+                continue
+            keep = min(share[p], microbatches)
+            kept = {m for m in range(microbatches) if (m + 1) * keep // microbatches > m * keep // microbatches}
+            for m in range(microbatches):
+                if m in kept:
+                    assignment[(p, s, m)] = s * dp + p
+                else:
+                    handed.append((m, p))
+            load[p] = keep
+        for m, p in sorted(handed):
+            target = max(alive, key=lambda q: (share[q] - load[q], -q))
+            load[target] += 1
+            assignment[(p, s, m)] = s * dp + target
     return assignment
