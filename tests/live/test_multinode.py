@@ -242,6 +242,25 @@ def reference6(tmp_path_factory):
     return dumps
 
 
+HOSTS = ["node-a", "node-b", "node-c"]
+
+
+def _hostfile(tmp: Path) -> Path:
+    """A hostfile of the three emulated nodes, 2 slots each."""
+    hostfile = tmp / "hostfile"
+    hostfile.write_text("".join(f"{h} slots=2\n" for h in HOSTS))
+    return hostfile
+
+
+def _pdsh_env(nodes) -> dict:
+    """The launcher's environment: the stand-in pdsh first on PATH, mapping HOSTS to ``nodes``; no
+    job secret (the launcher makes one)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **nodes.pdsh_env(HOSTS),
+           "PATH": f"{Path(__file__).parent / 'cluster_bin'}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env.pop("DSR_JOB_SECRET", None)
+    return env
+
+
 def _wait_for_step(log: Path, step: int, procs, text, timeout_s: float = 240.0) -> None:
     import re
     import time
@@ -279,9 +298,7 @@ def test_a_node_lost_whole_is_one_event_and_a_replacement_node_takes_its_ranks_b
     fault = {"rank": 4, "step": 3, "point": "mid_backward", "kind": "hang"}  # stopped: the node dies mid-backward
     cfg = _config(tmp_path, dp=3, faults=[fault], resilience={"max_failures": 2},  # a node holds 2 ranks
                   deepspeed=USER_CONFIG)
-    hosts = ["node-a", "node-b", "node-c"]
-    hostfile = tmp_path / "hostfile"
-    hostfile.write_text("".join(f"{h} slots=2\n" for h in hosts))
+    hostfile = _hostfile(tmp_path)
     dump = tmp_path / "job"
     port = _free_port()
     # 1 s a step: the relaunched ranks' fresh interpreters import torch and DeepSpeed, load FusedAdam
@@ -303,9 +320,7 @@ def test_a_node_lost_whole_is_one_event_and_a_replacement_node_takes_its_ranks_b
 
     procs: list[subprocess.Popen] = []
     with NetnsNodes(3) as nodes:
-        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **nodes.pdsh_env(hosts),
-               "PATH": f"{Path(__file__).parent / 'cluster_bin'}{os.pathsep}{os.environ.get('PATH', '')}"}
-        env.pop("DSR_JOB_SECRET", None)  # the launcher makes the job's secret
+        env = _pdsh_env(nodes)
         try:
             with open(logs["launcher"], "wb") as out:
                 procs.append(subprocess.Popen(
@@ -364,14 +379,10 @@ def test_with_a_head_node_the_loss_of_node_0_is_survived(tmp_path, reference6):
     from netns_nodes import NetnsNodes
 
     cfg = _config(tmp_path, dp=3, resilience={"max_failures": 2}, deepspeed=USER_CONFIG)
-    hosts = ["node-a", "node-b", "node-c"]
-    hostfile = tmp_path / "hostfile"
-    hostfile.write_text("".join(f"{h} slots=2\n" for h in hosts))
+    hostfile = _hostfile(tmp_path)
     dump = tmp_path / "job"
     with NetnsNodes(3) as nodes:
-        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **nodes.pdsh_env(hosts),
-               "PATH": f"{Path(__file__).parent / 'cluster_bin'}{os.pathsep}{os.environ.get('PATH', '')}"}
-        env.pop("DSR_JOB_SECRET", None)
+        env = _pdsh_env(nodes)
         with open(tmp_path / "launcher.log", "wb") as out:
             launcher = subprocess.Popen(
                 [sys.executable, "-m", "ds_resilience.cli", "run", "--hostfile", str(hostfile), "--head",
@@ -421,14 +432,10 @@ def test_a_stage_lost_whole_restarts_every_node_from_its_own_memory(tmp_path, re
     cfg = _config(tmp_path, dp=3, faults=faults, resilience={"max_failures": 2},
                   checkpoint={"ranks_per_machine": 2, "replicas": 2, "stall_budget": 1.0, "max_restarts": 1,
                               "persistent_dir": None}, deepspeed=USER_CONFIG)
-    hosts = ["node-a", "node-b", "node-c"]
-    hostfile = tmp_path / "hostfile"
-    hostfile.write_text("".join(f"{h} slots=2\n" for h in hosts))
+    hostfile = _hostfile(tmp_path)
     dump = tmp_path / "job"
     with NetnsNodes(3) as nodes:
-        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **nodes.pdsh_env(hosts),
-               "PATH": f"{Path(__file__).parent / 'cluster_bin'}{os.pathsep}{os.environ.get('PATH', '')}"}
-        env.pop("DSR_JOB_SECRET", None)
+        env = _pdsh_env(nodes)
         with open(tmp_path / "launcher.log", "wb") as out:
             launcher = subprocess.Popen(
                 [sys.executable, "-m", "ds_resilience.cli", "run", "--hostfile", str(hostfile),
