@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from ..costs import CostModel
 from ..errors import PlanningError
-from ..ir import Schedule, TiedGroups, check_tied, validate
+from ..ir import ActionKind, Schedule, TiedGroups, check_tied, validate
 from ..ir.timeline import iteration_time
 from ..topology import Topology, Worker
 from .memory import resolve_cap
@@ -93,7 +93,7 @@ def plan_slow(dp: int, pp: int, microbatches: int, speeds: Mapping[Worker, float
     if unadapted < value:  # the fault-free schedule itself is a candidate
         schedule, value = healthy.schedule, unadapted
     validate(schedule)
-    loads = tuple(sum(1 for a in actions if a.kind.name in ("F",)) for actions in schedule.workers)
+    loads = tuple(sum(1 for a in actions if a.kind is ActionKind.F) for actions in schedule.workers)
     return SlowPlan(speeds=tuple(sorted(speeds.items())), schedule=schedule, loads=loads, iteration_time=value,
                     unadapted_time=unadapted, healthy_time=healthy.iteration_time,
                     bound=work_bound(dp, pp, microbatches, cost, speeds))

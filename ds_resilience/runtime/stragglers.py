@@ -77,6 +77,12 @@ class StragglerDetector:
             return
         history.append((iteration, pace_s))
 
+    def retain(self, ranks: Iterable[int]) -> None:
+        """Only ``ranks`` are alive now: the others are forgotten (see :meth:`forget`)."""
+        keep = set(ranks)
+        for rank in [r for r in self._stage if r not in keep]:
+            self.forget(rank)
+
     def forget(self, rank: int) -> None:
         """``rank`` left (failed): its paces go; a slow mark is dropped without a decision."""
         self._paces.pop(rank, None)
@@ -145,9 +151,7 @@ class StragglerWatch:
         members = dict(self.members())
         if not members or self.rank != min(members):
             return
-        for rank in list(self.detector._stage):
-            if rank not in members:
-                self.detector.forget(rank)
+        self.detector.retain(members)
         ranks = sorted(members)
         wanted = [keys.pace(self.session, r) for r in ranks]
         if self.store.check(wanted):  # one round trip in the usual case: everyone published
