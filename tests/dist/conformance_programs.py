@@ -136,6 +136,8 @@ def make_engine(kind: str, case: dict, world: int):
     kwargs = {"batch_source": source, "eval_source": eval_source} if case.get("failed") else {}
     engine, *_ = ds_resilience.initialize(model=module, config=config, model_parameters=params, optimizer=optimizer,
                                           **kwargs)
+    if case.get("ready_path") is False:  # every step speculates or waits, whenever the norm arrives
+        engine.executor.ready_path = False
     return _configure_checkpointing(engine, case)
 
 

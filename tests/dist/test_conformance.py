@@ -297,12 +297,14 @@ def test_clipping_without_a_barrier_is_exactly_the_global_clipped_step():
     speculatively and validates; where the speculation was wrong it rolls back and redoes the step.
     The result equals the barrier version (every stage waits for the global norm) bitwise."""
     case = {"model": "gpt", "pp": 2, "clip": 1.6, "optimizer": "sgd", "steps": 8, "engines": ["resilient"],
-            "variants": {"speculative": {}, "barrier": {"resilience": {"clipping": "barrier"}},
+            "variants": {"speculative": {"ready_path": False}, "barrier": {"resilience": {"clipping": "barrier"}},
                          "failed": {"failed": ["0:1"]}}}
     results = case_run(case)
     assert_same_params(results, "barrier/resilient", "speculative/resilient", rtol=0, atol=0)
     assert_same_params(results, "barrier/resilient", "failed/resilient", rtol=1e-5, atol=1e-7)
     counts = [r["speculative/resilient"]["validation"] for r in results]
-    assert all(c["speculated"] + c["rolled back"] + c["waited"] + c["ready"] == 8 for c in counts), counts
+    # the ready path (the norm already there: step at once) off in that variant, so that how fast the
+    # norm arrives under the suite's load cannot take every step past the speculation
+    assert all(c["speculated"] + c["rolled back"] + c["waited"] == 8 and not c["ready"] for c in counts), counts
     assert any(c["rolled back"] or c["waited"] for c in counts), "the limit was never crossed: no clipping tested"
     assert any(c["speculated"] for c in counts), "no step was taken without waiting"
