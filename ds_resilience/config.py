@@ -34,6 +34,7 @@ Keys (under ``"resilience"``), defaults in brackets::
     detector.stall_timeout_s        number > 0 | null                     [300.0]
     detector.straggler_window       int >= 2                              [5]
     detector.straggler_margin       number > 0                            [0.3]
+    detector.straggler_replan       bool | null                           [null: true]
     fault_injection                 list of objects, each with all of:    [[]]
     fault_injection[].rank          int >= 0
     fault_injection[].step          int >= 0
@@ -304,6 +305,10 @@ class DetectorConfig(_Section):
     straggler_margin: float = _opt(float, "a worker whose pace is slower than its stage peers' by more than this "
                                    "fraction is reported slow; recovered below half of it", default=0.3,
                                    exclusive_minimum=0)
+    straggler_replan: bool | None = _opt(
+        bool, "under the agent, a worker found slow switches the job to the weighted plan for its speed at an "
+        "iteration boundary (a slow epoch), and back when it recovers; false: only reported; null = true "
+        "(DSR_STRAGGLER_REPLAN=0 in the environment turns this default off)", default=None, nullable=True)
 
     def _check_together(self) -> None:
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:

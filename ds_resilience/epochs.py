@@ -14,10 +14,13 @@ from typing import Any
 
 from .errors import ResilienceError
 
-__all__ = ["EPOCH_KINDS", "STOP_KINDS", "EpochRecord", "MembershipError", "WorkerInfo"]
+__all__ = ["EPOCH_KINDS", "STOP_KINDS", "SWITCH_KINDS", "EpochRecord", "MembershipError", "SlowRequest", "WorkerInfo"]
 
-EPOCH_KINDS = ("start", "crash", "hang", "rejoin", "stop", "interrupt")
+EPOCH_KINDS = ("start", "crash", "hang", "rejoin", "stop", "interrupt", "slow")
 STOP_KINDS = ("stop", "interrupt")
+SWITCH_KINDS = ("rejoin", "slow")
+"""Epochs that interrupt nothing in flight: each rank applies them at its next training iteration's
+boundary (a re-join; a switch of schedule for slow workers)."""
 
 
 class MembershipError(ResilienceError):
@@ -48,8 +51,12 @@ class EpochRecord:
             survivors only make sure their newest snapshot is committed, then exit 0.
         reason: a human-readable cause, e.g. ``"rank 2 crashed (killed by SIGKILL)"``.
         detected_at: the agent's ``time.time()`` when it detected the change.
-        kind: ``"start" | "crash" | "hang" | "rejoin" | "stop" | "interrupt"`` (a graceful stop on
-            SIGTERM or SIGINT: every stage saves).
+        kind: ``"start" | "crash" | "hang" | "rejoin" | "stop" | "interrupt" | "slow"`` (a graceful
+            stop on SIGTERM or SIGINT: every stage saves; ``slow``: the membership is unchanged, the
+            schedule switches to the plan for ``speeds``).
+        speeds: with ``slow``: the workers found slow, ``(rank, speed)`` sorted by rank, each speed
+            in (0, 1) (its stage peers' pace over its own); empty: none is slow any more (back to
+            the schedule of the failed set). Empty for every other kind.
     """
 
     epoch: int
@@ -61,8 +68,10 @@ class EpochRecord:
     detected_at: float = 0.0
     kind: str = "start"
     restart: bool = False
+    speeds: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speeds", _speeds(self.speeds))
         if isinstance(self.epoch, bool) or not isinstance(self.epoch, int) or self.epoch < 1:
             raise MembershipError(f"epoch must be an integer >= 1, got {self.epoch!r}")
         for name in ("failed", "alive", "joining"):
@@ -77,6 +86,10 @@ class EpochRecord:
             raise MembershipError(f"stop={self.stop!r} contradicts kind={self.kind!r}")
         if self.restart and not self.stop:
             raise MembershipError("restart=True needs stop=True")
+        if self.speeds and self.kind != "slow":
+            raise MembershipError(f"speeds {self.speeds!r} only go with kind 'slow', got {self.kind!r}")
+        if not {r for r, _ in self.speeds} <= set(self.alive):
+            raise MembershipError(f"slow ranks {[r for r, _ in self.speeds]} must be alive ({self.alive})")
 
     def to_json(self) -> str:
         """The record as a JSON object string."""
@@ -90,6 +103,59 @@ class EpochRecord:
             return cls(**data)
         except (ValueError, TypeError) as exc:
             raise MembershipError(f"malformed epoch record {text!r}: {exc}") from exc
+
+
+def _speeds(value: Any) -> tuple[tuple[int, float], ...]:
+    """``(rank, speed)`` pairs (a mapping or pairs, as JSON gives them back), sorted by rank."""
+    try:
+        pairs = [(r, s) for r, s in (value.items() if isinstance(value, dict) else value)]
+    except (TypeError, ValueError) as exc:
+        raise MembershipError(f"speeds must be (rank, speed) pairs, got {value!r}") from exc
+    out = []
+    for rank, speed in pairs:
+        if isinstance(rank, str) and rank.isdigit():
+            rank = int(rank)
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise MembershipError(f"speeds: rank must be a non-negative integer, got {rank!r}")
+        if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not 0 < speed < 1:
+            raise MembershipError(f"speeds: rank {rank}'s speed must be in (0, 1), got {speed!r}")
+        out.append((rank, float(speed)))
+    if len({r for r, _ in out}) != len(out):
+        raise MembershipError(f"speeds name a rank twice: {value!r}")
+    return tuple(sorted(out))
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlowRequest:
+    """The reporting rank's request for a ``slow`` epoch (``runtime/stragglers.py``), posted to the
+    agent's store: the agent publishes the epoch (it alone seals epoch records).
+
+    Attributes:
+        seq: 1 for the first request of the job, +1 for each next (the agent acts on each once).
+        speeds: every worker slow now, ``(rank, speed)``; empty: none is slow any more.
+        reason: the decision, for the epoch's reason.
+    """
+
+    seq: int
+    speeds: tuple[tuple[int, float], ...] = ()
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.seq, bool) or not isinstance(self.seq, int) or self.seq < 1:
+            raise MembershipError(f"seq must be an integer >= 1, got {self.seq!r}")
+        object.__setattr__(self, "speeds", _speeds(self.speeds))
+        if not isinstance(self.reason, str):
+            raise MembershipError(f"reason must be a string, got {self.reason!r}")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "SlowRequest":
+        try:
+            return cls(**json.loads(text))
+        except (ValueError, TypeError) as exc:
+            raise MembershipError(f"malformed slow-worker request {text!r}: {exc}") from exc
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -57,6 +57,8 @@ REGRID_FAILED = f"{ROOT}/regrid_failed"
 REGRIDDED = f"{ROOT}/regridded"
 TRAINING_OVER = f"{ROOT}/training_over"
 STOP_REQUEST = f"{ROOT}/stop_request"  # a worker received SIGTERM/SIGINT itself: the agent stops the job gracefully
+SLOW_REQUEST_SEQ = f"{ROOT}/slow_request_seq"  # numbers the slow-worker requests (an add)
+SLOW_REQUEST = f"{ROOT}/slow_request"  # the reporting rank's slow workers (epochs.SlowRequest): the agent publishes a slow epoch
 
 
 def hb(rank: int) -> str:

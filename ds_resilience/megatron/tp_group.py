@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .. import store_keys
+from ..epochs import SWITCH_KINDS
 from ..comm.groups import poison_pg
 from ..logs import get_logger
 
@@ -98,7 +99,7 @@ class TensorParallelGroup:
 
     def release(self, record: Any) -> None:
         """Watcher thread: an epoch latched; one that interrupts work poisons the group."""
-        if getattr(record, "kind", None) == "rejoin" or self.poisoned or len(self.ranks) < 2:
+        if getattr(record, "kind", None) in SWITCH_KINDS or self.poisoned or len(self.ranks) < 2:
             return
         with self._lock:  # the main thread may be swapping in the group of this very epoch
             if record.epoch <= self.epoch:  # a starved watcher, after the main thread built the group for it

@@ -13,14 +13,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 from ..costs import CostModel
 from ..errors import PlanningError
-from ..ir import Schedule, TiedGroups
+from ..ir import ActionKind, Schedule, TiedGroups
+from ..ir.timeline import iteration_time
 from ..topology import Topology, Worker
 from .generators import generate
 from .planner import plan
+from .stragglers import plan_slow
 from .table import PlanTable, TableSpec, build_table
 
 __all__ = ["ScheduleChoice", "ScheduleProvider"]
@@ -140,3 +142,43 @@ class ScheduleProvider:
                       memory_cap=self.memory_cap, tied=self.tied)
         return ScheduleChoice(result.schedule, "planner", time.perf_counter() - started,
                               result.to_dict(with_schedule=False))
+
+    def schedule_for_slow(self, speeds: Mapping[Worker, float]) -> ScheduleChoice:
+        """The schedule for slow workers of the full grid (``speeds``: each one's fraction of full
+        speed, in (0, 1)): the weighted plan of :func:`~.stragglers.plan_slow` with this provider's
+        cost model, variant, memory cap and tied groups (deterministic: every rank computes the same
+        schedule without talking), from the on-demand planner. Its figures: ``iteration_time`` (the
+        plan's, replayed with the speeds), ``unadapted_time`` (the running fault-free schedule
+        replayed with them), ``fault_free_iteration_time`` (that schedule at full speed), ``bound``,
+        ``loads`` (micro-batches per worker index) and ``speeds`` (``"p1s0": 0.5``), in the cost
+        model's unit. No slow worker: the fault-free schedule.
+
+        Raises:
+            PlanningError: a worker out of the grid or a speed outside (0, 1].
+        """
+        if not speeds:
+            return self.schedule_for(())
+        started = time.perf_counter()
+        dp, pp = self.topology.dp, self.topology.pp
+        variant = self.variant if self.variant in ("adaptive", "decoupled", "recycle") else "recycle"
+        healthy = generate(self.schedule_name, dp, pp, self.microbatches, self.cost, tied=self.tied)
+        per_worker = [float(speeds.get(self.topology.worker(i), 1.0)) for i in range(dp * pp)]
+        unadapted = iteration_time(healthy, self.cost, variant, per_worker)
+        schedule, predicted, bound = healthy, unadapted, None
+        # the configured variant's plan, and the fused backward's: a split backward holds each
+        # deferred W's inputs, and under the fault-free 1F1B's memory cap the peer's extra
+        # micro-batches may only fit fused (the example GPT's profile on CPU); each replayed the
+        # way the engine runs it, the fastest taken (ties: the running schedule, then the first)
+        for option in dict.fromkeys((variant, "adaptive")):
+            slow = plan_slow(dp, pp, self.microbatches, speeds, cost=self.cost, variant=option,
+                             memory_cap=self.memory_cap, tied=self.tied)
+            bound = slow.bound
+            value = slow.iteration_time if option == variant else iteration_time(slow.schedule, self.cost, variant,
+                                                                                 per_worker)
+            if value < predicted - 1e-12:
+                schedule, predicted = slow.schedule, value
+        figures = {"variant": variant, "iteration_time": predicted, "unadapted_time": unadapted,
+                   "fault_free_iteration_time": iteration_time(healthy, self.cost, variant), "bound": bound,
+                   "loads": [sum(1 for a in actions if a.kind is ActionKind.F) for actions in schedule.workers],
+                   "speeds": {str(w): s for w, s in sorted(speeds.items())}}
+        return ScheduleChoice(schedule, "slow-plan", time.perf_counter() - started, figures)

@@ -25,6 +25,7 @@ from typing import Callable, Iterable
 
 from .. import store_keys as keys
 from ..comm.groups import poison
+from ..epochs import SWITCH_KINDS
 from ..errors import ResilienceError
 from ..launch import LaunchEnv
 from . import membership
@@ -70,7 +71,7 @@ class Coordinator:
         self.applied = membership.latest_epoch(store)
         self.applying = 0  # the epoch being applied: only a newer one interrupts it
         self._latched = None
-        self._disruptive = 0  # the newest latched epoch that is not a re-join
+        self._disruptive = 0  # the newest latched epoch that is not a switch (a re-join, a slow epoch)
         self._lock = threading.Lock()
         self._switch_seen = 0  # the newest re-join a peer is known to apply (announce_switch)
         self._switch_checked = 0.0
@@ -93,7 +94,7 @@ class Coordinator:
         """Watcher thread: remember the newest epoch, then let the engine release blocked work."""
         with self._lock:
             self._latched = record
-            if getattr(record, "kind", None) != "rejoin":
+            if getattr(record, "kind", None) not in SWITCH_KINDS:
                 self._disruptive = max(self._disruptive, record.epoch)
         self.on_epoch(record)
 
@@ -119,9 +120,9 @@ class Coordinator:
         """The pending epoch when it must interrupt the work in flight, else ``None``.
 
         A failure or a stop interrupts (the engine poisons the groups, store waits give up). A
-        re-join interrupts only once a peer has started applying it (:meth:`announce_switch`):
-        nothing in flight involves the joining worker, so each rank applies it at its next
-        iteration boundary, but ranks reach their boundaries at different times, and one that is
+        re-join (or a ``slow`` epoch: a switch of schedule, ``epochs.SWITCH_KINDS``) interrupts only
+        once a peer has started applying it (:meth:`announce_switch`): nothing in flight involves
+        the joining worker, so each rank applies it at its next iteration boundary, but ranks reach their boundaries at different times, and one that is
         still inside the iteration may be waiting on a peer that has switched already."""
         record = self.pending()
         if record is None:
@@ -137,7 +138,7 @@ class Coordinator:
 
     def _switched(self, record) -> bool:
         """Whether a peer has started applying the re-join ``record`` (one store read per 20 ms)."""
-        if getattr(record, "kind", None) != "rejoin":
+        if getattr(record, "kind", None) not in SWITCH_KINDS:
             return False
         if self._switch_seen == record.epoch:
             return True
@@ -177,13 +178,13 @@ class Coordinator:
     def check(self, *, rejoin: bool = True) -> None:
         """Raise :class:`Reconfigure` if a newer epoch is latched. ``rejoin=False``: a boundary that
         is not the start of a training iteration (a save, an evaluation, the end of training), where
-        a re-join is left for the next iteration's start. The joiner's first call is a training
+        a re-join (or a slow epoch's switch) is left for the next iteration's start. The joiner's first call is a training
         iteration: survivors that took it in before a save would wait for it in the save's
         collectives while it waits for them in the iteration (CI run I); and after the last step a
         peer that passed its end before the epoch came has exited and would never post its
         agreement (stop 48's CI; the agent then tells the joiner that training is over)."""
         record = self.pending()
-        if record is not None and (rejoin or getattr(record, "kind", None) != "rejoin"):
+        if record is not None and (rejoin or getattr(record, "kind", None) not in SWITCH_KINDS):
             raise Reconfigure(record)
 
     def mark_applied(self, record) -> None:

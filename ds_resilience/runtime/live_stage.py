@@ -41,7 +41,7 @@ from .coordinator import Coordinator
 from .executor import Executor
 from .faults import FaultInjector
 from .progress import Progress
-from .stragglers import StragglerWatch
+from .stragglers import StragglerWatch, replans
 from . import stop_signals
 from .recovery import Generation, LiveRecovery, RecoveryHooks, is_failure, release_on_epoch
 
@@ -198,7 +198,8 @@ class LiveStage:
             return
         desc, det = self.desc, self.desc.config.detector
         self.stragglers = StragglerWatch(self.coordinator.store, desc.session, desc.rank, self._members,
-                                         window=det.straggler_window, margin=det.straggler_margin)
+                                         window=det.straggler_window, margin=det.straggler_margin,
+                                         switch=replans(det.straggler_replan))
         self.recovery = LiveRecovery(
             topology=desc.topology, me=desc.me, coordinator=self.coordinator, executor=executor, tier=self.tier,
             provider=provider, session=desc.session, timeout_s=det.pg_timeout_s,

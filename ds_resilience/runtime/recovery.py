@@ -32,7 +32,7 @@ from ..checkpoint.state import apply
 from ..checkpoint.tier import CheckpointTier
 from ..comm.groups import CommError, GenerationGroups, build_groups
 from ..durable import write_durably
-from ..epochs import EpochRecord
+from ..epochs import SWITCH_KINDS, EpochRecord
 from ..errors import ResilienceError
 from ..ir import Schedule
 from ..logs import get_logger
@@ -107,6 +107,8 @@ class Generation:
         lookup_s: how long getting the schedule took.
         figures: the plan's predicted figures (``None`` when fault-free).
         groups: this worker's groups (``None`` for a worker left idle).
+        speeds: the slow workers the schedule is planned for (``source`` ``slow-plan``), each with
+            its fraction of full speed; empty otherwise.
     """
 
     epoch: int
@@ -116,6 +118,7 @@ class Generation:
     lookup_s: float
     figures: dict[str, Any] | None
     groups: GenerationGroups | None
+    speeds: tuple[tuple[Worker, float], ...] = ()
 
 
 class RankView:
@@ -259,11 +262,15 @@ class LiveRecovery:
 
     # --- the generation for a set of failed workers -------------------------------------------------
     def generation(self, epoch: int, failed: frozenset[Worker], *, build: bool = True,
-                   joining: bool = False) -> Generation:
+                   joining: bool = False, speeds: dict[Worker, float] | None = None) -> Generation:
         """The schedule and (with ``build``) this worker's groups for ``failed``. ``joining``: this
         worker re-joins, its peers come when they reach an iteration boundary (up to one iteration
-        late), so it waits for them up to the process-group timeout rather than the store's."""
-        choice = self.provider.schedule_for(failed)
+        late), so it waits for them up to the process-group timeout rather than the store's.
+        ``speeds``: slow workers (a ``slow`` epoch): with no failed worker, the weighted plan for
+        them (``ScheduleProvider.schedule_for_slow``); with failed ones the failure plan, which
+        does not weigh speeds (a slow worker beside a dead one runs the failure plan as is)."""
+        speeds = dict(speeds or {}) if not failed else {}
+        choice = self.provider.schedule_for_slow(speeds) if speeds else self.provider.schedule_for(failed)
         target = self.topology.without(failed)
         groups = None
         if build:
@@ -276,7 +283,8 @@ class LiveRecovery:
                                       timeout_s=self.timeout_s, store=self.coordinator.store, tied=self.provider.tied,
                                       device=self.executor.spec.device)
         return Generation(epoch=epoch, topology=target, schedule=choice.schedule, source=choice.source,
-                          lookup_s=choice.seconds, figures=choice.figures, groups=groups)
+                          lookup_s=choice.seconds, figures=choice.figures, groups=groups,
+                          speeds=tuple(sorted(speeds.items())))
 
     def _arrive(self, epoch: int, members: list[int], *, timeout_s: float | None = None) -> None:
         """Wait until every member of the new generation is here before building its groups: a
@@ -296,9 +304,9 @@ class LiveRecovery:
             record = self.coordinator.wait_pending(self.grace_s)
             if record is None:
                 raise exc  # an error without a membership change is a real error
-            if record.kind == "rejoin":
-                logger.info("rank %d: a peer applying re-join epoch %d released this rank from its iteration (%s)",
-                            self.rank, record.epoch, type(exc).__name__)
+            if record.kind in SWITCH_KINDS:
+                logger.info("rank %d: a peer applying %s epoch %d released this rank from its iteration (%s)",
+                            self.rank, record.kind, record.epoch, type(exc).__name__)
         while True:
             try:
                 self.apply(record)
@@ -327,7 +335,7 @@ class LiveRecovery:
     def apply(self, record: EpochRecord) -> None:
         started = time.perf_counter()
         self.coordinator.begin(record)
-        if record.kind == "rejoin":
+        if record.kind in SWITCH_KINDS:
             self._switch(record)
         self.executor.reset()
         if self.topology.rank(self.me) in self.view.workers(record).failed:
@@ -348,9 +356,11 @@ class LiveRecovery:
         if plan.action != "continue":
             self._beyond_tolerance(record, plan)
         failed = frozenset(self.topology.coord(r)[0] for r in plan.failed)
-        generation = self.generation(record.epoch, failed)
+        generation = self.generation(record.epoch, failed, speeds=self._speeds(record))
         self.executor.install(generation.groups)
         self.adopt(generation)
+        if record.kind == "slow":
+            self._log_switch(record, generation, plan.resume_step)
         for donor, joiner in plan.handovers:
             if donor == self.rank:
                 self.fault_hook("in_rejoin", plan.resume_step)
@@ -370,10 +380,46 @@ class LiveRecovery:
             "apply_s": time.perf_counter() - started,
             # new epoch published by the agent -> ready for the first new step (same host clock)
             "recovery_s": time.time() - record.detected_at if record.detected_at else None,
+            **({"speeds": [[r, v] for r, v in record.speeds], "figures": generation.figures}
+               if record.kind == "slow" else {}),
         })
 
+    def _speeds(self, record: EpochRecord) -> dict[Worker, float]:
+        """A ``slow`` epoch's slow workers (grid ranks of this grid only: a re-formed grid's view
+        leaves out the ranks lost before it) and their speeds."""
+        return {self.topology.coord(r)[0]: v for r, v in record.speeds
+                if self.topology.has_rank(r) and r not in record.failed}
+
+    def _log_switch(self, record: EpochRecord, generation: Generation, resume_step: int) -> None:
+        """One line per switch of a ``slow`` epoch, on the first alive rank: the plan adopted and its
+        predicted iteration time (the cost model's unit), or the return to the failed set's schedule."""
+        alive = self.view.ranks(self.topology.rank(w) for w in generation.topology.alive_workers())
+        if not alive or self.rank != min(alive):
+            return
+        figures = generation.figures or {}
+        if generation.speeds:
+            slow = ", ".join(f"worker p{w.pipeline}s{w.stage} (rank {self.topology.rank(w)}) at {v:.2f}x"
+                             for w, v in generation.speeds)
+            loads = figures.get("loads") or []
+            logger.warning(
+                "slow-worker switch (epoch %d, from step %d): %s; adopted the weighted plan (micro-batches per "
+                "worker %s), predicted iteration %.4g against %.4g un-adapted (fault-free %.4g, bound %.4g; "
+                "cost-model units); planned in %.3f s", record.epoch, resume_step, slow, loads,
+                figures.get("iteration_time", float("nan")), figures.get("unadapted_time", float("nan")),
+                figures.get("fault_free_iteration_time", float("nan")), figures.get("bound", float("nan")),
+                generation.lookup_s)
+        elif record.speeds:  # slow workers beside failed ones: the failure plan as is
+            logger.warning("slow-worker switch (epoch %d, from step %d): ranks %s slow beside failed workers %s; "
+                           "kept the failure plan (%s)", record.epoch, resume_step, [r for r, _ in record.speeds],
+                           sorted(str(w) for w in generation.topology.failed), generation.source)
+        else:
+            what = "the fault-free schedule" if not generation.topology.failed else f"the {generation.source} schedule"
+            logger.warning("slow-worker switch (epoch %d, from step %d): no worker slow any more; back to %s",
+                           record.epoch, resume_step, what)
+
     def _switch(self, record: EpochRecord) -> None:
-        """This rank applies a re-join at its iteration boundary; its peers may not have seen the
+        """This rank applies a re-join (or a slow epoch's switch of schedule: same members, nothing
+        moved) at its iteration boundary; its peers may not have seen the
         epoch at theirs and be inside an iteration that waits on this rank. Release them: the switch
         key makes their store waits give up (``Coordinator.interrupting``), and closing this rank's
         pairs of the old groups (which the new generation replaces) fails their receives and
@@ -502,8 +548,9 @@ def _beyond(plan: RecoveryPlan) -> str:
 def release_on_epoch(record: EpochRecord, groups: Any, tier: CheckpointTier | None) -> None:
     """An engine's watcher-thread reaction to a newly latched epoch: poison the current groups so
     whatever the main thread waits on returns (a re-join changes nothing for the running iteration:
-    it is applied at the next boundary), and stop replicating to the failed peers."""
-    if groups is not None and record.kind != "rejoin":
+    it is applied at the next boundary; so is a slow epoch's switch of schedule), and stop replicating
+    to the failed peers."""
+    if groups is not None and record.kind not in SWITCH_KINDS:
         groups.poison()
     if tier is not None:
         tier.drop(record.failed)

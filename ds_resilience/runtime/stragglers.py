@@ -13,19 +13,27 @@ A worker above ``1 + margin`` times its peers' pace is reported slow, with its m
 peers' pace over its own); below ``1 + margin / 2`` it is reported recovered. One log line and one
 monitor event per decision. Stages are compared with themselves only: their work differs.
 
+Under the agent each decision also asks for a switch of schedule (:func:`request_switch`): the
+reporting rank posts every worker slow now with its speed (an ``epochs.SlowRequest``), the agent
+publishes a ``slow`` epoch, and every rank applies it at its next iteration boundary
+(``runtime/recovery.py``): the weighted plan for those speeds, or, once none is slow, the schedule
+of the failed set.
+
 The detector is pure Python (no torch); :class:`StragglerWatch` is its store plumbing.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
 from .. import store_keys as keys
+from ..epochs import SlowRequest
 
-__all__ = ["Straggler", "StragglerDetector", "StragglerWatch", "pace_of"]
+__all__ = ["Straggler", "StragglerDetector", "StragglerWatch", "pace_of", "replans", "request_switch"]
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +133,25 @@ def pace_of(durations: Mapping[str, Iterable[float]], forwards: int) -> float | 
     return sum(sum(durations.get(code, ())) for code in ("F", "B", "W", "BW")) / forwards
 
 
+def replans(setting: bool | None, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether a worker found slow switches the job's schedule: ``detector.straggler_replan``, or
+    when null, yes unless ``DSR_STRAGGLER_REPLAN=0`` is in the environment (the test suite's)."""
+    if setting is not None:
+        return bool(setting)
+    environ = os.environ if environ is None else environ
+    return environ.get("DSR_STRAGGLER_REPLAN", "1") != "0"
+
+
+def request_switch(store: Any, speeds: Mapping[int, float], reason: str = "") -> SlowRequest:
+    """Ask the agent for a ``slow`` epoch with ``speeds`` (every worker slow now, by grid rank; empty:
+    none any more), rounded to hundredths: the request is numbered with an ``add`` on the store (a
+    new reporting rank's requests come after its predecessor's) and posted in one ``set``."""
+    rounded = {r: min(0.99, max(0.01, round(float(v), 2))) for r, v in speeds.items()}
+    request = SlowRequest(seq=int(store.add(keys.SLOW_REQUEST_SEQ, 1)), speeds=tuple(rounded.items()), reason=reason)
+    store.set(keys.SLOW_REQUEST, request.to_json())
+    return request
+
+
 class StragglerWatch:
     """The store side: every worker publishes its pace; the reporting rank decides.
 
@@ -134,11 +161,16 @@ class StragglerWatch:
         members: ``() -> {rank: stage}`` of the alive workers now (the current generation).
         window, margin: :class:`StragglerDetector`'s.
         on_decision: called with each decision on the reporting rank (after it is logged).
+        switch: after the iteration's decisions, ask the agent to switch the schedule to the workers
+            slow now (:func:`request_switch`, once per iteration that decided something).
     """
 
     def __init__(self, store: Any, session: str, rank: int, members: Callable[[], Mapping[int, int]], *,
-                 window: int, margin: float, on_decision: Callable[[Straggler], None] | None = None) -> None:
+                 window: int, margin: float, on_decision: Callable[[Straggler], None] | None = None,
+                 switch: bool = False) -> None:
         self.store, self.session, self.rank, self.members = store, session, rank, members
+        self.switch = switch
+        self.requests: list[SlowRequest] = []
         self.detector = StragglerDetector(window, margin)
         self.on_decision = on_decision
         self.decisions: list[Straggler] = []
@@ -164,8 +196,12 @@ class StragglerWatch:
         for rank, raw in zip(present, values):
             it, _, value = raw.decode().partition(" ")
             self.detector.observe(rank, members[rank], int(it), float(value))
-        for decision in self.detector.decide(iteration):
+        decided = self.detector.decide(iteration)
+        for decision in decided:
             self.decisions.append(decision)
             log.warning("%s", decision.line())
             if self.on_decision is not None:
                 self.on_decision(decision)
+        if decided and self.switch:
+            self.requests.append(request_switch(self.store, self.detector.slow, "; ".join(
+                f"rank {d.rank} {'slow' if d.slow else 'recovered'} at iteration {d.iteration}" for d in decided)))

@@ -52,7 +52,7 @@ from ..errors import ResilienceError
 from ..job_secret import SECRET_VAR, new_secret
 from ..launch import DEFAULT_HOST_DIR, LaunchEnv, snapshot_root
 from ..planning.recovery import lost_stages
-from ..epochs import STOP_KINDS
+from ..epochs import STOP_KINDS, MembershipError, SlowRequest
 from ..runtime import membership as mb
 from .events import AgentEvent, event_table
 from .host_memory import claim, disown, owner_alive, reclaim_orphans
@@ -268,6 +268,8 @@ class Agent:
         self._join_attempts: dict[int, int] = {}  # rank -> relaunches that died before re-joining
         self._finished = False  # a member exited 0: training is over, nobody re-joins any more
         self._regridded = False  # the survivors re-formed the grid: nobody re-joins any more
+        self._slow_seq = 0  # the newest slow-worker request acted on (SlowRequest.seq), this attempt
+        self._slow_raw: bytes | None = None  # the request last read (each is read once)
         self._t0 = time.time()
         self._nodes: NodeBeats | None = None  # the followers' beats (several nodes), from the first launch
 
@@ -352,6 +354,7 @@ class Agent:
                 raise AgentError(f"cannot host the store on {self.master_addr}:{self.port}: {exc}") from exc
             self.port = self._base.port
         self.store = mb.attempt_view(self._base, self.restarts)
+        self._slow_seq, self._slow_raw = 0, None  # a restart's workers number their requests afresh (its own keys)
         what = f"restart {self.restarts} from the in-memory snapshots" if self.restarts else "launching"
         self._echo(f"[ds_resilience agent] store at {self.master_addr}:{self.port}"
                    + (f" (attempt {self.restarts}'s keys under {keys.attempt_prefix(self.restarts)}/)" if self.restarts
@@ -511,6 +514,7 @@ class Agent:
                 self._no_more_rejoins(self.store.get(mb.REGRIDDED_KEY).decode(errors="replace"))
             if stop_deadline is None:
                 self._rejoins()
+                self._slow_requests()
             live = [w for w in self._workers.values() if w.state in _LIVE]
             if stop_deadline is None and not live:
                 self.message = "all live workers finished" + (f" ({len(self._failed)} failed)" if self._failed else "")
@@ -815,6 +819,30 @@ class Agent:
                         detail=f"incarnation {w.incarnation} registered; epoch {record.epoch} asks the "
                                f"survivors to take it in")
 
+    def _slow_requests(self) -> None:
+        """The reporting rank found a worker slow, or recovered (``runtime/stragglers.py``): publish
+        a ``slow`` epoch with the workers slow now (none: back to the failed set's schedule). The
+        workers apply it at their next iteration boundary; nothing is killed. Acted on once per
+        request; a rank that failed since is left out (its failure epoch has the last word)."""
+        if self._finished or not self.store.check([keys.SLOW_REQUEST]):
+            return
+        raw = self.store.get(keys.SLOW_REQUEST)
+        if raw == self._slow_raw:
+            return
+        self._slow_raw = raw
+        try:
+            request = SlowRequest.from_json(raw)
+        except MembershipError as exc:
+            self._echo(f"[ds_resilience agent] ignored a malformed slow-worker request: {exc}")
+            return
+        if request.seq <= self._slow_seq:
+            return
+        self._slow_seq = request.seq
+        speeds = tuple((r, s) for r, s in request.speeds if r < self.num_workers and r not in self._failed)
+        what = ", ".join(f"rank {r} at {s:.2f}x" for r, s in speeds) or "no worker slow any more"
+        record = self._publish("slow", f"{what}" + (f" ({request.reason})" if request.reason else ""), speeds=speeds)
+        self._event("slow", None, epoch=record.epoch, detail=what)
+
     def _check_admitted(self, w: _Child) -> bool:
         """Whether the survivors admitted relaunched worker ``w`` (its own word in the store);
         records its rejoin event the first time it is seen."""
@@ -839,11 +867,12 @@ class Agent:
             self.message += "; no checkpoint was saved"
 
     # --- helpers --------------------------------------------------------------------------------
-    def _publish(self, kind: str, reason: str, joining: tuple[int, ...] = (), restart: bool = False) -> mb.EpochRecord:
+    def _publish(self, kind: str, reason: str, joining: tuple[int, ...] = (), restart: bool = False,
+                 speeds: tuple[tuple[int, float], ...] = ()) -> mb.EpochRecord:
         alive = tuple(r for r in range(self.num_workers) if r not in self._failed)
         record = mb.EpochRecord(epoch=len(self.epochs) + 1, failed=tuple(self._failed), alive=alive,
                                 joining=joining, stop=kind in STOP_KINDS, reason=reason, detected_at=time.time(),
-                                kind=kind, restart=restart)
+                                kind=kind, restart=restart, speeds=speeds)
         mb.publish_epoch(self.store, record, secret=self.secret)
         self.epochs.append(record)
         self._echo(f"[ds_resilience agent] epoch {record.epoch} ({kind}): {reason}; alive {list(alive)}")

@@ -257,3 +257,77 @@ def test_agent_rejects_bad_arguments(tmp_path):
         Agent(WORKER, num_workers=1, heartbeat_interval_s=1.0, heartbeat_timeout_s=1.0)
     with pytest.raises(AgentError, match="not found"):
         Agent(tmp_path / "nope.py", num_workers=1)
+
+
+def _slow(epoch: int, speeds=((1, 0.5),)) -> mb.EpochRecord:
+    return mb.EpochRecord(epoch=epoch, failed=(), alive=(0, 1, 2, 3), reason="r", kind="slow", speeds=speeds)
+
+
+def test_a_slow_epoch_carries_its_speeds_through_json_and_checks_them():
+    from ds_resilience.epochs import SWITCH_KINDS, SlowRequest
+
+    rec = _slow(2, {3: 0.75, 1: 0.5})
+    assert rec.speeds == ((1, 0.5), (3, 0.75)) and "slow" in SWITCH_KINDS
+    assert mb.EpochRecord.from_json(rec.to_json()) == rec  # pairs come back as JSON lists
+    assert _slow(3, ()).speeds == ()  # none slow any more
+    assert mb.EpochRecord.from_json(mb.EpochRecord(epoch=1, failed=(), alive=(0,)).to_json()).speeds == ()
+    for bad in (dict(kind="crash", speeds=((1, 0.5),)), dict(speeds=((7, 0.5),)), dict(speeds=((1, 1.0),)),
+                dict(speeds=((1, 0.0),)), dict(speeds=((1, 0.5), (1, 0.6))), dict(speeds=((1, "x"),)),
+                dict(speeds=((-1, 0.5),)), dict(speeds=5)):
+        with pytest.raises(mb.MembershipError):
+            mb.EpochRecord(**{"epoch": 2, "failed": (), "alive": (0, 1, 2, 3), "kind": "slow", **bad})
+    req = SlowRequest(seq=3, speeds={2: 0.4}, reason="rank 2 slow")
+    assert SlowRequest.from_json(req.to_json()) == req and req.speeds == ((2, 0.4),)
+    for bad_json in ('{"seq": 0}', '{"seq": 1, "speeds": [[1, 2.0]]}', '{"seq": 1, "bogus": 1}', "not json"):
+        with pytest.raises(mb.MembershipError):
+            SlowRequest.from_json(bad_json)
+
+
+def test_a_slow_epoch_is_a_switch_applied_at_a_training_iteration_boundary(store):
+    """Like a re-join: a store wait in the iteration goes on, a save's boundary leaves it, the
+    next training iteration's start applies it; once a peer started applying it, waits give up."""
+    from ds_resilience.runtime.coordinator import Reconfigure
+
+    c, peer = _bare_coordinator(store), _bare_coordinator(store)
+    slow = _slow(2)
+    c._latch(slow)
+    assert c.pending() is slow and c.interrupting() is None
+    threading.Timer(0.2, lambda: store.set("k/slow-late", "v")).start()
+    assert c.wait_key("k/slow-late") == b"v"
+    c.check(rejoin=False)  # a save's boundary: left
+    with pytest.raises(Reconfigure):
+        c.check()
+    peer.announce_switch(slow)
+    with pytest.raises(Reconfigure) as err:
+        c.wait_key("k/never-posted-slow")
+    assert err.value.record is slow
+
+
+def test_the_reporting_ranks_request_becomes_the_agents_slow_epoch_once(store):
+    """runtime/stragglers.request_switch posts the slow workers; the agent publishes one sealed
+    ``slow`` epoch per request (a failed rank left out), and none for a request it has acted on."""
+    from ds_resilience.runtime.stragglers import request_switch
+
+    agent = Agent(WORKER, num_workers=4, heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0, echo=lambda m: None)
+    agent.store = store
+    agent._publish("start", "launching")
+    agent._slow_requests()
+    assert len(agent.epochs) == 1  # no request yet
+    first = request_switch(store, {1: 0.4567}, "rank 1 slow at iteration 9")
+    assert first.seq == 1 and first.speeds == ((1, 0.46),)
+    agent._slow_requests()
+    agent._slow_requests()  # the same request: nothing more
+    rec = mb.read_epoch(store, 2, secret=agent.secret)
+    assert len(agent.epochs) == 2 and rec.kind == "slow" and rec.speeds == ((1, 0.46),) and not rec.stop
+    assert "rank 1 at 0.46x" in rec.reason and [e.kind for e in agent.events][-1] == "slow"
+    agent._failed.add(3)
+    assert request_switch(store, {1: 0.5, 3: 0.5}).seq == 2
+    agent._slow_requests()
+    assert mb.read_epoch(store, 3, secret=agent.secret).speeds == ((1, 0.5),)
+    request_switch(store, {})  # recovered: none slow
+    agent._slow_requests()
+    back = mb.read_epoch(store, 4, secret=agent.secret)
+    assert back.kind == "slow" and back.speeds == () and "no worker slow" in back.reason
+    store.set("dsr/slow_request", "garbage")
+    agent._slow_requests()
+    assert len(agent.epochs) == 4
