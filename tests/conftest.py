@@ -58,8 +58,8 @@ if sys.path[0] != REPO:
 TIERS = {"dist": ("dist",), "live": ("dist", "live")}
 # run by tests/run.sh after the live tier, with the machine to themselves: the Megatron example's
 # TP=2 SIGKILL recovery fails now and then under a second job's load (ranks exit 1 after a store
-# wait for the agreement), a timing window left open (see tests/live/test_megatron_example.py)
-ALONE = ("live/test_megatron_example.py", "live/test_stragglers_live.py")
+# wait for the agreement), a timing window left open (see PRELOAD in tests/live/test_megatron_example.py)
+ALONE = ("live/test_megatron_tp_live.py", "live/test_stragglers_live.py")
 
 
 # each test file's measured seconds (``tests/tools/durations.py .test-reports/*.xml --write
