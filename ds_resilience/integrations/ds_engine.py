@@ -33,7 +33,6 @@ from ..ir import Action, ActionKind, Schedule
 from ..runtime.plan_agreement import check_joined
 from ..launch import LaunchEnv, job_checkpoint_dir
 from ..logs import STDOUT, get_logger, log_dist
-from ..planning.provider import ScheduleProvider
 from ..runtime.executor import BatchSource, Executor, StageSpec
 from ..runtime.live_stage import LiveStage, RecoveryHooks, StageDescription, StartMode
 from ..runtime.precision import MixedPrecisionOptimizer
@@ -47,7 +46,7 @@ from .ds_evaluation import evaluate
 from .ds_loss import LossPost, aggregate_loss, park, step_validator
 from .ds_optimizer import (OptimizerRequest, ZeroStage, build_optimizer, on_membership, reshard_loaded,
                            restore_after_restart, sharded_of, stage_members)
-from .ds_plans import EnginePlans, PlanSettings, first_generation, healthy_schedule, replan
+from .ds_plans import REPLAN_LAG, REPLAN_SOLVER, BackgroundReplan, EnginePlans, PlanSettings, first_generation
 from .ds_seeds import LayerSeeds
 from .ds_profile import from_engine as profile_from_engine, requested as profile_requested
 from .ds_reporting import is_reporter, plan_line, report
@@ -229,8 +228,10 @@ class ResilientPipelineEngine(SurvivorAPI, PipelineEngine):
             if restored is not None:
                 self.recovery_log.append(restored)
         if rejoin and self.alive:
-            check_joined(self.coordinator.store, self.plans.scope, self.plans.joined_record, rank=self.rank)
+            check_joined(self.coordinator.store, self.plans.scope, self.plans.joined_record, rank=self.rank,
+                         step=self.global_steps)
         # the profile (DSR_PROFILE_OUT, set by `ds-resilience profile`): a fresh, fault-free start only
+        self.replanning: BackgroundReplan | None = None  # the re-plan after it (``_replan``)
         self.profiler = profile_from_engine(self, on_done=self._replan) if fresh else None
 
     # --- the optimizer side (ds_optimizer.py) ------------------------------------------------------
@@ -307,16 +308,18 @@ class ResilientPipelineEngine(SurvivorAPI, PipelineEngine):
 
     # --- the plan table (ds_plans.py) -------------------------------------------------------------
     def _replan(self, cost) -> None:
-        """The profile is in (``resilience.profile_steps``): plan every failure set with it."""
-        replan(self.plans.build, cost, rank=self.rank, adopt=self._adopt_plans, reporter=lambda: is_reporter(self))
-
-    def _adopt_plans(self, provider: ScheduleProvider) -> str:
-        """The re-plan's table, and the fault-free schedule of the profiled costs (``ds_plans.healthy_schedule``)."""
-        self.provider = provider
+        """The profile is in (``resilience.profile_steps``): plan every failure set with it in a
+        thread (``ds_plans.BackgroundReplan``); every rank adopts the table ``REPLAN_LAG`` steps on
+        (``train_batch``), and until then plans with the one it has (``self.provider``'s stand-in)."""
+        step = self.global_steps  # the same on every rank: the profile's last step
+        due = step + REPLAN_LAG
+        build = functools.partial(self.plans.build, 1, cost=cost, solver=REPLAN_SOLVER, step=step, own_store=True,
+                                  from_step=due)
+        self.replanning = BackgroundReplan(build, cost, rank=self.rank, due=due, before=self.provider,
+                                           steps=lambda: self.global_steps, reporter=lambda: is_reporter(self)).start()
+        self.provider = self.replanning.provider
         if self.recovery is not None:
             self.recovery.provider = self.provider
-        self.generation, said = healthy_schedule(self.generation, self.provider)
-        return said
 
     def _starved(self, failed: frozenset[Worker]) -> str | None:
         """Why a failed set leaves micro-batches no worker can load (``ds_relay.starved``)."""
@@ -396,6 +399,8 @@ class ResilientPipelineEngine(SurvivorAPI, PipelineEngine):
             park(self._loss_post(), self._idle_iteration, self.resilience.detector.pg_timeout_s * 10)
             self._idle_iteration += 1
             return None
+        if self.replanning is not None:  # from its step on: the re-plan's table and healthy schedule
+            self.generation = self.replanning.at_boundary(self.global_steps, self.generation)
         self.module.train()
         return self._resilient(self._train_iteration, rejoin=True)
 

@@ -4,7 +4,8 @@
 :class:`PlanSettings`. Under the agent only the grid's first rank plans, and publishes its table,
 cost model, variant and solver; every other rank waits for them and adopts them without planning
 (:func:`agreed_plans`); a re-joining worker adopts the newest published build
-(:func:`joined_plans`). :func:`replan` is the re-plan after the self-profile, and
+(:func:`joined_plans`). :class:`BackgroundReplan` is the re-plan after the self-profile (off the
+training thread, adopted by every rank at one step), and
 :func:`healthy_schedule` re-lists a fault-free run's schedule with the profiled costs;
 :func:`first_generation` is the schedule and groups a worker starts with.
 """
@@ -12,6 +13,7 @@ cost model, variant and solver; every other rank waits for them and adopts them 
 from __future__ import annotations
 
 import functools
+import threading
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -31,14 +33,25 @@ from ..runtime.plan_agreement import PublisherLost, adopt_published, announce, a
 from ..runtime.recovery import Generation
 from ..topology import Topology, Worker
 
-__all__ = ["EnginePlans", "PlanAgreement", "PlanSettings", "adopting_provider", "agreed_plans", "first_generation", "healthy_schedule",
-           "joined_plans", "plans_timeout_s", "REPLAN_SOLVER", "publisher_failed", "replan", "schedule_provider"]
+__all__ = ["BackgroundReplan", "EnginePlans", "PlanAgreement", "PlanSettings", "REPLAN_LAG", "REPLAN_SOLVER",
+           "ReplannedProvider", "adopting_provider", "agreed_plans", "first_generation", "healthy_schedule",
+           "joined_plans", "plans_timeout_s", "publisher_failed", "schedule_provider"]
 
 log = get_logger(__name__)
 
 REPLAN_SOLVER = "heuristic"
-"""The solver of the re-plan after the self-profile (:func:`replan`): it runs between two training
-iterations, which must not stall for a solver's time limit."""
+"""The solver of the re-plan after the self-profile (:class:`BackgroundReplan`). It runs off the
+training thread, but every rank adopts its table :data:`REPLAN_LAG` steps after the profile and
+waits there for it if need be, and its thread takes the interpreter from the training thread: with
+CP-SAT (``planner.time_limit_s`` per failure set, 10 s by default) a 4-rank job stopped for 12-24 s
+when it planned on the training thread. The heuristic takes milliseconds per failure set; the
+start's table, planned before training, keeps the configured solver."""
+
+REPLAN_LAG = 1
+"""The iterations that train on with the table before while the re-plan runs: every rank adopts
+the re-plan's table at the start of the iteration this many after the profile's end
+(:class:`BackgroundReplan`; the heuristic's table of a 2 x 2 grid takes 0.03 s). One: a failure
+one iteration after the profile is already answered from the profiled table."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +77,7 @@ class PlanAgreement:
     scope: str  # ``attempt<restart>[-grid<n>]``: one agreement per launch attempt and grid
     fire: Callable[[str, int], Any]  # the fault injector's ``maybe_fire``
     step: Callable[[], int]  # the optimizer steps taken
+    from_step: int | None = None  # the step the survivors adopt the table at (``publish``; None: at once)
 
 
 @dataclass
@@ -80,19 +94,28 @@ class EnginePlans:
     step: Callable[[], int]  # the optimizer steps taken
     joined_record: dict | None = None  # what :meth:`joined` read
 
-    def agreement(self) -> PlanAgreement:
-        return PlanAgreement(settings=self.settings, store=self.coordinator.store, rank=self.rank, scope=self.scope,
-                             fire=self.fire, step=self.step)
+    def agreement(self, *, step: int | None = None, own_store: bool = False,
+                  from_step: int | None = None) -> PlanAgreement:
+        """``step``: the step its faults fire at (default: the steps taken when they fire);
+        ``own_store``: a connection of its own to the store (for a thread other than training's);
+        ``from_step``: the step the table is adopted at (published with it)."""
+        store = self.coordinator.store
+        return PlanAgreement(settings=self.settings, store=store.clone() if own_store else store, rank=self.rank,
+                             scope=self.scope, fire=self.fire, step=self.step if step is None else lambda: step,
+                             from_step=from_step)
 
-    def build(self, build: int, cost=None, solver: str | None = None) -> ScheduleProvider:
-        """The plan table and planner of ``build`` (:func:`agreed_plans` under the agent).
+    def build(self, build: int, cost=None, solver: str | None = None, *, step: int | None = None,
+              own_store: bool = False, from_step: int | None = None) -> ScheduleProvider:
+        """The plan table and planner of ``build`` (:func:`agreed_plans` under the agent; ``step``,
+        ``own_store`` and ``from_step``: :meth:`agreement`'s, for a build in a thread of its own).
 
         Raises:
             PublisherLost: the publisher failed before it published (no rank took this build).
         """
         if self.coordinator is None:
             return schedule_provider(self.settings, self.settings.config_dir, cost=cost, solver=solver)
-        return agreed_plans(self.agreement(), build, cost=cost, solver=solver)
+        agreement = self.agreement(step=step, own_store=own_store, from_step=from_step)
+        return agreed_plans(agreement, build, cost=cost, solver=solver)
 
     def joined(self) -> ScheduleProvider | None:
         """A re-joining worker's plans: rank 0's newest published (``None``: nothing published)."""
@@ -155,7 +178,7 @@ def agreed_plans(agreement: PlanAgreement, build: int, cost=None, solver: str | 
         if build:
             agreement.fire("in_replan", agreement.step())
         provider = schedule_provider(settings, settings.config_dir, cost=cost, solver=solver)
-        publish(store, provider, scope=scope, build=build)
+        publish(store, provider, scope=scope, build=build, from_step=agreement.from_step)
         return provider
     # from the newest epoch on: a publisher that fails and re-joins while this rank waits
     # still ends the wait (the build it was making is gone)
@@ -182,27 +205,122 @@ def joined_plans(agreement: PlanAgreement) -> tuple[dict | None, ScheduleProvide
     return record, provider
 
 
-def replan(plans: Callable[..., ScheduleProvider], cost, *, rank: int, adopt: Callable[[ScheduleProvider], str],
-           reporter: Callable[[], bool]) -> None:
-    """The profile is in (``resilience.profile_steps``): plan every failure set with it.
+class BackgroundReplan:
+    """The re-plan after the self-profile (``resilience.profile_steps``), off the training thread.
 
-    ``plans(build=1, cost=cost, solver=REPLAN_SOLVER)`` gives the new table; ``adopt`` installs it
-    and says what changed in the healthy schedule (``""``: nothing); the reporting rank says so.
+    :meth:`start` runs ``plans()`` (under the agent: rank 0 plans and publishes, every other rank
+    waits for its table, ``agreed_plans``) in a daemon thread and returns at once; training goes on
+    with the table it has. Every rank adopts the new table at optimizer step ``due`` (the profile's
+    last step + :data:`REPLAN_LAG`: the profile ends at the same step on every rank), so that they
+    switch together: :attr:`provider` stands for the table in force at the current step, the one
+    before until ``due``, the new one from then on (:meth:`table_at`), and at each training
+    iteration's start :meth:`at_boundary` switches a fault-free run to the profiled fault-free
+    schedule (:func:`healthy_schedule`). Reaching ``due`` before the thread is done, a rank waits
+    for it there and logs how long.
 
-    This runs on the training thread between two iterations, so it plans with the list-scheduling
-    heuristic (milliseconds per failure set): with CP-SAT (``planner.time_limit_s`` per failure
-    set, 10 s by default) a 4-rank job stopped for 12-24 s at the profile's end, a stall of every
-    rank while healthy. The start's table, planned before training, keeps the configured solver."""
-    started = time.perf_counter()
-    try:
-        provider = plans(build=1, cost=cost, solver=REPLAN_SOLVER)
-    except PublisherLost as exc:  # nobody took the new table: every survivor keeps the agreed one
-        log.info("rank %d: re-plan abandoned: %s", rank, exc)
-        return
-    healthy = adopt(provider)
-    if reporter():
-        log.info("plans rebuilt with the profiled costs (%s) in %.2fs%s", cost.name, time.perf_counter() - started,
-                 healthy, extra=STDOUT)
+    Failures: the table in force is a function of the step, so a recovery, which plans on every
+    survivor at the same resume step (the fewest steps any survivor took, after the rollback), takes
+    its schedule from the same table on all of them, even when one rank had passed ``due`` and
+    another had not when the failure came. A publisher that failed before it published
+    (``PublisherLost``) leaves every rank on the table before (``re-plan abandoned``). Any other
+    exception in the thread is raised again on the training thread when the table is needed at
+    ``due`` or later. The table is published with ``due`` (``from_step``): a worker that re-joins
+    with it but is handed an earlier step's state stops (``plan_agreement.check_joined``) rather
+    than answer a failure from another table than the survivors'. A restart or a re-grid builds
+    new engines, whose plans do not read this.
+    """
+
+    def __init__(self, plans: Callable[[], ScheduleProvider], cost, *, rank: int, due: int, before: ScheduleProvider,
+                 steps: Callable[[], int], reporter: Callable[[], bool]) -> None:
+        self.cost, self.rank, self.due, self.before = cost, rank, due, before
+        self._plans, self._steps, self._reporter = plans, steps, reporter
+        self._thread = threading.Thread(target=self._run, name="dsr-replan", daemon=True)
+        self._new: ScheduleProvider | None = None
+        self._error: BaseException | None = None
+        self._started = 0.0
+        self._seconds = 0.0  # the thread's time
+        self._joined = False
+        self._reported = False
+        self._checked: Generation | None = None  # the generation at_boundary saw last
+        self.provider = ReplannedProvider(self)
+
+    def start(self) -> "BackgroundReplan":
+        self._started = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            self._new = self._plans()
+        except PublisherLost as exc:  # nobody took the new table: every survivor keeps the agreed one
+            log.info("rank %d: re-plan abandoned: %s", self.rank, exc)
+        except BaseException as exc:  # noqa: BLE001 - raised again on the training thread (table_at)
+            self._error = exc
+        finally:
+            self._seconds = time.perf_counter() - self._started
+
+    @property
+    def done(self) -> bool:
+        """The thread has finished (a table, an abandonment or an error)."""
+        return not self._thread.is_alive() and self._started > 0
+
+    def table_at(self, step: int) -> ScheduleProvider:
+        """The plans in force at optimizer step ``step``: the table before the re-plan until ``due``,
+        the re-plan's from then on (joined here if the thread is not done; the table before if it
+        was abandoned).
+
+        Raises:
+            BaseException: what the thread raised (other than ``PublisherLost``), at ``due`` or later.
+        """
+        if step < self.due:
+            return self.before
+        if not self._joined:
+            if self._thread.is_alive():
+                waited = time.perf_counter()
+                self._thread.join()
+                log.info("rank %d: step %d waited %.2fs for the re-plan (started %.2fs before)", self.rank, step,
+                         time.perf_counter() - waited, waited - self._started)
+            self._joined = True
+        if self._error is not None:
+            raise self._error
+        return self._new if self._new is not None else self.before
+
+    def at_boundary(self, step: int, generation: Generation) -> Generation:
+        """A training iteration starts at optimizer step ``step``: from ``due`` on, the re-plan's
+        table is in force (:meth:`table_at`) and a fault-free run runs its fault-free schedule
+        (:func:`healthy_schedule`; again after a recovery that rolled back below ``due`` and
+        re-joined everyone with the table before). Returns the generation to run."""
+        if step < self.due or generation is self._checked:
+            return generation
+        provider = self.table_at(step)
+        said = ""
+        if provider is not self.before:
+            generation, said = healthy_schedule(generation, provider)
+        self._checked = generation
+        if not self._reported:
+            self._reported = True
+            if provider is not self.before and self._reporter():
+                log.info("plans rebuilt with the profiled costs (%s) in %.2fs, adopted at step %d%s", self.cost.name,
+                         self._seconds, step, said, extra=STDOUT)
+        return generation
+
+
+class ReplannedProvider:
+    """The plans in force at the engine's current optimizer step, while and after a
+    :class:`BackgroundReplan` runs (``BackgroundReplan.table_at``): a stand-in for a
+    :class:`ScheduleProvider`, whose attributes it reads from that table."""
+
+    def __init__(self, replan: BackgroundReplan) -> None:
+        self._replan = replan
+
+    @property
+    def current(self) -> ScheduleProvider:
+        return self._replan.table_at(self._replan._steps())
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_replan" or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.current, name)
 
 
 def healthy_schedule(generation: Generation, provider: ScheduleProvider) -> tuple[Generation, str]:

@@ -77,11 +77,16 @@ def announce(store: Any, *, scope: str, build: int, publisher: int, epoch: int) 
     store.set(_building_key(scope), f"{build} {publisher} {epoch}")
 
 
-def publish(store: Any, provider: ScheduleProvider, *, scope: str, build: int) -> dict[str, Any]:
-    """Rank 0: make ``provider``'s table, cost model, variant and solver the job's for ``build``."""
+def publish(store: Any, provider: ScheduleProvider, *, scope: str, build: int,
+            from_step: int | None = None) -> dict[str, Any]:
+    """Rank 0: make ``provider``'s table, cost model, variant and solver the job's for ``build``;
+    ``from_step``: the optimizer step from which the survivors answer failures from it (the re-plan
+    after the profile is adopted a step after it ends; ``None``: at once)."""
     table = provider.table
     record = {"build": build, "cost": provider.cost.to_dict(), "variant": provider.variant, "solver": provider.solver,
               "digest": table.schedules_digest() if table is not None else None}
+    if from_step is not None:
+        record["from_step"] = from_step
     if table is not None:  # the cached file holds these bytes already (PlanTable.save writes to_bytes())
         path = (provider.table_summary or {}).get("path")
         data = Path(path).read_bytes() if path and Path(path).is_file() else table.to_bytes()
@@ -156,18 +161,27 @@ def newest(store: Any, scope: str, *, timeout_s: float,
     return latest(store, scope)
 
 
-def check_joined(store: Any, scope: str, adopted: dict[str, Any] | None, *, rank: int) -> None:
-    """A re-joined worker, once its donor has handed it state: the donor applied the re-join at an
-    iteration boundary, past any re-plan, so the newest published build is the one the survivors
-    answer failures from; ``adopted`` (the record the worker took, ``None``: none) must be it.
+def check_joined(store: Any, scope: str, adopted: dict[str, Any] | None, *, rank: int, step: int | None = None) -> None:
+    """A re-joined worker, once its donor has handed it state (at optimizer step ``step``): the
+    survivors answer failures from the newest published build, once past the step it is adopted
+    at (``from_step``: the re-plan after the profile is published from a thread and adopted by
+    every survivor at one step); ``adopted`` (the record the worker took, ``None``: none) must be
+    it, and the worker must have joined at or after that step.
 
     Raises:
-        ResilienceError: it is not (the worker would answer the next failure from another table);
-            the worker stops, and its next relaunch reads the survivors' build.
+        ResilienceError: it is not, or the worker joined while the survivors still answered from
+            the build before (it would answer the next failure from another table); the worker
+            stops, and its next relaunch reads the survivors' build.
     """
     current = latest(store, scope)
     mine = None if adopted is None else (adopted["build"], adopted["digest"])
     theirs = None if current is None else (current["build"], current["digest"])
+    from_step = None if current is None else current.get("from_step")
+    if mine == theirs and from_step is not None and step is not None and step < from_step:
+        raise ResilienceError(
+            f"rank {rank} re-joined at step {step} with plan table {_name(mine)}, which the survivors answer "
+            f"failures from only from step {from_step}; it stops rather than answer a failure before then from "
+            f"another table (a relaunch reads theirs)")
     if mine != theirs:
         raise ResilienceError(
             f"rank {rank} re-joined with plan table {_name(mine)}, but the survivors answer failures from "

@@ -195,6 +195,22 @@ def test_a_rejoined_worker_stops_when_its_table_is_not_the_survivors():
         check_joined(store, "attempt0", forged, rank=1)
 
 
+def test_a_worker_that_rejoins_before_the_survivors_adopt_the_re_plan_stops():
+    """The re-plan after the profile is published from a thread and adopted by every survivor at
+    one step (``from_step``, ``ds_plans.BackgroundReplan``): a re-joiner that took it but was
+    handed the state of an earlier step joined survivors that still answer from the build before,
+    so it stops; at or after that step it goes on."""
+    store = dist.HashStore()
+    publish(store, _provider(), scope="attempt0", build=0)
+    publish(store, _provider(cost=PROFILED, variant="auto"), scope="attempt0", build=1, from_step=6)
+    record = latest(store, "attempt0")
+    assert record["from_step"] == 6
+    with pytest.raises(ResilienceError, match="rank 1 re-joined at step 5 with plan table build 1 .* only from step 6"):
+        check_joined(store, "attempt0", record, rank=1, step=5)
+    check_joined(store, "attempt0", record, rank=1, step=6)
+    check_joined(store, "attempt0", record, rank=1, step=40)
+
+
 def test_a_failure_of_the_publisher_ends_a_wait_even_one_it_rejoined_from():
     """``failed_after`` (the engine's test for ending a wait on the publisher): the newest epoch for
     a rank waiting at a build; for a re-joiner, any epoch after the announcement (rank 0 failed in
