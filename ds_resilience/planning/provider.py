@@ -67,6 +67,7 @@ class ScheduleProvider:
         self.on_demand_solver = on_demand_solver
         self.table_summary: dict[str, Any] | None = None
         self.tied: TiedGroups = tuple(tuple(group) for group in tied)
+        self._slow: dict[tuple[tuple[Worker, float], ...], ScheduleChoice] = {}  # schedule_for_slow's plans
         if table is not None and table.spec.tied != self.tied:
             raise PlanningError(f"plan table built for tied groups {table.spec.tied}, provider has {self.tied}")
 
@@ -159,6 +160,10 @@ class ScheduleProvider:
         if not speeds:
             return self.schedule_for(())
         started = time.perf_counter()
+        key = tuple(sorted(speeds.items()))
+        cached = self._slow.get(key)
+        if cached is not None:  # a worker slow again at the same speed: planned once
+            return ScheduleChoice(cached.schedule, cached.source, time.perf_counter() - started, cached.figures)
         dp, pp = self.topology.dp, self.topology.pp
         variant = self.variant if self.variant in ("adaptive", "decoupled", "recycle") else "recycle"
         healthy = generate(self.schedule_name, dp, pp, self.microbatches, self.cost, tied=self.tied)
@@ -181,4 +186,5 @@ class ScheduleProvider:
                    "fault_free_iteration_time": iteration_time(healthy, self.cost, variant), "bound": bound,
                    "loads": [sum(1 for a in actions if a.kind is ActionKind.F) for actions in schedule.workers],
                    "speeds": {str(w): s for w, s in sorted(speeds.items())}}
-        return ScheduleChoice(schedule, "slow-plan", time.perf_counter() - started, figures)
+        self._slow[key] = choice = ScheduleChoice(schedule, "slow-plan", time.perf_counter() - started, figures)
+        return choice

@@ -42,6 +42,7 @@ def test_a_slow_generation_runs_the_weighted_plan_every_rank_builds_alike():
     f = gen.figures
     assert f["loads"] == loads and f["speeds"] == {str(SLOW): 0.5}
     assert f["bound"] <= f["iteration_time"] < f["unadapted_time"] and f["fault_free_iteration_time"] < f["unadapted_time"]
+    assert rec.generation(7, frozenset(), build=False, speeds={SLOW: 0.5}).schedule is gen.schedule  # planned once
     healthy = rec.generation(6, frozenset(), build=False, speeds={})
     assert healthy.source == "fault-free" and healthy.speeds == () and _loads(healthy.schedule) == [8, 8, 8, 8]
 
