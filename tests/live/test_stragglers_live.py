@@ -34,19 +34,21 @@ def step_seconds(dump: dict) -> dict[int, float]:
     return {step: t - ends[i - 1][1] for i, (step, t) in enumerate(ends) if i > 0}
 
 
-def switch_phases(dump: dict, fault_start: int, fault_end: int) -> dict:
-    """The measured iteration times around the slow epochs of ``dump``'s recovery log: medians of the
+def switch_phases(dump: dict, fault_start: int, fault_end: int, rank: int = 1) -> dict:
+    """The measured iteration times around the slow epochs of slowed ``rank`` in ``dump``'s recovery
+    log (the first that names it, and the first after it that does not): medians of the
     healthy iterations before the fault (``healthy``), of the fault's before the switch
     (``unadapted``) and after it (``adapted``); the plan's predicted figures; and ``fraction``, how
     far the measured time went from the un-adapted one toward the plan's prediction (the predicted
     ratio applied to the measured un-adapted time). Iterations next to a switch are left out (the
     switch's own cost is in them). ``None`` for a phase without iterations."""
     slow = [e for e in dump["recovery"] if e.get("kind") == "slow"]
-    adopted = next((e for e in slow if e.get("speeds")), None)
+    names = lambda e: rank in [r for r, _ in e.get("speeds") or ()]  # noqa: E731
+    adopted = next((e for e in slow if names(e)), None)
     if adopted is None:
         return {"switched_at": None}
     at = adopted["resume_step"]
-    back = next((e["resume_step"] for e in slow if not e.get("speeds") and e["resume_step"] > at), None)
+    back = next((e["resume_step"] for e in slow if not names(e) and e["resume_step"] > at), None)
     secs = step_seconds(dump)
 
     def median(lo: int, hi: int) -> float | None:
