@@ -329,7 +329,9 @@ class LiveRecovery:
         self._steps = self.coordinator.gather_steps(record.epoch, self.tier.host.counters()[0],
                                                     self.view.ranks(voters(workers)))
         return plan_recovery(workers, self.topology, self.view.worker_steps(self._steps),
-                             covered=self.provider.covers, tied=self.provider.tied, regrid=self.regrid is not None,
+                             covered=self.provider.covers, tied=self.provider.tied,
+                             # a slow epoch changes no membership: never a reason to re-form the grid
+                             regrid=self.regrid is not None and record.kind != "slow",
                              prefer_regrid=self.prefer_regrid, unfed=self.unfed)
 
     def apply(self, record: EpochRecord) -> None:
