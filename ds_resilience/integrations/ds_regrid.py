@@ -25,7 +25,7 @@ When a stage loses every replica (``resilience.regrid``), :func:`regrid` is the 
 The new grid names its workers by the agent's ranks (a ``Topology`` with a rank table), so every
 store key, snapshot owner and later recovery plan keeps using them. What this does not do yet
 (:func:`regrid_blocker` refuses it at start-up): ZeRO-1 shards, bf16/fp16 masters, tied layers,
-data from ``training_data`` or iterators (a ``batch_source`` is needed), an optimizer or scheduler
+data from iterators (a ``batch_source`` or a map-style ``training_data`` is needed), an optimizer or scheduler
 object built by the caller (it would belong to the old parameters), and tensor parallelism.
 Dropout draws the old grid's masks: the engine reseeds every layer from (iteration, the
 micro-batch as the first grid numbered it, layer), and the new engine takes the composed map.
@@ -62,7 +62,7 @@ from ..runtime import membership
 from ..runtime.recovery import BeyondTolerance
 from ..topology import Topology
 
-__all__ = ["HORIZON", "RegridContext", "RegridError", "regrid", "regrid_blocker", "regrid_pays_for"]
+__all__ = ["HORIZON", "RegridContext", "RegridError", "origin_source", "regrid", "regrid_blocker", "regrid_pays_for"]
 
 HORIZON = 20
 """Iterations over which a re-grid must beat re-routing, its own pause (taken as two fault-free
@@ -103,14 +103,32 @@ def regrid_blocker(engine: Any, rebuild: dict[str, Any] | None) -> str | None:
         return "bf16/fp16 master weights are not moved by the re-grid yet (the model must train in fp32)"
     if engine.stage_host.param_layers is None or engine.tied_groups:
         return "tied layers (TiedLayerSpec) are not moved by the re-grid yet"
-    if rebuild is None or rebuild.get("batch_source") is None:
-        return "the new pipelines read other pipelines' micro-batches: pass batch_source= to initialize"
+    if rebuild is None or origin_source(engine, rebuild) is None:
+        return ("the new pipelines read other pipelines' micro-batches: pass batch_source= or a map-style "
+                "training_data= to initialize (a data iterator cannot be addressed)")
     opt, sched = rebuild.get("optimizer"), rebuild.get("lr_scheduler")
     if opt is not None and not callable(opt) or isinstance(opt, torch.optim.Optimizer):
         return "an optimizer object belongs to the old parameters: configure it in the DeepSpeed config or pass a callable"
     if sched is not None and not callable(sched) or hasattr(sched, "state_dict"):
         return "an LR scheduler object belongs to the old optimizer: configure it in the DeepSpeed config or pass a callable"
     return None
+
+
+def origin_source(engine: Any, rebuild: dict[str, Any]) -> Callable | None:
+    """Any (pipeline, iteration, micro-batch) of the first grid's data, read by index: the user's
+    ``batch_source``, or, for a map-style ``training_data`` the engine reads (``ds_data.EngineData``),
+    a :class:`~.ds_data.DatasetSource` of the same dataset, sampler and collate as the first grid's
+    (its data-parallel size and micro-batch count), every read in this process. ``None``: the data
+    come from iterators, which cannot be addressed."""
+    from .ds_data import DatasetSource, EngineData
+
+    if rebuild.get("batch_source") is not None:
+        return rebuild["batch_source"]
+    data = getattr(getattr(engine, "executor", None), "batch_source", None)
+    if not isinstance(data, EngineData) or data.dataset is None or not data.from_dataset:
+        return None
+    first = data.dataset  # the first grid's: a re-gridded engine is given the origin source as its batch_source
+    return DatasetSource(first.dataset, dp=first.dp, microbatches=first.microbatches, spec=first.spec, own=None)
 
 
 def regrid_pays_for(engine: Any, failed: frozenset) -> bool:
@@ -196,6 +214,9 @@ def regrid(engine: Any, record: Any, plan: RecoveryPlan) -> None:
     world = groups.world
     lost_ranks = sorted(lost_stage_sources(old, failed).values())  # the plan fetches these
     try:
+        source = origin_source(engine, engine._rebuild)
+        if source is None:  # train_batch(data_iter) replaced the training_data loader since initialize
+            raise RegridError("the data come from an iterator, which cannot be read by (pipeline, iteration, micro-batch)")
         step = _agree_step(engine, world, lost_ranks, step)
         if step == plan.resume_step:
             state = capture(engine.stage_host, stage=engine.stage_id, rank=engine.rank).clone(host=True)
@@ -247,7 +268,10 @@ def regrid(engine: Any, record: Any, plan: RecoveryPlan) -> None:
     t1 = time.perf_counter()
     engine.tier.close()
     old_module = engine.module
-    rebuild = engine._rebuild
+    rebuild = dict(engine._rebuild, batch_source=source)  # the new grids read the first grid's data by index
+    old_data = engine.executor.batch_source
+    if hasattr(old_data, "close") and old_data is not source:
+        old_data.close()  # training_data: the own pipeline's loader workers
     count = engine.regrids + 1
 
     def load(new: Any) -> None:

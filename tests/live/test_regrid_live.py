@@ -141,6 +141,24 @@ def test_both_replicas_of_a_stage_killed_the_survivors_regrid_and_end_at_the_fau
     assert moved > 0
 
 
+TRAINING_DATA = ("--training-data", "--dataset-size", "40")  # the user's Dataset: 10 micro-batches per pipeline and epoch
+
+
+@pytest.mark.timeout(900)
+def test_with_training_data_the_regridded_pipelines_read_the_dataset_by_index(tmp_path):
+    """The user's own data (``initialize(training_data=...)``, DeepSpeed's sampler, wrapping into
+    the next epoch) and no ``batch_source``: both replicas of stage 1 of 3 are SIGKILLed, the new
+    grid reads each micro-batch it was dealt from the dataset by the index the first grid's sampler
+    gave it, and ends at the fault-free state (the re-grid used to be refused at ``initialize``)."""
+    code, _, reference = run(tmp_path, "ref", world=6, pp=3, regrid=False, extra=TRAINING_DATA)
+    assert code == 0, logs(tmp_path, "ref")
+    faults = pair_dies((2, 3), 3, "before_forward")
+    code, agent, dumps = run(tmp_path, "regrid", world=6, pp=3, faults=faults, extra=TRAINING_DATA)
+    assert code == 0, logs(tmp_path, "regrid")
+    assert not [e for e in agent.events if e.kind in ("restart", "relaunch", "stop")]
+    assert_fault_free_state(dumps, reference, [0, 1, 4, 5], resume_step=3, pp_before=3)
+
+
 @pytest.mark.timeout(900)
 def test_killed_while_their_snapshot_drained_the_survivors_regrid_from_the_step_before(tmp_path):
     """Both replicas of stage 1 die while the copy of their step-3 snapshot is in flight: no
