@@ -18,6 +18,19 @@ Moved this way, a layer trains on exactly as it would have: same weights, same m
 counts, same learning rate (Oobleck re-initializes the optimizer and the schedule instead).
 What is not per layer (the scheduler, the step and sample counters, the random generators) is the
 same on every stage and comes from any survivor's state.
+
+Mixed precision (``runtime/precision.py``'s ``MixedPrecisionOptimizer``, bf16/fp16): its state
+dict wraps the torch optimizer's (``{"optimizer", "masters", "scaler", "skipped_steps"}``); a
+layer's tree then carries each parameter's fp32 master beside its low-precision weight and
+moments, and the new stage's wrapper takes the loss scaler and the skipped-step count (the same
+on every stage: the overflow is agreed globally) from the survivor's state.
+
+An optimizer that counts its steps per parameter group (DeepSpeed's ``FusedAdam``: it steps every
+parameter of a group with the ``"step"`` of the group's *last* parameter and advances only that
+one) gives a new group whose last parameter was a middle one of its old group a step count of 0:
+its next update would take step 1's bias correction. Each parameter's tree therefore also carries
+the largest step of its old group (``"group_step"``), and :func:`stage_state` with
+``group_steps=True`` gives every parameter of a new group the largest of its members'.
 """
 
 from __future__ import annotations
@@ -28,7 +41,7 @@ import torch
 
 from .state import StageState, StateMismatch, clone_tree
 
-__all__ = ["LAYER_FORMAT", "layer_trees", "stage_state"]
+__all__ = ["LAYER_FORMAT", "inner_param_groups", "layer_trees", "stage_state"]
 
 LAYER_FORMAT = 1
 
@@ -49,6 +62,25 @@ def _groups_of(optimizer: Mapping[str, Any], count: int) -> tuple[list[int], lis
         raise StateMismatch(f"the optimizer's parameter groups index {len(group_of)} parameters, the stage has {count}")
     hyper = [{k: v for k, v in group.items() if k != "params"} for group in groups]
     return [group_of[i] for i in range(count)], hyper
+
+
+def _mixed(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is a ``MixedPrecisionOptimizer`` state dict (fp32 masters around a torch one)."""
+    return isinstance(optimizer, Mapping) and "masters" in optimizer and "optimizer" in optimizer
+
+
+def inner_param_groups(optimizer_state: Mapping[str, Any]) -> list[Any]:
+    """The torch optimizer's ``param_groups`` of an engine optimizer's ``state_dict()`` (inside a
+    mixed-precision wrapper's, if it is one)."""
+    inner = optimizer_state["optimizer"] if _mixed(optimizer_state) else optimizer_state
+    return inner["param_groups"]
+
+
+def _step_of(param_state: Mapping[str, Any]) -> int | None:
+    step = param_state.get("step") if isinstance(param_state, Mapping) else None
+    if step is None:
+        return None
+    return int(step.item()) if torch.is_tensor(step) else int(step)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -73,32 +105,51 @@ def layer_trees(state: StageState, param_layers: Sequence[int]) -> dict[int, dic
     out: dict[int, dict[str, Any]] = {}
     group_of: list[int] | None = None
     hyper: list[dict[str, Any]] = []
-    if state.optimizer is not None:
-        group_of, hyper = _groups_of(state.optimizer, len(state.params))
+    optimizer, masters = state.optimizer, None
+    if _mixed(optimizer):
+        optimizer, masters = optimizer["optimizer"], list(optimizer["masters"])
+        if len(masters) != len(state.params):
+            raise StateMismatch(f"{len(masters)} fp32 masters for {len(state.params)} parameters")
+    group_step: list[int | None] = []
+    if optimizer is not None:
+        group_of, hyper = _groups_of(optimizer, len(state.params))
+        steps: dict[int, int] = {}
+        for i, g in enumerate(group_of):
+            step = _step_of(optimizer["state"].get(i, {}))
+            if step is not None:
+                steps[g] = max(steps.get(g, step), step)
+        group_step = [steps.get(g) for g in group_of]
     for i, (param, layer) in enumerate(zip(state.params, param_layers)):
         tree = out.setdefault(int(layer), {"format": LAYER_FORMAT, "layer": int(layer), "params": [],
                                            "optimizer": [], "groups": []})
         tree["params"].append(param)
         if group_of is not None:
-            tree["optimizer"].append(dict(state.optimizer["state"].get(i, {})))
+            tree["optimizer"].append(dict(optimizer["state"].get(i, {})))
             tree["groups"].append(hyper[group_of[i]])
+            tree.setdefault("group_step", []).append(group_step[i])
+        if masters is not None:
+            tree.setdefault("masters", []).append(masters[i])
     return out
 
 
 def stage_state(trees: Mapping[int, Mapping[str, Any]], param_layers: Sequence[int], *,
                 param_groups: Sequence[Mapping[str, Any]] | None, like: StageState, stage: int,
-                rank: int) -> StageState:
+                rank: int, group_steps: bool = False) -> StageState:
     """The state of a new stage whose ``i``-th parameter belongs to layer ``param_layers[i]``,
     from the trees of its layers (each layer's parameters in the order :func:`layer_trees` gave).
 
     Args:
         trees: ``{layer: tree}`` for every layer of the new stage (kept, received or restored).
         param_layers: the new stage's parameter -> layer, in its module order.
-        param_groups: the new stage's optimizer ``state_dict()["param_groups"]`` (which parameter
-            indices form which group); each group takes the hyperparameters its layers carried
-            (the learning rate the scheduler set, the betas, ...). ``None``: no optimizer.
-        like: a survivor's state at the same step: the scheduler, counters and random generators.
+        param_groups: the new stage's torch optimizer's ``state_dict()["param_groups"]`` (which
+            parameter indices form which group; :func:`inner_param_groups` of a mixed-precision
+            one); each group takes the hyperparameters its layers carried (the learning rate the
+            scheduler set, the betas, ...). ``None``: no optimizer.
+        like: a survivor's state at the same step: the scheduler, counters and random generators
+            (and, under mixed precision, the loss scaler: the new state is wrapped as ``like``'s is).
         stage, rank: the new stage and this worker's rank.
+        group_steps: the optimizer counts steps per group (``FusedAdam``; module docstring):
+            every parameter of a new group takes the largest step its layers' old groups had.
 
     Raises:
         StateMismatch: a layer is missing, holds another number of parameters than the new stage
@@ -116,15 +167,23 @@ def stage_state(trees: Mapping[int, Mapping[str, Any]], param_layers: Sequence[i
             raise StateMismatch(f"the tree given for layer {layer} is not a layer state of format {LAYER_FORMAT}")
         if len(tree["params"]) != count:
             raise StateMismatch(f"layer {layer} carries {len(tree['params'])} parameters, the new stage gives it {count}")
+    mixed = _mixed(like.optimizer)
     taken = {layer: 0 for layer in wanted}
     params: list[torch.Tensor] = []
+    masters: list[torch.Tensor] = []
     per_param: list[tuple[dict[str, Any], dict[str, Any] | None]] = []
+    carried_steps: list[int | None] = []
     for layer in param_layers:
         tree, k = trees[int(layer)], taken[int(layer)]
         taken[int(layer)] = k + 1
         params.append(tree["params"][k])
+        if mixed:
+            if len(tree.get("masters") or ()) != len(tree["params"]):
+                raise StateMismatch(f"layer {layer} carries no fp32 masters; the new stage trains in mixed precision")
+            masters.append(tree["masters"][k])
         has_opt = bool(tree["optimizer"])
         per_param.append((tree["optimizer"][k] if has_opt else {}, tree["groups"][k] if has_opt else None))
+        carried_steps.append((tree.get("group_step") or [None] * (k + 1))[k] if has_opt else None)
     optimizer = None
     if param_groups is not None:
         state: dict[int, Any] = {}
@@ -143,6 +202,17 @@ def stage_state(trees: Mapping[int, Mapping[str, Any]], param_layers: Sequence[i
             for i in indices:
                 if per_param[i][0]:
                     state[i] = per_param[i][0]
+            top = max((carried_steps[i] for i in indices if carried_steps[i] is not None), default=None)
+            if group_steps and top is not None:
+                for i in indices:
+                    if i in state and "step" in state[i]:
+                        old = state[i]["step"]
+                        state[i] = {**state[i], "step": torch.tensor(float(top), dtype=old.dtype)
+                                    if torch.is_tensor(old) else top}
         optimizer = {"state": state, "param_groups": groups}
+        if mixed:
+            optimizer = {"optimizer": optimizer, "masters": masters,
+                         "scaler": clone_tree(like.optimizer.get("scaler")),
+                         "skipped_steps": like.optimizer.get("skipped_steps", 0)}
     return StageState(stage=stage, rank=rank, steps=like.steps, samples=like.samples, params=params,
                       optimizer=optimizer, lr_scheduler=like.lr_scheduler, rng=like.rng, extra={})

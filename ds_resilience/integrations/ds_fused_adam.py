@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["align_bias_correction", "fused_cpu_adam", "resumed_as_loaded"]
+__all__ = ["align_bias_correction", "counts_steps_per_group", "fused_cpu_adam", "resumed_as_loaded"]
 
 _WALKED: dict[int, int] = {}  # Adam mode -> the step the op's powers were walked to or last stepped at
 
@@ -40,6 +40,20 @@ def fused_cpu_adam(optimizer: Any) -> Any | None:
         optimizer = getattr(optimizer, "stepper", None) or getattr(optimizer, "optimizer", None) \
             or getattr(optimizer, "inner", None)
     return None
+
+
+def counts_steps_per_group(optimizer: Any) -> bool:
+    """Whether ``optimizer`` (or the one a mixed-precision or ZeRO-1 wrapper steps) is DeepSpeed's
+    ``FusedAdam`` on any device: it steps a whole parameter group with the ``"step"`` of the group's
+    last parameter and advances only that one (``checkpoint/layer_state.py`` re-cuts such groups)."""
+    seen = set()
+    while optimizer is not None and id(optimizer) not in seen:
+        seen.add(id(optimizer))
+        if type(optimizer).__name__ == "FusedAdam" and hasattr(optimizer, "multi_tensor_adam"):
+            return True
+        optimizer = getattr(optimizer, "stepper", None) or getattr(optimizer, "optimizer", None) \
+            or getattr(optimizer, "inner", None)
+    return False
 
 
 def _step_count(adam: Any) -> int:

@@ -7,7 +7,9 @@ When a stage loses every replica (``resilience.regrid``), :func:`regrid` is the 
 1. **state**: its stage's state at the resume step (after the plan's rollback) is cut into layers
    (``checkpoint/layer_state.py``); the survivor the plan names fetches each lost stage's snapshot
    from the in-memory tier (``checkpoint/fetch.py``, collective over the survivors) and cuts it too
-   (a snapshot records the layer of each of its parameters);
+   (a snapshot records the layer of each of its parameters); under bf16/fp16 a layer carries its
+   fp32 masters, and DeepSpeed's ``FusedAdam`` (its step counted on each group's last parameter)
+   gets its group's step on every new group;
 2. **moves**: each survivor receives the layers its new position lacks from the survivors that hold
    them, in one global order over one group of the survivors (``checkpoint/layer_transfer.py``);
 3. **rebuild**: DeepSpeed's default process group is replaced by a local stand-in one of the new
@@ -15,7 +17,8 @@ When a stage loses every replica (``resilience.regrid``), :func:`regrid` is the 
    as for a re-joining worker), and a new :class:`~.ds_engine.ResilientPipelineEngine` is built for
    the new position: a ``PipelineModule`` of the same layer specs cut at the plan's bounds, the
    DeepSpeed config with the new micro-batch count (same global batch), the same optimizer and
-   scheduler settings, the data source re-mapped so that each new pipeline trains the old global
+   scheduler settings, the data source (the user's ``batch_source``, or ``training_data`` read by
+   index as the first grid's sampler dealt it) re-mapped so that each new pipeline trains the old global
    batch's micro-batches the plan dealt it, and the moved layers' state loaded before its first
    snapshot;
 4. **swap**: the engine object the training script holds takes the new engine's state (they share
@@ -24,7 +27,7 @@ When a stage loses every replica (``resilience.regrid``), :func:`regrid` is the 
 
 The new grid names its workers by the agent's ranks (a ``Topology`` with a rank table), so every
 store key, snapshot owner and later recovery plan keeps using them. What this does not do yet
-(:func:`regrid_blocker` refuses it at start-up): ZeRO-1 shards, bf16/fp16 masters, tied layers,
+(:func:`regrid_blocker` refuses it at start-up): ZeRO-1 shards, tied layers,
 data from iterators (a ``batch_source`` or a map-style ``training_data`` is needed), an optimizer or scheduler
 object built by the caller (it would belong to the old parameters), and tensor parallelism.
 Dropout draws the old grid's masks: the engine reseeds every layer from (iteration, the
@@ -46,7 +49,7 @@ from ..comm.standin import init_stand_in
 from ..logs import get_logger
 from ..checkpoint.fetch import fetch_versions
 from ..checkpoint.inmemory import owner_name
-from ..checkpoint.layer_state import layer_trees, stage_state
+from ..checkpoint.layer_state import inner_param_groups, layer_trees, stage_state
 from ..checkpoint.layer_transfer import transfer
 from ..checkpoint.state import StageState, apply, capture, tree_nbytes
 from ..comm.groups import build_groups
@@ -61,6 +64,7 @@ from ..planning.templates import partition
 from ..runtime import membership
 from ..runtime.recovery import BeyondTolerance
 from ..topology import Topology
+from .ds_fused_adam import counts_steps_per_group
 
 __all__ = ["HORIZON", "RegridContext", "RegridError", "origin_source", "regrid", "regrid_blocker", "regrid_pays_for"]
 
@@ -99,8 +103,6 @@ def regrid_blocker(engine: Any, rebuild: dict[str, Any] | None) -> str | None:
         return "a lost stage comes back from the in-memory snapshots: resilience.checkpoint.enabled must be true"
     if engine.zero_optimization_stage():
         return "ZeRO-1's optimizer shards are not moved by the re-grid yet (zero_optimization.stage must be 0)"
-    if engine.get_data_types()[0] != torch.float32:
-        return "bf16/fp16 master weights are not moved by the re-grid yet (the model must train in fp32)"
     if engine.stage_host.param_layers is None or engine.tied_groups:
         return "tied layers (TiedLayerSpec) are not moved by the re-grid yet"
     if rebuild is None or origin_source(engine, rebuild) is None:
@@ -276,8 +278,8 @@ def regrid(engine: Any, record: Any, plan: RecoveryPlan) -> None:
 
     def load(new: Any) -> None:
         new_state = stage_state(layers, new.stage_host.param_layers,
-                                param_groups=new.optimizer.state_dict()["param_groups"], like=state,
-                                stage=new.stage_id, rank=new.rank)
+                                param_groups=inner_param_groups(new.optimizer.state_dict()), like=state,
+                                stage=new.stage_id, rank=new.rank, group_steps=counts_steps_per_group(new.optimizer))
         apply(new_state, new.stage_host, stage=new.stage_id)
 
     context = RegridContext(ranks=ranks, coordinator=engine.coordinator, session=f"live/regrid{count}", grid=count,

@@ -20,12 +20,13 @@ STEPS = 7
 
 
 def run(tmp: Path, name: str, *, world: int, pp: int, faults=(), regrid=True, checkpoint=None, restarts=0, extra=(),
-        clipping=0.0):
+        clipping=0.0, deepspeed=None):
     base = json.loads((REPO / "configs" / "gpt_cpu_pp2_dp2.json").read_text())
     base["optimizer"] = {"type": "Adam", "params": {"lr": 0.002, "torch_adam": True}}
     base["gradient_clipping"] = clipping
     base["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.002,
                                                         "warmup_num_steps": 10}}
+    base.update(deepspeed or {})  # the user's configuration (USER)
     base["resilience"] = {
         "schedule": "1f1b", "variant": "recycle", "regrid": regrid, "fault_injection": list(faults),
         "detector": {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 4.0, "pg_timeout_s": 60.0},
@@ -71,13 +72,16 @@ def by_name(dumps, key):
     return out
 
 
-def assert_fault_free_state(dumps, reference, survivors, *, resume_step, pp_before):
+def assert_fault_free_state(dumps, reference, survivors, *, resume_step, pp_before, bf16=False):
     """Every survivor ends at step STEPS with the weights, Adam moments and step counts, and the
     learning rate of the fault-free run, by parameter name, on a re-formed grid; each logged one
     re-grid. Tolerances as in test_live.py: re-routed iterations sum micro-batches in another
-    order (measured: at most 9e-7 on a weight of about 1e-2)."""
+    order (measured: at most 9e-7 on a weight of about 1e-2). ``bf16``: the fp32 masters are held
+    to those tolerances instead and each bf16 weight is its master rounded (the moments sit in the
+    mixed-precision wrapper, keyed by the masters: the masters are what they step)."""
     assert sorted(dumps) == survivors
     ref_params, ref_opt = by_name(reference, "params"), by_name(reference, "optimizer")
+    ref_masters = by_name(reference, "masters")
     positions = set()
     for rank, d in dumps.items():
         assert d["steps"] == STEPS, f"rank {rank} stopped at step {d['steps']}"
@@ -88,6 +92,15 @@ def assert_fault_free_state(dumps, reference, survivors, *, resume_step, pp_befo
         assert entries[0]["resume_step"] == resume_step and entries[0]["regrid_s"] > 0
         positions.add((d["pipeline"], d["stage"]))
         assert d["params"], rank
+        if bf16:
+            assert d["masters"].keys() == d["params"].keys(), rank
+            for name, t in d["masters"].items():
+                r = ref_masters[name]
+                assert t.dtype == torch.float32 and d["params"][name].dtype == torch.bfloat16
+                assert torch.allclose(t, r, rtol=1e-5, atol=1e-6), f"rank {rank} {name}: {(t - r).abs().max():.3e}"
+                assert torch.equal(d["params"][name], t.to(torch.bfloat16)), f"rank {rank} {name}"
+            assert d["lr"] == pytest.approx(reference[0]["lr"])
+            continue
         for name, t in d["params"].items():
             assert torch.allclose(t, ref_params[name], rtol=1e-5, atol=1e-6), f"rank {rank} {name}"
             assert set(ref_opt[name]) == {"step", "exp_avg", "exp_avg_sq"}, ref_opt[name].keys()
@@ -157,6 +170,25 @@ def test_with_training_data_the_regridded_pipelines_read_the_dataset_by_index(tm
     assert code == 0, logs(tmp_path, "regrid")
     assert not [e for e in agent.events if e.kind in ("restart", "relaunch", "stop")]
     assert_fault_free_state(dumps, reference, [0, 1, 4, 5], resume_step=3, pp_before=3)
+
+
+# the user's configuration (configs/default_resilience.json): DeepSpeed's "Adam" (FusedAdam), clipping 1.0, bf16
+USER = {"optimizer": {"type": "Adam", "params": {"lr": 0.002}}, "gradient_clipping": 1.0, "bf16": {"enabled": True}}
+
+
+@pytest.mark.timeout(900)
+def test_bf16_fused_adam_the_regrid_moves_the_fp32_masters(tmp_path):
+    """bf16 with fp32 masters, DeepSpeed's default optimizer (``"type": "Adam"``: FusedAdam) and
+    clipping 1.0, with training_data: both replicas of stage 1 of 3 are SIGKILLed; each moved layer
+    carries its fp32 masters (and the wrapper's scaler state), so the re-formed grid ends with the
+    fault-free run's masters (within 1e-6) and bf16 weights (the masters rounded)."""
+    code, _, reference = run(tmp_path, "ref", world=6, pp=3, regrid=False, extra=TRAINING_DATA, deepspeed=USER)
+    assert code == 0, logs(tmp_path, "ref")
+    faults = pair_dies((2, 3), 3, "before_forward")
+    code, agent, dumps = run(tmp_path, "regrid", world=6, pp=3, faults=faults, extra=TRAINING_DATA, deepspeed=USER)
+    assert code == 0, logs(tmp_path, "regrid")
+    assert not [e for e in agent.events if e.kind in ("restart", "relaunch", "stop")]
+    assert_fault_free_state(dumps, reference, [0, 1, 4, 5], resume_step=3, pp_before=3, bf16=True)
 
 
 @pytest.mark.timeout(900)
@@ -254,7 +286,6 @@ def test_what_the_regrid_cannot_move_yet_is_refused_by_name():
         (engine(launch=None), ok, "needs the agent"),
         (engine(resilience=ResilienceConfig(regrid=True, checkpoint={"enabled": False})), ok, "checkpoint.enabled"),
         (engine(zero=1), ok, "ZeRO-1"),
-        (engine(dtype=torch.bfloat16), ok, "bf16/fp16"),
         (engine(layers=None), ok, "tied layers"),
         (engine(tied=((0, 2),)), ok, "tied layers"),
         (engine(), {**ok, "batch_source": None}, "batch_source"),

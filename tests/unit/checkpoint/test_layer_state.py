@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ds_resilience.checkpoint import StagingPipeline, unflatten
-from ds_resilience.checkpoint.layer_state import layer_trees, stage_state
+from ds_resilience.checkpoint.layer_state import inner_param_groups, layer_trees, stage_state
 from ds_resilience.checkpoint.state import StateMismatch, apply, capture
 from ds_resilience.checkpoint.state import _Loose
 
@@ -142,3 +142,96 @@ def test_bad_input_is_named():
     with pytest.raises(StateMismatch, match="hyperparameters differ"):
         stage_state(mixed, joined.param_layers, param_groups=joined.optimizer.state_dict()["param_groups"],
                     like=state, stage=0, rank=0)
+
+
+class MixedStage(Stage):
+    """A :class:`Stage` in bf16 with fp32 masters (``runtime/precision.py``), as the engine's bf16 stage."""
+
+    def __init__(self, layers: list[torch.nn.Module], first: int, last: int, stage: int) -> None:
+        from ds_resilience.runtime.precision import MixedPrecisionOptimizer
+
+        for m in layers[first:last]:
+            m.to(torch.bfloat16)
+        super().__init__(layers, first, last, stage)
+        self.optimizer = MixedPrecisionOptimizer(self.optimizer, self.params)
+        self.host = _Loose(self.params, self.optimizer, self.scheduler)
+
+    def step(self) -> None:
+        self.optimizer.accumulate()
+        super().step()
+
+
+def test_bf16_stages_regrid_with_their_fp32_masters():
+    """A bf16 stage's layers carry their fp32 masters (and the wrapper's scaler state): the
+    re-gridded stages' masters, moments and bf16 weights equal the stages that trained on whole."""
+    def run(bounds_after):
+        parts = [MixedStage(make_layers(), 0, 3, 0), MixedStage(make_layers(), 3, LAYERS, 1)]
+        train_bf16(parts, 3, 0)
+        if bounds_after is not None:
+            trees = {}
+            for st in parts:
+                trees.update(layer_trees(capture(st.host, stage=st.stage, rank=st.stage), st.param_layers))
+            assert all(len(t["masters"]) == len(t["params"]) for t in trees.values())
+            like = capture(parts[0].host, stage=0, rank=0)
+            parts = [MixedStage(make_layers(seed=99), a, b, s) for s, (a, b) in enumerate(zip(bounds_after, bounds_after[1:]))]
+            for st in parts:
+                mine = {k: v for k, v in trees.items() if st.first <= k < st.last}
+                groups = inner_param_groups(st.optimizer.state_dict())
+                state = stage_state(mine, st.param_layers, param_groups=groups, like=like, stage=st.stage, rank=st.stage)
+                assert set(state.optimizer) == {"optimizer", "masters", "scaler", "skipped_steps"}
+                apply(state, st.host, stage=st.stage)
+        train_bf16(parts, 2, 3)
+        return {(layer, k): (p.detach().clone(), st.optimizer.master_of[id(p)].detach().clone())
+                for st in parts for k, (p, layer) in enumerate(zip(st.params, st.param_layers))}, parts
+
+    ref, _ = run(None)
+    got, parts = run([0, 2, 5, LAYERS])
+    by_layer_ref, by_layer = {}, {}
+    for (layer, _), v in ref.items():
+        by_layer_ref.setdefault(layer, []).append(v)
+    for (layer, _), v in got.items():
+        by_layer.setdefault(layer, []).append(v)
+    assert by_layer.keys() == by_layer_ref.keys()
+    for layer in by_layer:
+        for (p, m), (rp, rm) in zip(by_layer[layer], by_layer_ref[layer]):
+            assert m.dtype == torch.float32 and p.dtype == torch.bfloat16
+            assert torch.equal(m, rm), f"layer {layer} master"
+            assert torch.equal(p, rp), f"layer {layer} bf16 weight"
+
+
+def train_bf16(stages: list[Stage], steps: int, start: int) -> None:
+    for it in range(start, start + steps):
+        g = torch.Generator().manual_seed(100 + it)
+        x = torch.randn(16, 8, generator=g).to(torch.bfloat16)
+        for st in stages:
+            for m in st.modules:
+                x = m(x)
+        x.float().pow(2).mean().backward()
+        for st in stages:
+            st.step()
+
+
+def test_an_optimizer_counting_steps_per_group_gets_the_group_step_on_every_new_group():
+    """DeepSpeed's FusedAdam steps a group with its last parameter's ``"step"`` and advances only
+    that one: a new group whose last parameter was a middle one of its old group would restart at
+    step 1's bias correction. With ``group_steps`` every parameter of a new group takes the old
+    groups' step; without, the new first stage's groups (layers 0-1: no old last parameter) hold 0."""
+    parts = [Stage(make_layers(), 0, 3, 0), Stage(make_layers(), 3, LAYERS, 1)]
+    train(parts, 3, 0)
+    trees = {}
+    for st in parts:
+        state = capture(st.host, stage=st.stage, rank=st.stage)
+        for group in state.optimizer["param_groups"]:  # FusedAdam's bookkeeping: the group's last holds the step
+            for i in group["params"][:-1]:
+                state.optimizer["state"][i] = {**state.optimizer["state"][i], "step": 0}
+            last = group["params"][-1]
+            state.optimizer["state"][last] = {**state.optimizer["state"][last], "step": 3}
+        trees.update(layer_trees(state, st.param_layers))
+    like = capture(parts[0].host, stage=0, rank=0)
+    new = Stage(make_layers(seed=99), 0, 2, 0)
+    groups = new.optimizer.state_dict()["param_groups"]
+    mine = {k: v for k, v in trees.items() if k < 2}
+    moved = stage_state(mine, new.param_layers, param_groups=groups, like=like, stage=0, rank=0, group_steps=True)
+    assert {int(s["step"]) for s in moved.optimizer["state"].values()} == {3}
+    plain = stage_state(mine, new.param_layers, param_groups=groups, like=like, stage=0, rank=0)
+    assert {int(plain.optimizer["state"][g["params"][-1]]["step"]) for g in plain.optimizer["param_groups"]} == {0}
