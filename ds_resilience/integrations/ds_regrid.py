@@ -299,7 +299,8 @@ def regrid(engine: Any, record: Any, plan: RecoveryPlan) -> None:
              "from_step": step,
              "plan": live.to_dict(), "position": [position.pipeline, position.stage, position.first, position.last],
              "sent_bytes": report.sent_bytes, "received_bytes": report.received_bytes,
-             "fetched_ranks": sorted(fetched), "fetch_s": fetch_s, "transfer_s": report.seconds,
+             "fetched_ranks": sorted(fetched), "fetched_bytes": sum(tree_nbytes(t) for t in fetched.values()),
+             "fetch_s": fetch_s, "transfer_s": report.seconds,
              "rebuild_s": rebuild_s, "regrid_s": time.perf_counter() - started,
              "recovery_s": time.time() - record.detected_at if record.detected_at else None}
     engine.recovery_log.append(entry)

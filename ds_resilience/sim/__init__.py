@@ -15,6 +15,7 @@ from .traces import (
     redraw_victims,
     slow_stretch,
 )
+from .regrid_cost import RegridCost, RegridCostError
 from .models import ModelProfile, ModelProfileError, PlanCache, list_models, load_model
 from .jobsim import Action, Policy, Result
 from .systems import SYSTEMS, make_policy, simulate_system
@@ -31,6 +32,8 @@ __all__ = [
     "redraw_victims",
     "add_slow_events",
     "slow_stretch",
+    "RegridCost",
+    "RegridCostError",
     "ModelProfile",
     "ModelProfileError",
     "PlanCache",
