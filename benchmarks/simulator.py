@@ -73,7 +73,7 @@ def configurations(store: dict) -> list[dict]:
                "min_stages": m.min_stages}
         rows.append(row)
         print(f"{name:<12}{m.layers:>7}{m.params_billion:>7.2f}B{m.global_batch:>7}{c.layer_ms:>10.1f}{c.healthy_1f1b_s:>9.2f}"
-              f"{row['healthy_planned_s']:>10.2f}{m.min_stages:>7}{m.detect_s:>9.1f}{m.regrid_s:>9.1f}{m.restart_s:>10.1f}"
+              f"{row['healthy_planned_s']:>10.2f}{m.min_stages:>7}{m.detect_s:>9.1f}{m.regrid_pause_s():>9.1f}{m.restart_s:>10.1f}"
               f"{m.checkpoint_s:>8.1f}{m.oobleck_reconfigure_s:>10.1f}")
     return rows
 

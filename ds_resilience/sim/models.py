@@ -6,8 +6,10 @@ A profile (``configs/models/<name>.json``) describes one training job on one clu
   ``dp`` x ``pp`` and ``microbatches`` per pipeline (``G = dp * microbatches`` per iteration);
 * the absolute scale: ``anchor_throughput``, the samples/s of DeepSpeed's 1F1B schedule on the
   healthy grid (we take Oobleck's throughput with all 30 nodes: homogeneous 1F1B pipelines);
-* costs of the recovery mechanisms (failure detection, in-memory re-grid, full restart and
-  persistent checkpoint), and, per baseline, its measured throughput per live node count and pauses.
+* costs of the recovery mechanisms (failure detection, full restart and persistent checkpoint),
+  and, per baseline, its measured throughput per live node count and pauses. The live re-grid's
+  pause comes from the engine's measured cost (:mod:`.regrid_cost`) for the profile's size
+  (:meth:`ModelProfile.regrid_pause_s`); a profile's ``regrid_s`` overrides it with a fixed pause.
 
 The cost model of the planner-driven systems is built from first principles: a stage's forward
 time is its layer count times a per-layer time ``f``; backward-input and weight-gradient times are
@@ -28,6 +30,7 @@ from typing import Any, Iterable, Mapping
 from ..costs import CostModel
 from ..errors import PlanningError
 from ..topology import Worker
+from .regrid_cost import CLUSTER, RegridCost, regrid_bytes
 from .traces import SimulationError
 
 __all__ = [
@@ -127,7 +130,7 @@ class ModelProfile:
     backward_ratio: float = 1.0
     weight_ratio: float = 1.0
     detect_s: float = 5.0
-    regrid_s: float = 3.0
+    regrid_s: float | None = None
     restart_s: float = 60.0
     checkpoint_s: float = 15.0
     max_stages: int = 12
@@ -157,7 +160,11 @@ class ModelProfile:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ModelProfileError(f"{where}: {name} must be a number > 0, got {v!r}")
-        for name in ("boot_s", "weight_ratio", "detect_s", "regrid_s", "restart_s", "checkpoint_s",
+        if self.regrid_s is not None:  # the override of the measured re-grid cost
+            v = self.regrid_s
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ModelProfileError(f"{where}: regrid_s must be a number >= 0 or null (the measured cost), got {v!r}")
+        for name in ("boot_s", "weight_ratio", "detect_s", "restart_s", "checkpoint_s",
                      "oobleck_reconfigure_s", "varuna_restart_s", "varuna_checkpoint_s", "bamboo_rebalance_s",
                      "bamboo_fatal_restart_s", "bamboo_redundant_fraction"):
             v = getattr(self, name)
@@ -195,6 +202,15 @@ class ModelProfile:
             t_b=tuple(n * layer_ms * self.backward_ratio for n in split),
             t_w=tuple(n * layer_ms * self.weight_ratio for n in split),
         )
+
+    def regrid_pause_s(self, stages: int | None = None, *, cost: RegridCost = CLUSTER) -> float:
+        """Seconds a live re-grid onto ``stages`` stages (the profile's ``pp`` by default) pauses the
+        survivors: ``regrid_s`` when the profile sets it, else ``cost`` (the engine's measured cost
+        scaled to the traces' cluster) for its busiest receiver, which takes one new stage's weights
+        and optimizer state (:func:`~.regrid_cost.regrid_bytes` of ``params_billion``)."""
+        if self.regrid_s is not None:
+            return float(self.regrid_s)
+        return cost.pause_s(regrid_bytes(self.params_billion * 1e9, self.pp if stages is None else stages))
 
     def restart_varuna(self, nodes: int) -> float:
         for n, s in self.varuna_restart_by_nodes:

@@ -40,7 +40,9 @@ Planner-driven systems take iteration times from :class:`~.models.PlanCache` (th
     ``pp`` grid of the live nodes, only when re-routing cannot cover (what the engine does beyond
     tolerance today): a ``restart_s`` pause;
   - ``"grid"``: the survivors re-grid without a restart onto a ``dp`` x ``pp`` grid (holes
-    re-routed): a ``regrid_s`` pause;
+    re-routed): the live re-grid's pause as the engine measured it (:mod:`.regrid_cost`: a fixed
+    rebuild plus one new stage's state moved, so a bigger model or a shallower layout pauses
+    longer; :meth:`~.models.ModelProfile.regrid_pause_s`), or the profile's ``regrid_s``;
   - ``"templates"`` (default): as ``"grid"``, and pipeline templates (Oobleck's heterogeneous
     pipelines, :mod:`.template_tier`) compete with the rectangular grids.
 
@@ -282,7 +284,7 @@ class ReCycle(Policy):
     def on_ready(self, job: JobView, node: str) -> Action:
         if job.phase == "idle":
             self.rebuild = True
-            return Action(pause_s=self.model.regrid_s)
+            return Action(pause_s=self.model.regrid_pause_s())
         if self.grid is not None and job.phase != "paused" and self.grid.fill(node):
             return Action(iteration_s=self.grid_time(self.grid))  # re-join: from the next iteration
         return NOTHING
@@ -334,13 +336,20 @@ class DsResilience(ReCycle):
         self.healthy, self.horizon_s, self.regrid = healthy, horizon_s, regrid
         self.templates = TemplateTier(cache) if regrid == "templates" else None
         self.layouts: dict[str, int] = {}  # what each new layout was, and how often (for reports)
-        self.regrid_pause_s = model.restart_s if regrid == "restart" else model.regrid_s
+        self.regrid_pause_s = self.pause_s(None)  # onto the profile's depth (reports)
         self.changes: list[float] = []
         self.pending: Grid | TemplateLayout | None = None  # the layout after the pause
         self.deferred: Grid | TemplateLayout | None = None  # a voluntary change, at the iteration's end
         self.plan_speeds: dict[str, float] = {}  # the slow nodes (and speeds) the running plan was made for
         self.window = 0  # iteration boundaries until a speed change is adopted
         self._adapted: dict[tuple, float] = {}
+
+    def pause_s(self, layout: Grid | TemplateLayout | None) -> float:
+        """The pause of a change onto ``layout``: a restart of every worker (tier ``restart``) or a
+        live re-grid, whose busiest receiver takes one stage of ``layout``'s shallowest pipeline."""
+        if self.regrid == "restart":
+            return self.model.restart_s
+        return self.model.regrid_pause_s(None if layout is None else layout.pp)
 
     def healthy_s(self, dp: int, pp: int) -> float:
         if self.healthy == "1f1b":
@@ -405,8 +414,8 @@ class DsResilience(ReCycle):
         keep = self.grid_time(self.grid) if self.grid is not None else math.inf
         if self.regrid == "restart" and math.isfinite(keep):  # the engine restarts only when it must
             return Action(pause_s=pause_keep) if pause_keep > 0 else Action(iteration_s=keep)
-        regrid_pause = pause_keep + self.regrid_pause_s
         t_new, grid = self._best(job)
+        regrid_pause = pause_keep + self.pause_s(grid)
         if grid is not None and (horizon - regrid_pause) / t_new > max(0.0, horizon - pause_keep) / keep:
             if pause_keep == 0 and job.phase == "running":  # nothing forces it: at the iteration's end
                 self.deferred = grid
@@ -419,7 +428,7 @@ class DsResilience(ReCycle):
         if job.phase == "idle":
             self.pending = self.deferred = None
             self.rebuild = True
-            return Action(pause_s=self.model.regrid_s)
+            return Action(pause_s=self.model.regrid_pause_s())  # a start from idle, in every tier
         if self.grid is None or job.phase == "paused":
             return NOTHING
         if self.grid.fill(node):
@@ -441,7 +450,7 @@ class DsResilience(ReCycle):
             self.pending = grid
             self.rebuild = grid is None
             self._horizon(job.now)
-            return Action(pause_s=self.model.detect_s + self.regrid_pause_s)
+            return Action(pause_s=self.model.detect_s + self.pause_s(grid))
         return self._decide(job, self.model.detect_s)
 
     def on_resume(self, job: JobView) -> Action:
@@ -550,7 +559,7 @@ class DsResilience(ReCycle):
             return
         n = len(self.changes)
         horizon = self.horizon_s or (3600.0 if n < 3 else (self.changes[-1] - self.changes[0]) / (n - 1))
-        if (horizon - self.regrid_pause_s) / t_new > horizon / keep:
+        if (horizon - self.pause_s(layout)) / t_new > horizon / keep:
             self.deferred = layout
 
     def after_iteration(self, job: JobView) -> Action:
@@ -560,7 +569,7 @@ class DsResilience(ReCycle):
                 self._adopt(job)
         if self.deferred is not None:  # a change of layout nothing forced: at the iteration boundary
             self.pending, self.deferred = self.deferred, None
-            return Action(durable=True, pause_s=self.regrid_pause_s)
+            return Action(durable=True, pause_s=self.pause_s(self.pending))
         return Action(durable=True)  # a snapshot in host memory every iteration
 
 
