@@ -7,8 +7,10 @@ Model
     ``[EmbeddingLayer, Block x n_layers, Head]``: one ``nn.Module`` per pipeline layer, so a
     DeepSpeed ``PipelineModule`` can cut between any two of them. Activations between layers are a
     single ``[B, T, d_model]`` tensor; the first layer takes int64 token ids ``[B, T]`` and the last
-    returns logits ``[B, T, vocab_size]``. No tied embeddings (they would couple the first and last
-    stage).
+    returns logits ``[B, T, vocab_size]``. ``tied=True`` (:func:`gpt_layer_specs`) ties the token
+    embedding to the output projection as GPT-2 does, through DeepSpeed's ``TiedLayerSpec``:
+    ``[TokenEmbedding (tied), PositionEmbedding, Block x n_layers, FinalNorm, TokenEmbedding (tied,
+    as the logits)]``, the first and last stage each holding a copy DeepSpeed keeps equal.
 
 Determinism
     Each layer draws its initial weights from its own ``torch.Generator`` seeded with
@@ -179,10 +181,63 @@ class Head(nn.Module):
         return self.lm(self.ln(x))
 
 
-def gpt_layer_specs(cfg: GPTConfig, seed: int = 0) -> list:
-    """DeepSpeed ``LayerSpec`` s of the model, one per pipeline layer, each seeded by its index."""
-    from deepspeed.pipe import LayerSpec
+class TokenEmbedding(nn.Module):
+    """The token embedding alone (``tied=True``): ids ``[B, T]`` -> ``[B, T, d_model]``; as the
+    tied output projection (:func:`tied_logits`) its weight gives the logits."""
 
+    def __init__(self, cfg: GPTConfig, *, seed: int = 0, layer_index: int = 0) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype))
+        with torch.no_grad():
+            nn.init.normal_(self.weight, 0.0, _INIT_STD, generator=_generator(layer_seed(seed, layer_index)))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens.long(), self.weight)
+
+
+def tied_logits(embedding: TokenEmbedding, x: torch.Tensor) -> torch.Tensor:
+    """The tied output projection: ``[B, T, d_model]`` -> logits ``[B, T, V]``."""
+    return torch.matmul(x, embedding.weight.t())
+
+
+class PositionEmbedding(nn.Module):
+    """Adds the learned positional embedding (``tied=True``, after the token embedding)."""
+
+    def __init__(self, cfg: GPTConfig, *, seed: int = 0, layer_index: int = 1) -> None:
+        super().__init__()
+        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model, dtype=cfg.dtype)
+        self.drop = nn.Dropout(cfg.dropout)
+        with torch.no_grad():
+            nn.init.normal_(self.pos.weight, 0.0, _INIT_STD, generator=_generator(layer_seed(seed, layer_index)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(x + self.pos(torch.arange(x.shape[1], device=x.device)))
+
+
+class FinalNorm(nn.Module):
+    """The final LayerNorm (``tied=True``: the projection is the tied embedding)."""
+
+    def __init__(self, cfg: GPTConfig, *, seed: int = 0, layer_index: int = 0) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(cfg.d_model, dtype=cfg.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ln(x)
+
+
+def gpt_layer_specs(cfg: GPTConfig, seed: int = 0, tied: bool = False) -> list:
+    """DeepSpeed ``LayerSpec`` s of the model, one per pipeline layer, each seeded by its index.
+    ``tied``: the token embedding and the output projection share one weight (module docstring)."""
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+    if tied:
+        n = cfg.n_layers
+        return ([TiedLayerSpec("embed", TokenEmbedding, cfg, seed=seed, layer_index=0, tied_weight_attr="weight"),
+                 LayerSpec(PositionEmbedding, cfg, seed=seed, layer_index=1)]
+                + [LayerSpec(Block, cfg, seed=seed, layer_index=2 + i) for i in range(n)]
+                + [LayerSpec(FinalNorm, cfg, seed=seed, layer_index=n + 2),
+                   TiedLayerSpec("embed", TokenEmbedding, cfg, seed=seed, layer_index=0, forward_fn=tied_logits,
+                                 tied_weight_attr="weight")])
     specs = [LayerSpec(EmbeddingLayer, cfg, seed=seed, layer_index=0)]
     specs += [LayerSpec(Block, cfg, seed=seed, layer_index=1 + i) for i in range(cfg.n_layers)]
     specs.append(LayerSpec(Head, cfg, seed=seed, layer_index=cfg.n_layers + 1))
@@ -195,16 +250,17 @@ def gpt_loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def build_pipeline_module(cfg: GPTConfig, num_stages: int, seed: int,
-                          partition_method: str = "uniform", **kwargs):
+                          partition_method: str = "uniform", tied: bool = False, **kwargs):
     """A DeepSpeed ``PipelineModule`` of the GPT; needs ``torch.distributed`` initialized.
 
     Only the local stage's layers are built, each with the same weights as in
-    :func:`build_full_model` (per-layer seeds). ``kwargs`` go to ``PipelineModule``.
+    :func:`build_full_model` (per-layer seeds; ``tied``: the tied model of :func:`gpt_layer_specs`,
+    which :func:`build_full_model` does not build). ``kwargs`` go to ``PipelineModule``.
     """
     from deepspeed.pipe import PipelineModule
 
     torch.manual_seed(seed)  # global RNG (dropout) identical on every rank at the start
-    return PipelineModule(layers=gpt_layer_specs(cfg, seed), num_stages=num_stages, loss_fn=gpt_loss_fn,
+    return PipelineModule(layers=gpt_layer_specs(cfg, seed, tied), num_stages=num_stages, loss_fn=gpt_loss_fn,
                           partition_method=partition_method, **kwargs)
 
 

@@ -73,6 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dropout", type=float, default=0.0, help="the GPT's dropout probability (default 0)")
     parser.add_argument("--d-model", type=int, default=64,
                         help="the GPT's width (default 64; a multiple of its 4 heads): the state a re-grid moves")
+    parser.add_argument("--tied-embeddings", action="store_true",
+                        help="tie the token embedding to the output projection (DeepSpeed's TiedLayerSpec)")
     parser.add_argument("--activation-checkpoint-interval", type=int, default=0,
                         help="PipelineModule's activation_checkpoint_interval (0: off)")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
@@ -93,7 +95,7 @@ def main(argv=None) -> int:
     microbatches = int(config["gradient_accumulation_steps"])
     cfg = gpt_model.GPTConfig(dropout=args.dropout, d_model=args.d_model)
     corpus = gpt_model.SyntheticCorpus(cfg, seed=args.seed)
-    module = gpt_model.build_pipeline_module(cfg, num_stages=args.pp, seed=args.seed,
+    module = gpt_model.build_pipeline_module(cfg, num_stages=args.pp, seed=args.seed, tied=args.tied_embeddings,
                                              activation_checkpoint_interval=args.activation_checkpoint_interval)
 
     def batch_source(pipeline: int, iteration: int, microbatch: int):

@@ -27,7 +27,7 @@ When a stage loses every replica (``resilience.regrid``), :func:`regrid` is the 
 
 The new grid names its workers by the agent's ranks (a ``Topology`` with a rank table), so every
 store key, snapshot owner and later recovery plan keeps using them. What this does not do yet
-(:func:`regrid_blocker` refuses it at start-up): ZeRO-1 shards, tied layers,
+(:func:`regrid_blocker` refuses it at start-up): ZeRO-1 shards,
 data from iterators (a ``batch_source`` or a map-style ``training_data`` is needed), an optimizer or scheduler
 object built by the caller (it would belong to the old parameters), and tensor parallelism.
 Dropout draws the old grid's masks: the engine reseeds every layer from (iteration, the
@@ -49,7 +49,7 @@ from ..comm.standin import init_stand_in
 from ..logs import get_logger
 from ..checkpoint.fetch import fetch_versions
 from ..checkpoint.inmemory import owner_name
-from ..checkpoint.layer_state import inner_param_groups, layer_trees, stage_state
+from ..checkpoint.layer_state import LAYER_FORMAT, inner_param_groups, layer_trees, stage_state
 from ..checkpoint.layer_transfer import transfer
 from ..checkpoint.state import StageState, apply, capture, tree_nbytes
 from ..comm.groups import build_groups
@@ -103,8 +103,8 @@ def regrid_blocker(engine: Any, rebuild: dict[str, Any] | None) -> str | None:
         return "a lost stage comes back from the in-memory snapshots: resilience.checkpoint.enabled must be true"
     if engine.zero_optimization_stage():
         return "ZeRO-1's optimizer shards are not moved by the re-grid yet (zero_optimization.stage must be 0)"
-    if engine.stage_host.param_layers is None or engine.tied_groups:
-        return "tied layers (TiedLayerSpec) are not moved by the re-grid yet"
+    if engine.stage_host.param_layers is None:
+        return "a parameter belongs to no layer of its stage (registered outside the PipelineModule's layers)"
     if rebuild is None or origin_source(engine, rebuild) is None:
         return ("the new pipelines read other pipelines' micro-batches: pass batch_source= or a map-style "
                 "training_data= to initialize (a data iterator cannot be addressed)")
@@ -225,12 +225,12 @@ def regrid(engine: Any, record: Any, plan: RecoveryPlan) -> None:
         else:  # a lost stage's newest snapshot is older than the resume step: every survivor goes back to it
             state = StageState.from_tree(engine.tier.memory.load_peer(engine.rank, step))
             engine.tier.memory.store.discard_after(owner_name(engine.rank), step)  # the old layout's later steps
-        held = layer_trees(state, engine.stage_host.param_layers)
+        parts = engine.module.parts
+        held = _with_empty(layer_trees(state, engine.stage_host.param_layers), parts, engine.stage_id)
         # every layer's state in bytes, from its holders (a lost stage's layers: the mean of the others)
         sizes: dict[int, float] = {}
         for part in world.all_gather_json({str(k): tree_nbytes(v) for k, v in held.items()}):
             sizes.update({int(k): float(v) for k, v in part.items()})
-        parts = engine.module.parts
         mean = sum(sizes.values()) / max(len(sizes), 1)
         layer_bytes = [sizes.get(i, mean) for i in range(parts[-1])]
         # a worker may hold up to twice the state of the largest stage it had (no profile of the
@@ -251,7 +251,7 @@ def regrid(engine: Any, record: Any, plan: RecoveryPlan) -> None:
             layers = lost.extra.get("param_layers")
             if layers is None:
                 raise RegridError(f"rank {lost.rank}'s snapshot records no layer per parameter (written by an older version)")
-            held.update(layer_trees(lost, layers))
+            held.update(_with_empty(layer_trees(lost, layers), parts, lost.stage))
     except (RegridError, PlanningError) as exc:
         _give_up(engine, record, plan, exc)
     fetch_s = time.perf_counter() - t0
@@ -305,6 +305,15 @@ def regrid(engine: Any, record: Any, plan: RecoveryPlan) -> None:
              "recovery_s": time.time() - record.detected_at if record.detected_at else None}
     engine.recovery_log.append(entry)
     _log(engine, f"re-grid done {json.dumps(entry, sort_keys=True)}")
+
+
+def _with_empty(trees: dict[int, Any], parts: Any, stage: int) -> dict[int, Any]:
+    """``trees`` and an empty tree for each layer of the old ``stage`` that has no parameters of
+    its own there (a parameter-free layer, or a tied layer whose module the stage's lower layer
+    of the same key carries): every layer the re-grid moves is held by someone."""
+    for layer in range(parts[stage], parts[stage + 1]):
+        trees.setdefault(layer, {"format": LAYER_FORMAT, "layer": layer, "params": [], "optimizer": [], "groups": []})
+    return trees
 
 
 def _templates(layer_bytes: list[float], cap: float) -> Callable[[int], tuple[int, ...] | None]:

@@ -23,16 +23,34 @@ __all__ = ["DeepSpeedStage", "IteratorSource", "activation_checkpointing", "para
 
 def param_layers(module: Any) -> list[int] | None:
     """The model layer of each trainable parameter of a ``PipelineModule``'s stage, in
-    ``module.parameters()`` order (DeepSpeed registers layer ``i`` as the submodule ``"i"``);
-    ``None`` when a parameter belongs to no one layer (tied modules, shared across layers)."""
+    ``module.parameters()`` order (DeepSpeed registers layer ``i`` as the submodule ``"i"``).
+
+    A tied module (``TiedLayerSpec``, registered once per stage as ``tied_modules.<key>``) is the
+    stage's lowest layer of its key: a re-grid moves it with that layer, and a new stage takes it
+    from whichever of its layers of that key comes first (every copy is kept equal by DeepSpeed's
+    tied-gradient reduction). ``None`` when a parameter belongs to no layer of the stage."""
+    from deepspeed.pipe import TiedLayerSpec
+
+    specs = list(getattr(module, "_layer_specs", ()))
+    start = getattr(module, "_local_start", 0)
+    stop = getattr(module, "_local_stop", None)
+    stop = len(specs) if stop is None else stop
+    tied_layer: dict[str, int] = {}
+    for i in range(start, stop):
+        if i < len(specs) and isinstance(specs[i], TiedLayerSpec):
+            tied_layer.setdefault(specs[i].key, i)
     out = []
     for name, p in module.named_parameters():
         if not p.requires_grad:
             continue
         head = name.split(".", 1)[0]
-        if not head.isdigit():
+        if head.isdigit():
+            out.append(int(head))
+            continue
+        key = next((k for k in tied_layer if head == "tied_modules" and name.startswith(f"tied_modules.{k}.")), None)
+        if key is None:
             return None
-        out.append(int(head))
+        out.append(tied_layer[key])
     return out
 
 

@@ -172,6 +172,25 @@ def test_with_training_data_the_regridded_pipelines_read_the_dataset_by_index(tm
     assert_fault_free_state(dumps, reference, [0, 1, 4, 5], resume_step=3, pp_before=3)
 
 
+@pytest.mark.timeout(900)
+def test_tied_embeddings_the_regrid_moves_each_stages_tied_copy(tmp_path):
+    """GPT-2's tied embeddings (``TiedLayerSpec``: the token embedding is also the output
+    projection, a copy on the first and on the last stage): both replicas of stage 1 of 3 are
+    SIGKILLed; each copy moves with its stage's lowest layer of the key, the new first and last
+    stages tie theirs again, and the job ends at the fault-free state (refused at ``initialize`` before)."""
+    tied = ("--tied-embeddings",)
+    code, _, reference = run(tmp_path, "ref", world=6, pp=3, regrid=False, extra=tied)
+    assert code == 0, logs(tmp_path, "ref")
+    assert any("tied_modules.embed.weight" in d["params"] for d in reference.values())
+    faults = pair_dies((2, 3), 3, "before_forward")
+    code, agent, dumps = run(tmp_path, "regrid", world=6, pp=3, faults=faults, extra=tied)
+    assert code == 0, logs(tmp_path, "regrid")
+    assert not [e for e in agent.events if e.kind in ("restart", "relaunch", "stop")]
+    assert_fault_free_state(dumps, reference, [0, 1, 4, 5], resume_step=3, pp_before=3)
+    holders = {d["stage"] for d in dumps.values() if "tied_modules.embed.weight" in d["params"]}
+    assert len(holders) == 2 or holders == {0}, holders  # the first and the last stage (one, if the grid is 1 stage deep)
+
+
 # the user's configuration (configs/default_resilience.json): DeepSpeed's "Adam" (FusedAdam), clipping 1.0, bf16
 USER = {"optimizer": {"type": "Adam", "params": {"lr": 0.002}}, "gradient_clipping": 1.0, "bf16": {"enabled": True}}
 
@@ -282,12 +301,12 @@ def test_what_the_regrid_cannot_move_yet_is_refused_by_name():
 
     ok = {"batch_source": lambda p, i, m: None, "optimizer": None, "lr_scheduler": None}
     assert regrid_blocker(engine(), ok) is None
+    assert regrid_blocker(engine(tied=((0, 2),)), ok) is None  # tied layers move with their lowest layer
     cases = [
         (engine(launch=None), ok, "needs the agent"),
         (engine(resilience=ResilienceConfig(regrid=True, checkpoint={"enabled": False})), ok, "checkpoint.enabled"),
         (engine(zero=1), ok, "ZeRO-1"),
-        (engine(layers=None), ok, "tied layers"),
-        (engine(tied=((0, 2),)), ok, "tied layers"),
+        (engine(layers=None), ok, "belongs to no layer"),
         (engine(), {**ok, "batch_source": None}, "batch_source"),
         (engine(), {**ok, "optimizer": torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)}, "optimizer object"),
     ]
