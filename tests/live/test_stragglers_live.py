@@ -68,8 +68,18 @@ def switch_phases(dump: dict, fault_start: int, fault_end: int, rank: int = 1) -
     return out
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The fault-free run of the same steps (the switch off: noise found slow plans nothing)."""
+    tmp = tmp_path_factory.mktemp("ref")
+    fault_free = {**RESILIENCE, "detector": {**DETECTOR, "straggler_replan": False}}
+    code, _, dumps = run_job(tmp, name="ref", steps=STEPS, resilience=fault_free)
+    assert code == 0, logs(tmp, "ref")
+    return dumps
+
+
 @pytest.mark.timeout(420)
-def test_a_slow_worker_switches_the_job_to_the_weighted_plan_and_back(tmp_path):
+def test_a_slow_worker_switches_the_job_to_the_weighted_plan_and_back(tmp_path, reference):
     fault = {"rank": 1, "step": FAULT_STEP, "point": "before_forward", "kind": "slow", "speed": 0.5,
              "steps": FAULT_STEPS}
     code, events, dumps = run_job(tmp_path, faults=[fault], steps=STEPS, resilience=RESILIENCE)
@@ -109,10 +119,26 @@ def test_a_slow_worker_switches_the_job_to_the_weighted_plan_and_back(tmp_path):
         if not noise:
             assert len(slow) == 2 and slow[-1]["schedule_source"] == "fault-free" and slow[-1]["speeds"] == [], slow
     # the math of the fault-free run: the same micro-batches, wherever they ran (another summation order)
-    fault_free = {**RESILIENCE, "detector": {**DETECTOR, "straggler_replan": False}}  # noise switches nothing
-    code, _, reference = run_job(tmp_path, name="ref", steps=STEPS, resilience=fault_free)
-    assert code == 0, logs(tmp_path, "ref")
     assert_equal_to_reference(dumps, reference, steps=STEPS, atol=1e-5)
     # measured, never asserted (a shared machine): how far the switch went toward the plan's prediction
     phases = switch_phases(dumps[0], FAULT_STEP, end)
     print(f"\nslow worker at 0.5x, measured iteration seconds: {phases}")
+
+
+@pytest.mark.timeout(420)
+def test_a_slow_worker_that_then_dies_is_an_ordinary_failure(tmp_path, reference):
+    """Rank 1 at half speed, switched to the weighted plan, then killed: a crash epoch whose plan is
+    the failure plan (the speeds go with it: a failure plan does not weigh them); the survivors end
+    with the fault-free run's parameters."""
+    slow = {"rank": 1, "step": FAULT_STEP, "point": "before_forward", "kind": "slow", "speed": 0.5,
+            "steps": FAULT_STEPS}
+    kill = {"rank": 1, "step": 22, "point": "mid_backward", "kind": "sigkill"}
+    code, events, dumps = run_job(tmp_path, faults=[slow, kill], steps=STEPS, resilience=RESILIENCE)
+    assert code == 0, logs(tmp_path, "job")
+    kinds = [e.kind for e in events if e.kind not in ("start", "exit")]
+    assert kinds.count("crash") == 1 and "slow" in kinds and kinds.index("slow") < kinds.index("crash"), events
+    for rank, d in dumps.items():
+        crash = next(e for e in d["recovery"] if e.get("kind") == "crash")
+        assert crash["failed"] == [1] and crash["schedule_source"] in ("table", "planner"), crash
+        assert any(e.get("kind") == "slow" and e["resume_step"] < crash["resume_step"] for e in d["recovery"]), d
+    assert_equal_to_reference(dumps, reference, dead=(1,), steps=STEPS, atol=1e-5)
