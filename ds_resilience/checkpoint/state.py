@@ -221,13 +221,17 @@ def capture(host: StageHost, *, stage: int, rank: int) -> StageState:
     (``layer_state.py``), also one of a stage no survivor runs any more."""
     steps, samples = host.counters()
     layers = getattr(host, "param_layers", None)
+    extra = {"param_layers": [int(i) for i in layers]} if layers is not None else {}
+    groups = getattr(host, "zero_groups", None)  # ZeRO-1: each group's parameters in flat order (a re-grid unshards)
+    if groups is not None:
+        extra["zero_groups"] = [[int(i) for i in g] for g in groups]
     return StageState(
         stage=stage, rank=rank, steps=steps, samples=samples,
         params=[p.detach() for p in host.parameters],
         optimizer=host.optimizer.state_dict() if host.optimizer is not None else None,
         lr_scheduler=host.lr_scheduler.state_dict() if host.lr_scheduler is not None else None,
         rng=_rng_state(),
-        extra={"param_layers": [int(i) for i in layers]} if layers is not None else {},
+        extra=extra,
     )
 
 

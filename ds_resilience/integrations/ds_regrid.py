@@ -27,7 +27,7 @@ When a stage loses every replica (``resilience.regrid``), :func:`regrid` is the 
 
 The new grid names its workers by the agent's ranks (a ``Topology`` with a rank table), so every
 store key, snapshot owner and later recovery plan keeps using them. What this does not do yet
-(:func:`regrid_blocker` refuses it at start-up): ZeRO-1 shards,
+(:func:`regrid_blocker` refuses it at start-up):
 data from iterators (a ``batch_source`` or a map-style ``training_data`` is needed), an optimizer or scheduler
 object built by the caller (it would belong to the old parameters), and tensor parallelism.
 Dropout draws the old grid's masks: the engine reseeds every layer from (iteration, the
@@ -65,6 +65,7 @@ from ..runtime import membership
 from ..runtime.recovery import BeyondTolerance
 from ..topology import Topology
 from .ds_fused_adam import counts_steps_per_group
+from .ds_regrid_zero import assemble, reshard_state, unshard, unsharded_param_groups
 
 __all__ = ["HORIZON", "RegridContext", "RegridError", "origin_source", "regrid", "regrid_blocker", "regrid_pays_for"]
 
@@ -101,8 +102,6 @@ def regrid_blocker(engine: Any, rebuild: dict[str, Any] | None) -> str | None:
         return "a re-grid needs the agent (ds-resilience run)"
     if not engine.resilience.checkpoint.enabled:
         return "a lost stage comes back from the in-memory snapshots: resilience.checkpoint.enabled must be true"
-    if engine.zero_optimization_stage():
-        return "ZeRO-1's optimizer shards are not moved by the re-grid yet (zero_optimization.stage must be 0)"
     if engine.stage_host.param_layers is None:
         return "a parameter belongs to no layer of its stage (registered outside the PipelineModule's layers)"
     if rebuild is None or origin_source(engine, rebuild) is None:
@@ -226,7 +225,10 @@ def regrid(engine: Any, record: Any, plan: RecoveryPlan) -> None:
             state = StageState.from_tree(engine.tier.memory.load_peer(engine.rank, step))
             engine.tier.memory.store.discard_after(owner_name(engine.rank), step)  # the old layout's later steps
         parts = engine.module.parts
-        held = _with_empty(layer_trees(state, engine.stage_host.param_layers), parts, engine.stage_id)
+        zero = engine.sharded_optimizer is not None
+        # ZeRO-1: a shard is not cut into layers (it is made whole below); the plan sizes layers by their weights
+        held = _with_empty(layer_trees(replace(state, optimizer=None) if zero else state,
+                                       engine.stage_host.param_layers), parts, engine.stage_id)
         # every layer's state in bytes, from its holders (a lost stage's layers: the mean of the others)
         sizes: dict[int, float] = {}
         for part in world.all_gather_json({str(k): tree_nbytes(v) for k, v in held.items()}):
@@ -238,16 +240,33 @@ def regrid(engine: Any, record: Any, plan: RecoveryPlan) -> None:
         # with the layers' state standing in for their time (DeepSpeed's "parameters" method)
         cap = 2.0 * max(sum(layer_bytes[a:b]) for a, b in zip(parts, parts[1:]))
         bounds_for = _templates(layer_bytes, cap)
+        if engine.tied_groups and engine.get_data_types()[0] != torch.float32:
+            # one stage would hold every copy of a tied weight in one module, whose gradients autograd
+            # then sums in bf16/fp16: the fault-free grid folds each copy's into fp32 and sums those
+            bounds_for = _not_one_stage(bounds_for)
         live = plan_live_regrid(old, failed, parts, engine.micro_batches, layer_bytes=layer_bytes, memory_cap=cap,
                                 bounds_for=bounds_for, layer_cost=layer_bytes)
         _log(engine, f"re-grid plan (from step {step}) {live.to_json()}")
         receivers = {dead: receiver for dead, receiver in live.fetches.values()}
+        planned = set(receivers)
+        if zero:  # every dead rank's shard: each stage's ranges are summed whole
+            receivers.update(_zero_receivers(old, failed, survivors, receivers))
         t0 = time.perf_counter()
         fetched = fetch_versions(engine.tier.memory, sorted(receivers), step, world, receiver_of=receivers.__getitem__)
         if fetched is None:
             raise RegridError(f"the snapshot of step {step} of a lost stage ({sorted(receivers)}) is held by no survivor")
-        for tree in fetched.values():
+        if zero:
+            state, full = _unshard_own(engine, world, state, fetched, planned)
+            held = _with_empty(layer_trees(state, engine.stage_host.param_layers), parts, engine.stage_id)
+        for dead, tree in fetched.items():
+            if dead not in planned:
+                continue  # ZeRO-1: fetched for its shard only
             lost = StageState.from_tree(tree)
+            if zero:
+                if "zero_groups" not in lost.extra:
+                    raise RegridError(f"rank {lost.rank}'s snapshot records no ZeRO-1 group layout (an older version)")
+                lost = replace(lost, optimizer=unshard(lost.optimizer, full[lost.stage], lost.extra["zero_groups"],
+                                                       lost.params))
             layers = lost.extra.get("param_layers")
             if layers is None:
                 raise RegridError(f"rank {lost.rank}'s snapshot records no layer per parameter (written by an older version)")
@@ -277,9 +296,12 @@ def regrid(engine: Any, record: Any, plan: RecoveryPlan) -> None:
     count = engine.regrids + 1
 
     def load(new: Any) -> None:
-        new_state = stage_state(layers, new.stage_host.param_layers,
-                                param_groups=inner_param_groups(new.optimizer.state_dict()), like=state,
+        sharded = new.sharded_optimizer is not None
+        groups = unsharded_param_groups(new) if sharded else inner_param_groups(new.optimizer.state_dict())
+        new_state = stage_state(layers, new.stage_host.param_layers, param_groups=groups, like=state,
                                 stage=new.stage_id, rank=new.rank, group_steps=counts_steps_per_group(new.optimizer))
+        if sharded:  # ZeRO-1: this replica's range of the new stage's partition
+            new_state = replace(new_state, optimizer=reshard_state(new_state.optimizer, new))
         apply(new_state, new.stage_host, stage=new.stage_id)
 
     context = RegridContext(ranks=ranks, coordinator=engine.coordinator, session=f"live/regrid{count}", grid=count,
@@ -305,6 +327,42 @@ def regrid(engine: Any, record: Any, plan: RecoveryPlan) -> None:
              "recovery_s": time.time() - record.detected_at if record.detected_at else None}
     engine.recovery_log.append(entry)
     _log(engine, f"re-grid done {json.dumps(entry, sort_keys=True)}")
+
+
+def _not_one_stage(bounds_for: Callable[[int], tuple[int, ...] | None]) -> Callable[[int], tuple[int, ...] | None]:
+    """``bounds_for`` without the one-stage grid."""
+    return lambda pp: None if pp == 1 else bounds_for(pp)
+
+
+def _zero_receivers(old: Topology, failed: list[int], survivors: list[int], planned: dict[int, int]) -> dict[int, int]:
+    """ZeRO-1: a receiver for each dead rank the plan does not fetch: its stage's lowest survivor,
+    else the survivor that fetches its stage's planned snapshot, else the lowest survivor."""
+    stage = {r: old.coord(r)[0].stage for r in (*failed, *survivors)}
+    out = {}
+    for dead in failed:
+        if dead in planned:
+            continue
+        same = [r for r in survivors if stage[r] == stage[dead]]
+        fetching = [planned[d] for d in sorted(planned) if stage[d] == stage[dead]]
+        out[dead] = min(same) if same else fetching[0] if fetching else min(survivors)
+    return out
+
+
+def _unshard_own(engine: Any, world: Any, state: StageState, fetched: dict[int, Any], planned: set[int]):
+    """ZeRO-1: every old stage's optimizer ranges summed whole over the survivors (own shards and the
+    dead ranks' from the snapshots, ``ds_regrid_zero.assemble``); returns this survivor's state
+    unsharded and the full buffers of the stages it cuts (its own and the planned lost ones)."""
+    from .ds_regrid_zero import shard_of
+
+    lost = {dead: StageState.from_tree(tree) for dead, tree in fetched.items()}
+    entries = [(engine.stage_id, shard_of(state.optimizer))] + [(s.stage, shard_of(s.optimizer)) for s in lost.values()]
+    need = {engine.stage_id} | {s.stage for dead, s in lost.items() if dead in planned}
+    try:
+        full = assemble(world, entries, need)
+    except RuntimeError as exc:
+        raise RegridError(str(exc)) from exc
+    own = unshard(state.optimizer, full[engine.stage_id], engine.stage_host.zero_groups, state.params)
+    return replace(state, optimizer=own), full
 
 
 def _with_empty(trees: dict[int, Any], parts: Any, stage: int) -> dict[int, Any]:

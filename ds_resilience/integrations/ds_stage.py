@@ -68,6 +68,21 @@ class DeepSpeedStage:
         return self.engine.optimizer
 
     @property
+    def zero_groups(self) -> list[list[int]] | None:
+        """ZeRO-1: each parameter group's stage parameter indices in the order its shards flatten
+        them (``ds_regrid_zero.zero_groups``; a snapshot records it); ``None`` without ZeRO."""
+        cached = getattr(self, "_zero_groups", None)
+        if cached is None:
+            from .ds_optimizer import sharded_of
+            from .ds_regrid_zero import zero_groups
+
+            sharded = sharded_of(self.engine.optimizer)
+            if sharded is None:
+                return None
+            cached = self._zero_groups = zero_groups(sharded, self.engine.optimizer, self.parameters)
+        return cached
+
+    @property
     def lr_scheduler(self) -> Any:
         return self.engine.lr_scheduler
 

@@ -211,6 +211,30 @@ def test_bf16_fused_adam_the_regrid_moves_the_fp32_masters(tmp_path):
 
 
 @pytest.mark.timeout(900)
+def test_in_the_users_configuration_with_zero1_both_replicas_of_a_stage_killed_the_survivors_regrid(tmp_path):
+    """Issue 46's done-when: the user's configuration (DeepSpeed's ``"type": "Adam"``, clipping 1.0,
+    bf16, ZeRO-1, tied embeddings, ``training_data``) under the agent; both replicas of stage 1 of 3
+    are SIGKILLed. Each old stage's optimizer ranges are summed whole over the survivors (the dead
+    ranks' from their snapshots), cut into layers with the rest, and sharded again over each new
+    stage's replicas; the survivors end with the fault-free run's fp32 masters (within 1e-6) and
+    bf16 weights, each holding its range of its new stage's partition."""
+    user = {**USER, "zero_optimization": {"stage": 1}}
+    extra = (*TRAINING_DATA, "--tied-embeddings")
+    code, _, reference = run(tmp_path, "ref", world=6, pp=3, regrid=False, extra=extra, deepspeed=user)
+    assert code == 0, logs(tmp_path, "ref")
+    faults = pair_dies((2, 3), 3, "before_forward")
+    code, agent, dumps = run(tmp_path, "regrid", world=6, pp=3, faults=faults, extra=extra, deepspeed=user)
+    assert code == 0, logs(tmp_path, "regrid")
+    assert not [e for e in agent.events if e.kind in ("restart", "relaunch", "stop")]
+    grid = assert_fault_free_state(dumps, reference, [0, 1, 4, 5], resume_step=3, pp_before=3, bf16=True)
+    for rank, d in dumps.items():
+        zero = d["zero"]
+        assert zero is not None and len(zero["members"]) == grid["dp"], (rank, zero)
+        assert zero["shard"] * grid["dp"] <= zero["total"] + grid["dp"], (rank, zero)  # its range, not the whole
+    assert any("tied_modules.embed.weight" in d["params"] for d in dumps.values())
+
+
+@pytest.mark.timeout(900)
 def test_killed_while_their_snapshot_drained_the_survivors_regrid_from_the_step_before(tmp_path):
     """Both replicas of stage 1 die while the copy of their step-3 snapshot is in flight: no
     survivor holds it, so the survivors agree on step 2 (their own snapshots and the lost stage's
@@ -305,7 +329,6 @@ def test_what_the_regrid_cannot_move_yet_is_refused_by_name():
     cases = [
         (engine(launch=None), ok, "needs the agent"),
         (engine(resilience=ResilienceConfig(regrid=True, checkpoint={"enabled": False})), ok, "checkpoint.enabled"),
-        (engine(zero=1), ok, "ZeRO-1"),
         (engine(layers=None), ok, "belongs to no layer"),
         (engine(), {**ok, "batch_source": None}, "batch_source"),
         (engine(), {**ok, "optimizer": torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)}, "optimizer object"),
