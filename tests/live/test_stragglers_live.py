@@ -89,8 +89,8 @@ def test_a_slow_worker_switches_the_job_to_the_weighted_plan_and_back(tmp_path, 
     found = re.findall(r"rank (\d+) \(stage (\d+)\) (is slow|recovered) at iteration (\d+): its forward and backward "
                        r"passes run at ([\d.]+)x", reporter)
     mine = [f for f in found if f[0] == "1"]
-    assert [(r, s, what) for r, s, what, _, _ in mine] == [("1", "0", "is slow"), ("1", "0", "recovered")], reporter
-    (_, _, _, slow_at, speed), (_, _, _, back_at, _) = mine
+    assert [(r, s, what) for r, s, what, _, _ in mine[:2]] == [("1", "0", "is slow"), ("1", "0", "recovered")], reporter
+    (_, _, _, slow_at, speed), (_, _, _, back_at, _) = mine[:2]
     assert 0.25 <= float(speed) < 0.625, found  # at most 1 / 1.6 by the margin
     end = FAULT_STEP + FAULT_STEPS
     assert FAULT_STEP <= int(slow_at) < end <= int(back_at), found  # slow while the fault lasts, recovered after
@@ -101,8 +101,9 @@ def test_a_slow_worker_switches_the_job_to_the_weighted_plan_and_back(tmp_path, 
     switches = [text for _, text in re.findall(r"slow-worker switch \(epoch \d+, from step (\d+)\): (.*)", reporter)]
     with_it = [text for text in switches if "(rank 1)" in text]
     assert with_it and "worker p1s0 (rank 1) at" in with_it[0] and "adopted the weighted plan" in with_it[0], switches
-    assert "(rank 1)" not in switches[-1], switches
-    noise = [f for f in found if f[0] != "1"]
+    first = switches.index(with_it[0])
+    assert any("(rank 1)" not in text for text in switches[first + 1:]), switches  # its recovery's switch
+    noise = [f for f in found if f not in mine[:2]]
     if noise:  # a peer starved for a whole window by the shared machine: planned as slow too (not asserted)
         print(f"\nother ranks found slow by the noise of the machine: {noise}")
     else:
@@ -115,7 +116,8 @@ def test_a_slow_worker_switches_the_job_to_the_weighted_plan_and_back(tmp_path, 
         assert adopted["schedule_source"] == "slow-plan", adopted
         loads = adopted["figures"]["loads"]
         assert loads[1] < loads[0] and loads[0] + loads[1] == loads[2] + loads[3], loads
-        assert 1 not in [r for r, _ in slow[-1]["speeds"]], slow[-1]
+        later = slow[slow.index(adopted) + 1:]
+        assert any(1 not in [r for r, _ in e["speeds"]] for e in later), slow
         if not noise:
             assert len(slow) == 2 and slow[-1]["schedule_source"] == "fault-free" and slow[-1]["speeds"] == [], slow
     # the math of the fault-free run: the same micro-batches, wherever they ran (another summation order)
