@@ -75,6 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the GPT's width (default 64; a multiple of its 4 heads): the state a re-grid moves")
     parser.add_argument("--tied-embeddings", action="store_true",
                         help="tie the token embedding to the output projection (DeepSpeed's TiedLayerSpec)")
+    parser.add_argument("--client-optimizer", action="store_true",
+                        help="pass an optimizer and an LR scheduler object to initialize (torch AdamW with a "
+                        "decay and a no-decay group, LambdaLR warm-up) instead of the config's")
     parser.add_argument("--activation-checkpoint-interval", type=int, default=0,
                         help="PipelineModule's activation_checkpoint_interval (0: off)")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
@@ -111,6 +114,13 @@ def main(argv=None) -> int:
     data = {"batch_source": batch_source}
     if args.training_data:  # DeepSpeed's way: the engine samples, batches and loads it for each pipeline
         data = {"training_data": gpt_model.CorpusDataset(corpus, args.dataset_size)}
+    if args.client_optimizer:  # the caller's own objects, as many a training script builds them
+        decay = [p for p in module.parameters() if p.requires_grad and p.dim() >= 2]
+        rest = [p for p in module.parameters() if p.requires_grad and p.dim() < 2]
+        optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}],
+                                      lr=0.002)
+        data["optimizer"] = optimizer
+        data["lr_scheduler"] = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 10))
     engine, *_ = ds_resilience.initialize(
         model=module,
         config=args.deepspeed_config,

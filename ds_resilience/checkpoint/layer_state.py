@@ -41,7 +41,7 @@ import torch
 
 from .state import StageState, StateMismatch, clone_tree
 
-__all__ = ["LAYER_FORMAT", "inner_param_groups", "layer_trees", "stage_state"]
+__all__ = ["LAYER_FORMAT", "inner_param_groups", "inverse", "layer_trees", "renumber", "stage_state"]
 
 LAYER_FORMAT = 1
 
@@ -81,6 +81,31 @@ def _step_of(param_state: Mapping[str, Any]) -> int | None:
     if step is None:
         return None
     return int(step.item()) if torch.is_tensor(step) else int(step)
+
+
+def renumber(optimizer_state: Any, positions: Sequence[int] | None) -> Any:
+    """An optimizer ``state_dict`` (inside a mixed-precision wrapper's, if it is one) with parameter
+    index ``j`` renamed ``positions[j]``. A torch optimizer numbers its parameters group after
+    group; a stage state lists them in module order, which :func:`layer_trees` and
+    :func:`stage_state` index by: ``positions`` (optimizer index -> module position) makes one the
+    other. ``None``: the same order already."""
+    if optimizer_state is None or positions is None:
+        return optimizer_state
+    if _mixed(optimizer_state):
+        return {**optimizer_state, "optimizer": renumber(optimizer_state["optimizer"], positions)}
+    state = {int(positions[int(j)]): v for j, v in optimizer_state["state"].items()}
+    groups = [{**g, "params": [int(positions[int(j)]) for j in g["params"]]} for g in optimizer_state["param_groups"]]
+    return {**optimizer_state, "state": state, "param_groups": groups}
+
+
+def inverse(positions: Sequence[int] | None) -> list[int] | None:
+    """The inverse of a :func:`renumber` map."""
+    if positions is None:
+        return None
+    out = [0] * len(positions)
+    for j, pos in enumerate(positions):
+        out[int(pos)] = j
+    return out
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -127,6 +152,7 @@ def layer_trees(state: StageState, param_layers: Sequence[int]) -> dict[int, dic
             tree["optimizer"].append(dict(optimizer["state"].get(i, {})))
             tree["groups"].append(hyper[group_of[i]])
             tree.setdefault("group_step", []).append(group_step[i])
+            tree.setdefault("group_index", []).append(group_of[i])  # the old group (a rebuilt optimizer keeps the order)
         if masters is not None:
             tree.setdefault("masters", []).append(masters[i])
     return out

@@ -225,6 +225,9 @@ def capture(host: StageHost, *, stage: int, rank: int) -> StageState:
     groups = getattr(host, "zero_groups", None)  # ZeRO-1: each group's parameters in flat order (a re-grid unshards)
     if groups is not None:
         extra["zero_groups"] = [[int(i) for i in g] for g in groups]
+    order = getattr(host, "optimizer_order", None)  # the optimizer numbers parameters in another order than the module
+    if order is not None:
+        extra["optimizer_order"] = [int(i) for i in order]
     return StageState(
         stage=stage, rank=rank, steps=steps, samples=samples,
         params=[p.detach() for p in host.parameters],

@@ -28,8 +28,10 @@ When a stage loses every replica (``resilience.regrid``), :func:`regrid` is the 
 The new grid names its workers by the agent's ranks (a ``Topology`` with a rank table), so every
 store key, snapshot owner and later recovery plan keeps using them. What this does not do yet
 (:func:`regrid_blocker` refuses it at start-up):
-data from iterators (a ``batch_source`` or a map-style ``training_data`` is needed), an optimizer or scheduler
-object built by the caller (it would belong to the old parameters), and tensor parallelism.
+data from iterators (a ``batch_source`` or a map-style ``training_data`` is needed), an optimizer
+object that is no ``torch.optim.Optimizer`` or a scheduler object without ``.optimizer`` (the
+caller's objects belong to the old parameters: an optimizer is rebuilt from its class, defaults
+and the moved layers' parameter groups, a scheduler copied and re-pointed), and tensor parallelism.
 Dropout draws the old grid's masks: the engine reseeds every layer from (iteration, the
 micro-batch as the first grid numbered it, layer), and the new engine takes the composed map.
 """
@@ -49,7 +51,8 @@ from ..comm.standin import init_stand_in
 from ..logs import get_logger
 from ..checkpoint.fetch import fetch_versions
 from ..checkpoint.inmemory import owner_name
-from ..checkpoint.layer_state import LAYER_FORMAT, inner_param_groups, layer_trees, stage_state
+from ..checkpoint.layer_state import (LAYER_FORMAT, inner_param_groups, inverse, layer_trees, renumber,
+                                      stage_state)
 from ..checkpoint.layer_transfer import transfer
 from ..checkpoint.state import StageState, apply, capture, tree_nbytes
 from ..comm.groups import build_groups
@@ -108,10 +111,12 @@ def regrid_blocker(engine: Any, rebuild: dict[str, Any] | None) -> str | None:
         return ("the new pipelines read other pipelines' micro-batches: pass batch_source= or a map-style "
                 "training_data= to initialize (a data iterator cannot be addressed)")
     opt, sched = rebuild.get("optimizer"), rebuild.get("lr_scheduler")
-    if opt is not None and not callable(opt) or isinstance(opt, torch.optim.Optimizer):
-        return "an optimizer object belongs to the old parameters: configure it in the DeepSpeed config or pass a callable"
-    if sched is not None and not callable(sched) or hasattr(sched, "state_dict"):
-        return "an LR scheduler object belongs to the old optimizer: configure it in the DeepSpeed config or pass a callable"
+    if opt is not None and not callable(opt) and not isinstance(opt, torch.optim.Optimizer):
+        return ("an optimizer object that is no torch.optim.Optimizer cannot be rebuilt around a new stage's "
+                "parameters: configure it in the DeepSpeed config or pass a callable")
+    if sched is not None and hasattr(sched, "state_dict") and not hasattr(sched, "optimizer"):
+        return ("an LR scheduler object without an .optimizer cannot be re-pointed at a new stage's optimizer: "
+                "configure it in the DeepSpeed config or pass a callable")
     return None
 
 
@@ -227,6 +232,8 @@ def regrid(engine: Any, record: Any, plan: RecoveryPlan) -> None:
         parts = engine.module.parts
         zero = engine.sharded_optimizer is not None
         # ZeRO-1: a shard is not cut into layers (it is made whole below); the plan sizes layers by their weights
+        if not zero:  # the optimizer's parameter numbering as the module's (a caller's optimizer with groups)
+            state = replace(state, optimizer=renumber(state.optimizer, engine.stage_host.optimizer_order))
         held = _with_empty(layer_trees(replace(state, optimizer=None) if zero else state,
                                        engine.stage_host.param_layers), parts, engine.stage_id)
         # every layer's state in bytes, from its holders (a lost stage's layers: the mean of the others)
@@ -267,6 +274,8 @@ def regrid(engine: Any, record: Any, plan: RecoveryPlan) -> None:
                     raise RegridError(f"rank {lost.rank}'s snapshot records no ZeRO-1 group layout (an older version)")
                 lost = replace(lost, optimizer=unshard(lost.optimizer, full[lost.stage], lost.extra["zero_groups"],
                                                        lost.params))
+            else:
+                lost = replace(lost, optimizer=renumber(lost.optimizer, lost.extra.get("optimizer_order")))
             layers = lost.extra.get("param_layers")
             if layers is None:
                 raise RegridError(f"rank {lost.rank}'s snapshot records no layer per parameter (written by an older version)")
@@ -297,11 +306,16 @@ def regrid(engine: Any, record: Any, plan: RecoveryPlan) -> None:
 
     def load(new: Any) -> None:
         sharded = new.sharded_optimizer is not None
-        groups = unsharded_param_groups(new) if sharded else inner_param_groups(new.optimizer.state_dict())
+        order = None if sharded else new.stage_host.optimizer_order
+        groups = (unsharded_param_groups(new) if sharded else
+                  renumber({"state": {}, "param_groups": inner_param_groups(new.optimizer.state_dict())},
+                           order)["param_groups"])
         new_state = stage_state(layers, new.stage_host.param_layers, param_groups=groups, like=state,
                                 stage=new.stage_id, rank=new.rank, group_steps=counts_steps_per_group(new.optimizer))
         if sharded:  # ZeRO-1: this replica's range of the new stage's partition
             new_state = replace(new_state, optimizer=reshard_state(new_state.optimizer, new))
+        else:  # back to the optimizer's own numbering
+            new_state = replace(new_state, optimizer=renumber(new_state.optimizer, inverse(order)))
         apply(new_state, new.stage_host, stage=new.stage_id)
 
     context = RegridContext(ranks=ranks, coordinator=engine.coordinator, session=f"live/regrid{count}", grid=count,
@@ -309,7 +323,13 @@ def regrid(engine: Any, record: Any, plan: RecoveryPlan) -> None:
                             recovery_log=engine.recovery_log, progress=engine.progress,
                             origin_microbatches=_compose(engine.origin_microbatches, live),
                             load=load)
-    new = _build(engine, old_module, rebuild, live, position, context)
+    try:
+        new = _build(engine, old_module, rebuild, live, position, context, layers)
+    except RegridError as exc:  # nothing of the old engine is needed any more, but nothing new stands either
+        engine.coordinator.store.set(membership.REGRID_FAILED_KEY, f"rank {engine.rank}: {exc}")
+        raise BeyondTolerance(f"rank {engine.rank} cannot build its re-formed stage ({exc}); the agent restarts "
+                              f"every worker from the in-memory snapshots", checkpoint_dir=None, step=step,
+                              lost_stages=[], restart=True) from exc
     rebuild_s = time.perf_counter() - t1
     object.__setattr__(engine, "__dict__", new.__dict__)  # the script's engine object is the new engine now
     membership.register_worker(engine.coordinator.store, WorkerInfo(
@@ -427,7 +447,75 @@ def _agree_step(engine: Any, world: Any, lost: list[int], resume: int) -> int:
                       f"survivor's own in host memory")
 
 
-def _build(engine: Any, old_module: Any, rebuild: dict[str, Any], live: LiveRegridPlan, position, context):
+def _rebuilt_optimizer(optimizer: Any, module: Any, trees: dict[int, Any]) -> Callable[[Any], Any]:
+    """The user's optimizer object, rebuilt around the new stage's parameters: its class and
+    constructor defaults (and its plain attributes, e.g. FusedAdam's ``adam_w_mode``), one parameter
+    group per old group the stage's layers came from, in the old groups' order, with the
+    hyperparameters they carried (the scheduled learning rate included); the state is loaded after."""
+    from .ds_stage import param_layers
+
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    layers = param_layers(module)
+    if layers is None:
+        raise RegridError("a parameter of the new stage belongs to no layer")
+    taken: dict[int, int] = {}
+    groups: dict[int, tuple[dict, list]] = {}
+    for p, layer in zip(trainable, layers):
+        k = taken.get(layer, 0)
+        taken[layer] = k + 1
+        tree = trees[layer]
+        if not tree["groups"]:
+            raise RegridError(f"layer {layer} carries no optimizer parameter groups")
+        index = (tree.get("group_index") or [0] * (k + 1))[k]
+        groups.setdefault(int(index), (dict(tree["groups"][k]), []))[1].append(p)
+
+    import inspect
+
+    try:
+        accepted = inspect.signature(type(optimizer).__init__).parameters
+    except (TypeError, ValueError):
+        accepted = {}
+    takes_any = any(a.kind is inspect.Parameter.VAR_KEYWORD for a in accepted.values())
+    # the defaults the constructor takes (torch's AdamW records "decoupled_weight_decay", which it does not)
+    defaults = {k: v for k, v in optimizer.defaults.items() if takes_any or k in accepted}
+
+    def build(_model_parameters: Any) -> Any:
+        try:
+            new = type(optimizer)([{**hyper, "params": ps} for _, (hyper, ps) in sorted(groups.items())],
+                                  **defaults)
+        except TypeError as exc:
+            raise RegridError(f"{type(optimizer).__name__}(param_groups, **defaults) cannot rebuild the optimizer "
+                              f"object: {exc}") from exc
+        for key, value in vars(optimizer).items():
+            if key in vars(new) and isinstance(value, (bool, int, float, str)):
+                setattr(new, key, value)
+        return new
+
+    return build
+
+
+def _repointed_scheduler(scheduler: Any) -> Callable[[Any], Any]:
+    """The user's LR scheduler object, copied and pointed at the new stage's optimizer (its state,
+    the step count and learning rates, is loaded after); per-group lists must match the groups."""
+    import copy
+
+    def build(optimizer: Any) -> Any:
+        new = copy.copy(scheduler)
+        new.optimizer = optimizer
+        for key, value in vars(scheduler).items():
+            if key.endswith(("lrs", "lr_lambdas", "_last_lr")) and isinstance(value, list) \
+                    and len(value) != len(optimizer.param_groups):
+                raise RegridError(f"the LR scheduler's {key} has {len(value)} entries, the new stage's optimizer "
+                                  f"{len(optimizer.param_groups)} parameter groups")
+            if isinstance(value, (list, dict)):
+                setattr(new, key, copy.copy(value))
+        return new
+
+    return build
+
+
+def _build(engine: Any, old_module: Any, rebuild: dict[str, Any], live: LiveRegridPlan, position, context,
+           trees: dict[int, Any]):
     """The new engine for ``position`` of ``live``'s grid (step 3 of the module docstring)."""
     import deepspeed
     from deepspeed.runtime.config import DeepSpeedConfig
@@ -448,10 +536,15 @@ def _build(engine: Any, old_module: Any, rebuild: dict[str, Any], live: LiveRegr
     mpu = module.mpu()
     config_class = DeepSpeedConfig(config, mpu)
     deepspeed.set_optimizer_flags(config_class, module)
+    optimizer, scheduler = rebuild.get("optimizer"), rebuild.get("lr_scheduler")
+    if isinstance(optimizer, torch.optim.Optimizer):  # the user's object belongs to the old parameters
+        optimizer = _rebuilt_optimizer(optimizer, module, trees)
+    if scheduler is not None and hasattr(scheduler, "state_dict") and hasattr(scheduler, "optimizer"):
+        scheduler = _repointed_scheduler(scheduler)
     return type(engine)(  # the engine's own class (ResilientPipelineEngine)
-        args=rebuild.get("args"), model=module, optimizer=rebuild.get("optimizer"),
+        args=rebuild.get("args"), model=module, optimizer=optimizer,
         model_parameters=[p for p in module.parameters() if p.requires_grad], training_data=None,
-        lr_scheduler=rebuild.get("lr_scheduler"), mpu=mpu, dist_init_required=False,
+        lr_scheduler=scheduler, mpu=mpu, dist_init_required=False,
         collate_fn=rebuild.get("collate_fn"), config=config, config_class=config_class,
         resilience=replace(engine.resilience, microbatches=None),
         batch_source=_remap(rebuild["batch_source"], context.origin_microbatches),

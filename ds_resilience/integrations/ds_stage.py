@@ -68,6 +68,25 @@ class DeepSpeedStage:
         return self.engine.optimizer
 
     @property
+    def optimizer_order(self) -> list[int] | None:
+        """Optimizer parameter index (group after group) -> this stage's parameter position (module
+        order), when they differ (a caller's optimizer with several groups); ``None`` when they are
+        the same, without ZeRO-1 (its shards carry their own layout: :attr:`zero_groups`)."""
+        if "_optimizer_order" not in vars(self):
+            from .ds_optimizer import sharded_of
+
+            optimizer, order = self.engine.optimizer, None
+            if optimizer is not None and sharded_of(optimizer) is None:
+                masters = getattr(optimizer, "masters", None)
+                ids = [id(m) for m in masters] if masters is not None else [id(p) for p in self.parameters]
+                position = {i: k for k, i in enumerate(ids)}
+                flat = [position.get(id(p)) for g in optimizer.param_groups for p in g["params"]]
+                if None not in flat and flat != list(range(len(flat))):
+                    order = flat
+            self._optimizer_order = order
+        return self._optimizer_order
+
+    @property
     def zero_groups(self) -> list[list[int]] | None:
         """ZeRO-1: each parameter group's stage parameter indices in the order its shards flatten
         them (``ds_regrid_zero.zero_groups``; a snapshot records it); ``None`` without ZeRO."""

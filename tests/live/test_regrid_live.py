@@ -27,6 +27,7 @@ def run(tmp: Path, name: str, *, world: int, pp: int, faults=(), regrid=True, ch
     base["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.002,
                                                         "warmup_num_steps": 10}}
     base.update(deepspeed or {})  # the user's configuration (USER)
+    base = {k: v for k, v in base.items() if v is not None}  # None: a section left out
     base["resilience"] = {
         "schedule": "1f1b", "variant": "recycle", "regrid": regrid, "fault_injection": list(faults),
         "detector": {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 4.0, "pg_timeout_s": 60.0},
@@ -235,6 +236,26 @@ def test_in_the_users_configuration_with_zero1_both_replicas_of_a_stage_killed_t
 
 
 @pytest.mark.timeout(900)
+def test_optimizer_and_scheduler_objects_are_rebuilt_around_the_new_stages(tmp_path):
+    """The caller's own optimizer and LR scheduler objects (torch AdamW with a decay and a
+    no-decay group, LambdaLR) passed to ``initialize``: after both replicas of stage 1 of 3 are
+    SIGKILLed, each new stage's optimizer is rebuilt from the object's class and defaults with the
+    groups its layers came from, the scheduler copied onto it, their state moved; the job ends at the
+    fault-free state (refused at ``initialize`` before)."""
+    client = {"optimizer": None, "scheduler": None}
+    extra = ("--client-optimizer",)
+    code, _, reference = run(tmp_path, "ref", world=6, pp=3, regrid=False, extra=extra, deepspeed=client)
+    assert code == 0, logs(tmp_path, "ref")
+    faults = pair_dies((2, 3), 3, "before_forward")
+    code, agent, dumps = run(tmp_path, "regrid", world=6, pp=3, faults=faults, extra=extra, deepspeed=client)
+    assert code == 0, logs(tmp_path, "regrid")
+    assert not [e for e in agent.events if e.kind in ("restart", "relaunch", "stop")]
+    assert_fault_free_state(dumps, reference, [0, 1, 4, 5], resume_step=3, pp_before=3)
+    for d in dumps.values():  # two groups (decay, no decay) and the warm-up's learning rate at step STEPS
+        assert d["lr"] == pytest.approx([0.002 * min(1.0, (STEPS + 1) / 10)] * 2), d["lr"]
+
+
+@pytest.mark.timeout(900)
 def test_killed_while_their_snapshot_drained_the_survivors_regrid_from_the_step_before(tmp_path):
     """Both replicas of stage 1 die while the copy of their step-3 snapshot is in flight: no
     survivor holds it, so the survivors agree on step 2 (their own snapshots and the lost stage's
@@ -326,12 +347,16 @@ def test_what_the_regrid_cannot_move_yet_is_refused_by_name():
     ok = {"batch_source": lambda p, i, m: None, "optimizer": None, "lr_scheduler": None}
     assert regrid_blocker(engine(), ok) is None
     assert regrid_blocker(engine(tied=((0, 2),)), ok) is None  # tied layers move with their lowest layer
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)  # rebuilt around the new stage's parameters
+    assert regrid_blocker(engine(), {**ok, "optimizer": sgd,
+                                     "lr_scheduler": torch.optim.lr_scheduler.StepLR(sgd, 2)}) is None
     cases = [
         (engine(launch=None), ok, "needs the agent"),
         (engine(resilience=ResilienceConfig(regrid=True, checkpoint={"enabled": False})), ok, "checkpoint.enabled"),
         (engine(layers=None), ok, "belongs to no layer"),
         (engine(), {**ok, "batch_source": None}, "batch_source"),
-        (engine(), {**ok, "optimizer": torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)}, "optimizer object"),
+        (engine(), {**ok, "optimizer": object()}, "no torch.optim.Optimizer"),
+        (engine(), {**ok, "lr_scheduler": SimpleNamespace(state_dict=dict)}, "without an .optimizer"),
     ]
     for eng, rebuild, fragment in cases:
         assert fragment in (regrid_blocker(eng, rebuild) or ""), fragment

@@ -235,3 +235,19 @@ def test_an_optimizer_counting_steps_per_group_gets_the_group_step_on_every_new_
     assert {int(s["step"]) for s in moved.optimizer["state"].values()} == {3}
     plain = stage_state(mine, new.param_layers, param_groups=groups, like=like, stage=0, rank=0)
     assert {int(plain.optimizer["state"][g["params"][-1]]["step"]) for g in plain.optimizer["param_groups"]} == {0}
+
+
+def test_an_optimizer_numbering_its_parameters_group_after_group_is_renumbered_to_module_order():
+    """A caller's optimizer with a decay and a no-decay group numbers its parameters group after
+    group; ``renumber`` maps its state onto module positions (what the layer cut indexes) and back."""
+    from ds_resilience.checkpoint.layer_state import inverse, renumber
+
+    sd = {"state": {0: {"m": 10}, 1: {"m": 11}, 2: {"m": 12}},
+          "param_groups": [{"lr": 1, "params": [0, 1]}, {"lr": 2, "params": [2]}]}
+    positions = [0, 2, 1]  # the decay group holds module parameters 0 and 2, the other parameter 1
+    moved = renumber(sd, positions)
+    assert moved["state"] == {0: {"m": 10}, 2: {"m": 11}, 1: {"m": 12}}
+    assert [g["params"] for g in moved["param_groups"]] == [[0, 2], [1]]
+    assert renumber(moved, inverse(positions)) == sd
+    wrapped = {"optimizer": sd, "masters": [], "scaler": None, "skipped_steps": 0}
+    assert renumber(wrapped, positions)["optimizer"] == moved and renumber(sd, None) is sd
