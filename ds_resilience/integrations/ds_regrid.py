@@ -68,6 +68,7 @@ from ..runtime import membership
 from ..runtime.recovery import BeyondTolerance
 from ..topology import Topology
 from .ds_fused_adam import counts_steps_per_group
+from .ds_regrid_objects import RebuildError, rebuilt_optimizer, repointed_scheduler
 from .ds_regrid_zero import assemble, reshard_state, unshard, unsharded_param_groups
 
 __all__ = ["HORIZON", "RegridContext", "RegridError", "origin_source", "regrid", "regrid_blocker", "regrid_pays_for"]
@@ -325,7 +326,7 @@ def regrid(engine: Any, record: Any, plan: RecoveryPlan) -> None:
                             load=load)
     try:
         new = _build(engine, old_module, rebuild, live, position, context, layers)
-    except RegridError as exc:  # nothing of the old engine is needed any more, but nothing new stands either
+    except (RegridError, RebuildError) as exc:  # nothing of the old engine is needed any more, but nothing new stands either
         engine.coordinator.store.set(membership.REGRID_FAILED_KEY, f"rank {engine.rank}: {exc}")
         raise BeyondTolerance(f"rank {engine.rank} cannot build its re-formed stage ({exc}); the agent restarts "
                               f"every worker from the in-memory snapshots", checkpoint_dir=None, step=step,
@@ -447,73 +448,6 @@ def _agree_step(engine: Any, world: Any, lost: list[int], resume: int) -> int:
                       f"survivor's own in host memory")
 
 
-def _rebuilt_optimizer(optimizer: Any, module: Any, trees: dict[int, Any]) -> Callable[[Any], Any]:
-    """The user's optimizer object, rebuilt around the new stage's parameters: its class and
-    constructor defaults (and its plain attributes, e.g. FusedAdam's ``adam_w_mode``), one parameter
-    group per old group the stage's layers came from, in the old groups' order, with the
-    hyperparameters they carried (the scheduled learning rate included); the state is loaded after."""
-    from .ds_stage import param_layers
-
-    trainable = [p for p in module.parameters() if p.requires_grad]
-    layers = param_layers(module)
-    if layers is None:
-        raise RegridError("a parameter of the new stage belongs to no layer")
-    taken: dict[int, int] = {}
-    groups: dict[int, tuple[dict, list]] = {}
-    for p, layer in zip(trainable, layers):
-        k = taken.get(layer, 0)
-        taken[layer] = k + 1
-        tree = trees[layer]
-        if not tree["groups"]:
-            raise RegridError(f"layer {layer} carries no optimizer parameter groups")
-        index = (tree.get("group_index") or [0] * (k + 1))[k]
-        groups.setdefault(int(index), (dict(tree["groups"][k]), []))[1].append(p)
-
-    import inspect
-
-    try:
-        accepted = inspect.signature(type(optimizer).__init__).parameters
-    except (TypeError, ValueError):
-        accepted = {}
-    takes_any = any(a.kind is inspect.Parameter.VAR_KEYWORD for a in accepted.values())
-    # the defaults the constructor takes (torch's AdamW records "decoupled_weight_decay", which it does not)
-    defaults = {k: v for k, v in optimizer.defaults.items() if takes_any or k in accepted}
-
-    def build(_model_parameters: Any) -> Any:
-        try:
-            new = type(optimizer)([{**hyper, "params": ps} for _, (hyper, ps) in sorted(groups.items())],
-                                  **defaults)
-        except TypeError as exc:
-            raise RegridError(f"{type(optimizer).__name__}(param_groups, **defaults) cannot rebuild the optimizer "
-                              f"object: {exc}") from exc
-        for key, value in vars(optimizer).items():
-            if key in vars(new) and isinstance(value, (bool, int, float, str)):
-                setattr(new, key, value)
-        return new
-
-    return build
-
-
-def _repointed_scheduler(scheduler: Any) -> Callable[[Any], Any]:
-    """The user's LR scheduler object, copied and pointed at the new stage's optimizer (its state,
-    the step count and learning rates, is loaded after); per-group lists must match the groups."""
-    import copy
-
-    def build(optimizer: Any) -> Any:
-        new = copy.copy(scheduler)
-        new.optimizer = optimizer
-        for key, value in vars(scheduler).items():
-            if key.endswith(("lrs", "lr_lambdas", "_last_lr")) and isinstance(value, list) \
-                    and len(value) != len(optimizer.param_groups):
-                raise RegridError(f"the LR scheduler's {key} has {len(value)} entries, the new stage's optimizer "
-                                  f"{len(optimizer.param_groups)} parameter groups")
-            if isinstance(value, (list, dict)):
-                setattr(new, key, copy.copy(value))
-        return new
-
-    return build
-
-
 def _build(engine: Any, old_module: Any, rebuild: dict[str, Any], live: LiveRegridPlan, position, context,
            trees: dict[int, Any]):
     """The new engine for ``position`` of ``live``'s grid (step 3 of the module docstring)."""
@@ -538,9 +472,9 @@ def _build(engine: Any, old_module: Any, rebuild: dict[str, Any], live: LiveRegr
     deepspeed.set_optimizer_flags(config_class, module)
     optimizer, scheduler = rebuild.get("optimizer"), rebuild.get("lr_scheduler")
     if isinstance(optimizer, torch.optim.Optimizer):  # the user's object belongs to the old parameters
-        optimizer = _rebuilt_optimizer(optimizer, module, trees)
+        optimizer = rebuilt_optimizer(optimizer, module, trees)
     if scheduler is not None and hasattr(scheduler, "state_dict") and hasattr(scheduler, "optimizer"):
-        scheduler = _repointed_scheduler(scheduler)
+        scheduler = repointed_scheduler(scheduler)
     return type(engine)(  # the engine's own class (ResilientPipelineEngine)
         args=rebuild.get("args"), model=module, optimizer=optimizer,
         model_parameters=[p for p in module.parameters() if p.requires_grad], training_data=None,
