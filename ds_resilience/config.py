@@ -34,6 +34,7 @@ Keys (under ``"resilience"``), defaults in brackets::
     detector.stall_timeout_s        number > 0 | null                     [300.0]
     detector.straggler_window       int >= 2                              [5]
     detector.straggler_margin       number > 0                            [0.3]
+    detector.straggler_hold         int >= 0                              [20]
     detector.straggler_replan       bool | null                           [null: true]
     fault_injection                 list of objects, each with all of:    [[]]
     fault_injection[].rank          int >= 0
@@ -305,6 +306,10 @@ class DetectorConfig(_Section):
     straggler_margin: float = _opt(float, "a worker whose pace is slower than its stage peers' by more than this "
                                    "fraction is reported slow; recovered below half of it", default=0.3,
                                    exclusive_minimum=0)
+    straggler_hold: int = _opt(int, "iterations after a straggler switch before the next one: a worker a busy "
+                               "machine makes slow and fast by turns does not switch the schedule back and forth "
+                               "(decisions are logged at once; the switch follows the newest state)", default=20,
+                               minimum=0)
     straggler_replan: bool | None = _opt(
         bool, "under the agent, a worker found slow switches the job to the weighted plan for its speed at an "
         "iteration boundary (a slow epoch), and back when it recovers; false: only reported; null = true "

@@ -199,7 +199,7 @@ class LiveStage:
         desc, det = self.desc, self.desc.config.detector
         self.stragglers = StragglerWatch(self.coordinator.store, desc.session, desc.rank, self._members,
                                          window=det.straggler_window, margin=det.straggler_margin,
-                                         switch=replans(det.straggler_replan))
+                                         switch=replans(det.straggler_replan), hold=det.straggler_hold)
         self.recovery = LiveRecovery(
             topology=desc.topology, me=desc.me, coordinator=self.coordinator, executor=executor, tier=self.tier,
             provider=provider, session=desc.session, timeout_s=det.pg_timeout_s,

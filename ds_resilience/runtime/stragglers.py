@@ -163,14 +163,24 @@ class StragglerWatch:
         on_decision: called with each decision on the reporting rank (after it is logged).
         switch: after the iteration's decisions, ask the agent to switch the schedule to the workers
             slow now (:func:`request_switch`, once per iteration that decided something).
+        hold: iterations after a switch request before the next one (``detector.straggler_hold``):
+            a worker that a busy machine makes slow and fast by turns would otherwise switch the
+            job's schedule back and forth, each switch an epoch that replays the iteration in flight.
+            Decisions are still logged at once; the switch follows the newest state when the hold
+            ends, and none if the state came back to what was last requested.
     """
 
     def __init__(self, store: Any, session: str, rank: int, members: Callable[[], Mapping[int, int]], *,
                  window: int, margin: float, on_decision: Callable[[Straggler], None] | None = None,
-                 switch: bool = False) -> None:
+                 switch: bool = False, hold: int = 0) -> None:
+        if hold < 0:
+            raise ValueError(f"hold must be >= 0 iterations, got {hold!r}")
         self.store, self.session, self.rank, self.members = store, session, rank, members
-        self.switch = switch
+        self.switch, self.hold = switch, hold
         self.requests: list[SlowRequest] = []
+        self._requested: frozenset[int] = frozenset()  # the slow ranks of the last request
+        self._requested_at: int | None = None  # the iteration of the last request
+        self._pending: list[Straggler] = []  # decisions since the last request (its reason)
         self.detector = StragglerDetector(window, margin)
         self.on_decision = on_decision
         self.decisions: list[Straggler] = []
@@ -202,6 +212,22 @@ class StragglerWatch:
             log.warning("%s", decision.line())
             if self.on_decision is not None:
                 self.on_decision(decision)
-        if decided and self.switch:
-            self.requests.append(request_switch(self.store, self.detector.slow, "; ".join(
-                f"rank {d.rank} {'slow' if d.slow else 'recovered'} at iteration {d.iteration}" for d in decided)))
+        if decided:
+            self._pending.extend(decided)
+        if self.switch:
+            self._maybe_request(iteration)
+
+    def _maybe_request(self, iteration: int) -> None:
+        """Ask for the switch to the slow set now, unless it is what was last asked for or the hold
+        since the last request has not passed."""
+        slow = frozenset(self.detector.slow)
+        if slow == self._requested:
+            self._pending.clear()  # back where the last request left it: nothing to switch
+            return
+        if self._requested_at is not None and iteration - self._requested_at < self.hold:
+            return
+        reason = "; ".join(f"rank {d.rank} {'slow' if d.slow else 'recovered'} at iteration {d.iteration}"
+                           for d in self._pending)
+        self.requests.append(request_switch(self.store, self.detector.slow, reason))
+        self._requested, self._requested_at = slow, iteration
+        self._pending.clear()

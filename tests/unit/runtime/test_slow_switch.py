@@ -4,6 +4,8 @@ The agent's side and the epoch's checks: test_membership.py; live: tests/live/te
 
 from __future__ import annotations
 
+import pytest
+
 from ds_resilience.costs import CostModel
 from ds_resilience.epochs import EpochRecord, SlowRequest
 from ds_resilience.ir import ActionKind
@@ -98,6 +100,33 @@ def test_each_decision_asks_the_agent_for_the_workers_slow_now():
         assert [(q.seq, q.speeds) for q in watches[0].requests] == [(1, ((1, 0.5),)), (2, ())]
         assert SlowRequest.from_json(store.data["dsr/slow_request"]) == watches[0].requests[-1]
         assert "rank 1 recovered" in watches[0].requests[-1].reason
+
+
+def _flapping(hold: int, iterations: int = 40):
+    """Rank 1 slow and fast by turns (4 iterations each way), as a busy machine makes a worker: the
+    reporting rank's watch after ``iterations``."""
+    store = _Store()
+    members = {0: 0, 1: 0, 2: 1, 3: 1}
+    watches = {r: StragglerWatch(store, "s", r, lambda: members, window=2, margin=0.3, switch=True, hold=hold)
+               for r in members}
+    for it in range(iterations):
+        for r, w in watches.items():
+            slow = 2.0 if r == 1 and (it // 4) % 2 else 1.0
+            w.after_iteration(it, {"F": [0.01 * slow], "B": [0.02 * slow]}, 1)
+    return watches[0]
+
+
+def test_a_worker_slow_and_fast_by_turns_switches_the_schedule_at_most_once_per_hold():
+    """Every flip is decided and logged; without a hold each one is a switch (an epoch), with
+    ``straggler_hold`` the requests are that many iterations apart and follow the newest state."""
+    free = _flapping(hold=0)
+    assert len(free.decisions) >= 8 and len(free.requests) == len(free.decisions)
+    held = _flapping(hold=20)
+    assert len(held.decisions) == len(free.decisions)
+    assert 1 <= len(held.requests) <= 2, [(q.seq, q.speeds) for q in held.requests]
+    assert held.requests[0].speeds == ((1, 0.5),)
+    with pytest.raises(ValueError, match="hold must be >= 0"):
+        StragglerWatch(_Store(), "s", 0, dict, window=2, margin=0.3, hold=-1)
 
 
 def test_the_switch_is_on_by_default_unless_the_environment_or_the_config_says_no():
