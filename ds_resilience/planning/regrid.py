@@ -19,7 +19,7 @@ from typing import Hashable, Mapping, Sequence
 from ..errors import PlanningError
 from .templates import Instantiation, Template
 
-__all__ = ["Position", "RegridPlan", "Move", "assign", "positions", "plan_regrid"]
+__all__ = ["Position", "RegridPlan", "Move", "assign", "name_sources", "positions", "plan_regrid"]
 
 
 @dataclass(frozen=True)
@@ -151,19 +151,28 @@ def plan_regrid(held: Mapping[Hashable, Sequence[int]], targets: Sequence[Positi
     cols = assign(cost) if targets else []
     assignment = {survivors[c]: t for t, c in zip(targets, cols)}
     idle = tuple(s for s in survivors if s not in assignment)
+    return RegridPlan(assignment=assignment, idle=idle, moves=name_sources(assignment, have, layer_bytes))
+
+
+def name_sources(assignment: Mapping[Hashable, Position], held: Mapping[Hashable, Sequence[int]],
+                 layer_bytes: Sequence[float]) -> tuple[Move, ...]:
+    """For each layer a worker's position needs and it does not hold, the move that brings it: from
+    the holder (in ``held``) that has sent the fewest bytes so far (the sends spread over the
+    holders), ``None`` when nobody holds it. Positions in (pipeline, stage) order."""
+    have = {s: set(v) for s, v in held.items()}
     holders: dict[int, list[Hashable]] = {}
-    for s in survivors:
+    for s in have:
         for i in have[s]:
             holders.setdefault(i, []).append(s)
-    sent: dict[Hashable, float] = {s: 0.0 for s in survivors}
+    sent: dict[Hashable, float] = {s: 0.0 for s in have}
     moves = []
     for s, t in sorted(assignment.items(), key=lambda kv: (kv[1].pipeline, kv[1].stage)):
         for i in t.layers():
-            if i in have[s]:
+            if i in have.get(s, ()):
                 continue
             options = holders.get(i, [])
             source = min(options, key=lambda h: (sent[h], str(h))) if options else None
             if source is not None:
                 sent[source] += layer_bytes[i]
             moves.append(Move(layer=i, to=s, source=source, nbytes=layer_bytes[i]))
-    return RegridPlan(assignment=assignment, idle=idle, moves=tuple(moves))
+    return tuple(moves)
