@@ -5,7 +5,16 @@ set up to ``max_failures`` (and, with ``planner.all_coverable``, every set re-ro
 in ``planner.workers`` processes. At a failure, :meth:`ScheduleProvider.schedule_for` answers from
 the table when the set is in it (a lookup, milliseconds) and from the planner's heuristic otherwise
 (deterministic, so every survivor computes the same schedule without talking); it reports which,
-and how long it took. Pure Python.
+and how long it took.
+
+A slow worker (:meth:`ScheduleProvider.schedule_for_slow`) is planned the same way: its measured
+speed is snapped to the nearest of :data:`SLOW_LEVELS` within :data:`SLOW_SNAP` (a worker measured
+at 0.46x and later at 0.52x keeps one plan), and one slow worker is planned as pipeline 0's worker of
+its stage and relabelled to its pipeline (every replica of a stage is interchangeable). The slow
+table (:meth:`ScheduleProvider.warm_slow_table`) plans one slow worker per stage at every level
+ahead of time, off the training thread; a set it lacks is planned on demand. Either way the answer
+is the same function of the speeds, so every rank computes the same schedule without talking.
+Pure Python.
 """
 
 from __future__ import annotations
@@ -21,11 +30,24 @@ from ..ir import ActionKind, Schedule, TiedGroups
 from ..ir.timeline import iteration_time
 from ..topology import Topology, Worker
 from .generators import generate
+from .normalize import relabel_schedule
 from .planner import plan
 from .stragglers import plan_slow
 from .table import PlanTable, TableSpec, build_table
 
-__all__ = ["ScheduleChoice", "ScheduleProvider"]
+__all__ = ["SLOW_LEVELS", "SLOW_SNAP", "ScheduleChoice", "ScheduleProvider", "slow_level"]
+
+SLOW_LEVELS = (0.25, 0.5, 0.75)
+"""The speeds the slow table plans one slow worker per stage at."""
+SLOW_SNAP = 0.05
+"""A measured speed this close to a level is planned at that level."""
+
+
+def slow_level(speed: float) -> float:
+    """``speed`` snapped to the nearest of :data:`SLOW_LEVELS` within :data:`SLOW_SNAP`, else to
+    hundredths (as the reporting rank posts it)."""
+    nearest = min(SLOW_LEVELS, key=lambda level: abs(level - speed))
+    return nearest if abs(nearest - speed) <= SLOW_SNAP + 1e-9 else round(float(speed), 2)
 
 
 @dataclass(frozen=True)
@@ -152,7 +174,10 @@ class ScheduleProvider:
         plan's, replayed with the speeds), ``unadapted_time`` (the running fault-free schedule
         replayed with them), ``fault_free_iteration_time`` (that schedule at full speed), ``bound``,
         ``loads`` (micro-batches per worker index) and ``speeds`` (``"p1s0": 0.5``), in the cost
-        model's unit. No slow worker: the fault-free schedule.
+        model's unit. No slow worker: the fault-free schedule. Speeds are snapped to
+        :data:`SLOW_LEVELS` (:func:`slow_level`); one slow worker is planned as pipeline 0's of its
+        stage and relabelled, from the slow table when :meth:`warm_slow_table` has planned it (the
+        same schedule either way).
 
         Raises:
             PlanningError: a worker out of the grid or a speed outside (0, 1].
@@ -160,10 +185,50 @@ class ScheduleProvider:
         if not speeds:
             return self.schedule_for(())
         started = time.perf_counter()
+        outside = [str(w) for w in speeds if not (0 <= w.pipeline < self.topology.dp and 0 <= w.stage < self.topology.pp)]
+        if outside:
+            raise PlanningError(f"slow worker(s) {', '.join(outside)} outside the {self.topology.dp}x{self.topology.pp} "
+                                f"grid")
+        speeds = {w: slow_level(s) for w, s in speeds.items()}
+        key = tuple(sorted(speeds.items()))
+        choice = self._slow.get(key)  # a worker slow again at the same speed: planned once
+        if choice is None and len(speeds) == 1 and next(iter(speeds)).pipeline != 0:
+            (worker, speed), = speeds.items()  # planned as pipeline 0's worker of its stage, relabelled
+            base = self._planned_slow({Worker(pipeline=0, stage=worker.stage): speed})
+            dp = self.topology.dp
+            perm = list(range(dp))
+            perm[0], perm[worker.pipeline] = worker.pipeline, 0
+            loads = list(base.figures["loads"])
+            for stage in range(self.topology.pp):  # worker index stage * dp + pipeline: 0 and p swap
+                a, b = stage * dp, stage * dp + worker.pipeline
+                loads[a], loads[b] = loads[b], loads[a]
+            figures = {**base.figures, "loads": loads, "speeds": {str(worker): speed}}
+            choice = self._slow.setdefault(key, ScheduleChoice(relabel_schedule(base.schedule, tuple(perm)),
+                                                               base.source, base.seconds, figures))
+        elif choice is None:
+            choice = self._planned_slow(speeds)
+        return ScheduleChoice(choice.schedule, choice.source, time.perf_counter() - started, choice.figures)
+
+    def warm_slow_table(self, levels: Iterable[float] = SLOW_LEVELS) -> int:
+        """Plan one slow worker per stage at each of ``levels`` ahead of time (the slow table; run it
+        off the training thread: :meth:`schedule_for_slow` then answers these from it). Returns the
+        number of plans made."""
+        made = 0
+        for stage in range(self.topology.pp):
+            for level in levels:
+                key = ((Worker(pipeline=0, stage=stage), slow_level(level)),)
+                if key not in self._slow:
+                    self._planned_slow(dict(key), source="slow-table")
+                    made += 1
+        return made
+
+    def _planned_slow(self, speeds: Mapping[Worker, float], source: str = "slow-plan") -> ScheduleChoice:
+        """The weighted plan for ``speeds`` (already snapped), made once per provider."""
+        started = time.perf_counter()
         key = tuple(sorted(speeds.items()))
         cached = self._slow.get(key)
-        if cached is not None:  # a worker slow again at the same speed: planned once
-            return ScheduleChoice(cached.schedule, cached.source, time.perf_counter() - started, cached.figures)
+        if cached is not None:  # the slow table's, or a worker slow again at the same speed
+            return cached
         dp, pp = self.topology.dp, self.topology.pp
         variant = self.variant if self.variant in ("adaptive", "decoupled", "recycle") else "recycle"
         healthy = generate(self.schedule_name, dp, pp, self.microbatches, self.cost, tied=self.tied)
@@ -186,5 +251,5 @@ class ScheduleProvider:
                    "fault_free_iteration_time": iteration_time(healthy, self.cost, variant), "bound": bound,
                    "loads": [sum(1 for a in actions if a.kind is ActionKind.F) for actions in schedule.workers],
                    "speeds": {str(w): s for w, s in sorted(speeds.items())}}
-        self._slow[key] = choice = ScheduleChoice(schedule, "slow-plan", time.perf_counter() - started, figures)
-        return choice
+        choice = ScheduleChoice(schedule, source, time.perf_counter() - started, figures)
+        return self._slow.setdefault(key, choice)  # a concurrent warm-up's plan is the same plan

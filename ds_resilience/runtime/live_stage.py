@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -167,6 +168,7 @@ class LiveStage:
         self.hooks: RecoveryHooks | None = None
         self.generation: Generation | None = None
         self.stragglers: StragglerWatch | None = None  # under the agent: who runs slower than its stage peers
+        self._slow_warmed: Any = None  # the provider whose slow table is planned (``_warm_slow_table``)
         self._straggler_error = False
         self.closed = False
         self._derived: tuple[Any, tuple[Action, ...], dict[int, tuple[int, ...]]] | None = None
@@ -296,6 +298,8 @@ class LiveStage:
         (runtime/stragglers.py); a store error here is told once and never stops training."""
         if self.stragglers is None:
             return
+        if self.stragglers.switch and self.recovery is not None:
+            self._warm_slow_table()
         stats = self.executor.stats
         try:
             self.stragglers.after_iteration(step, stats.durations, stats.forwards)
@@ -303,6 +307,25 @@ class LiveStage:
             if not self._straggler_error:
                 self._straggler_error = True
                 log.warning("rank %s: straggler detection skipped (%s)", self.desc.rank, exc)
+
+    def _warm_slow_table(self) -> None:
+        """The slow table of the provider in force (``ScheduleProvider.warm_slow_table``), planned in
+        a daemon thread once per provider (a re-plan brings a new one): a switch then looks its plan
+        up. A failure there is logged; the switch plans on demand as without it."""
+        provider = self.recovery.provider
+        provider = getattr(provider, "current", provider)  # ds_plans.ReplannedProvider: the table in force
+        if provider is self._slow_warmed or not hasattr(provider, "warm_slow_table"):
+            return
+        self._slow_warmed = provider
+
+        def warm() -> None:
+            try:
+                provider.warm_slow_table()
+            except Exception as exc:  # noqa: BLE001 - a thread's error is logged, the switch plans on demand
+                log.warning("rank %s: the slow table was not planned ahead (%s); a switch plans on demand",
+                            self.desc.rank, exc)
+
+        threading.Thread(target=warm, name="dsr-slow-table", daemon=True).start()
 
     def resilient(self, run: Callable[[], Any], *, rejoin: bool = True) -> Any:
         """``run()``; on a failure signal under the agent, recover (roll back, new groups and

@@ -107,7 +107,7 @@ class Generation:
         lookup_s: how long getting the schedule took.
         figures: the plan's predicted figures (``None`` when fault-free).
         groups: this worker's groups (``None`` for a worker left idle).
-        speeds: the slow workers the schedule is planned for (``source`` ``slow-plan``), each with
+        speeds: the slow workers the schedule is planned for (``source`` ``slow-table`` or ``slow-plan``), each with
             its fraction of full speed; empty otherwise.
     """
 

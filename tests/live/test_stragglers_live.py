@@ -114,7 +114,7 @@ def test_a_slow_worker_switches_the_job_to_the_weighted_plan_and_back(tmp_path, 
     for rank, d in dumps.items():
         slow = [e for e in d["recovery"] if e.get("kind") == "slow"]
         adopted = next(e for e in slow if 1 in [r for r, _ in e["speeds"]])
-        assert adopted["schedule_source"] == "slow-plan", adopted
+        assert adopted["schedule_source"] in ("slow-table", "slow-plan"), adopted  # planned ahead, or on demand
         loads = adopted["figures"]["loads"]
         assert loads[1] < loads[0] and loads[0] + loads[1] == loads[2] + loads[3], loads
         later = slow[slow.index(adopted) + 1:]

@@ -9,7 +9,8 @@ import pytest
 from ds_resilience.costs import CostModel
 from ds_resilience.epochs import EpochRecord, SlowRequest
 from ds_resilience.ir import ActionKind
-from ds_resilience.planning.provider import ScheduleProvider
+from ds_resilience.errors import PlanningError
+from ds_resilience.planning.provider import SLOW_LEVELS, ScheduleProvider, slow_level
 from ds_resilience.runtime.recovery import LiveRecovery
 from ds_resilience.runtime.stragglers import StragglerWatch
 from ds_resilience.topology import Topology, Worker
@@ -47,6 +48,31 @@ def test_a_slow_generation_runs_the_weighted_plan_every_rank_builds_alike():
     assert rec.generation(7, frozenset(), build=False, speeds={SLOW: 0.5}).schedule is gen.schedule  # planned once
     healthy = rec.generation(6, frozenset(), build=False, speeds={})
     assert healthy.source == "fault-free" and healthy.speeds == () and _loads(healthy.schedule) == [8, 8, 8, 8]
+
+
+def test_speeds_snap_to_the_slow_tables_levels():
+    assert [slow_level(v) for v in (0.46, 0.5, 0.54, 0.71, 0.8, 0.6, 0.333)] == [0.5, 0.5, 0.5, 0.75, 0.75, 0.6, 0.33]
+
+
+def test_the_slow_table_plans_one_slow_worker_per_stage_ahead_and_answers_as_on_demand():
+    """Warmed (planned ahead, as the live stage does in a thread) or not, a provider answers a slow
+    worker with the same schedule: ranks need not agree on whether their table is ready. A worker of
+    pipeline 1 gets pipeline 0's plan relabelled: the same loads, mirrored."""
+    warm, cold = _recovery(dp=3, pp=2, m=6).provider, _recovery(dp=3, pp=2, m=6).provider
+    assert warm.warm_slow_table() == 2 * len(SLOW_LEVELS) and warm.warm_slow_table() == 0  # once per provider
+    for worker in (Worker(pipeline=0, stage=0), Worker(pipeline=2, stage=1), Worker(pipeline=1, stage=0)):
+        for speed in (0.47, 0.74):
+            a, b = warm.schedule_for_slow({worker: speed}), cold.schedule_for_slow({worker: speed})
+            assert a.source == "slow-table" and b.source == "slow-plan"
+            assert a.schedule == b.schedule and a.figures == b.figures
+            loads, me = a.figures["loads"], warm.topology.worker_index(worker)
+            assert loads == _loads(a.schedule) and loads[me] == min(loads) < 6
+            assert a.figures["speeds"] == {str(worker): slow_level(speed)}
+    first = warm.schedule_for_slow({Worker(pipeline=0, stage=1): 0.5}).figures["loads"]
+    other = warm.schedule_for_slow({Worker(pipeline=2, stage=1): 0.5}).figures["loads"]
+    assert other == [first[2], first[1], first[0], first[5], first[4], first[3]]  # pipelines 0 and 2 swapped
+    with pytest.raises(PlanningError, match="outside the 3x2 grid"):
+        warm.schedule_for_slow({Worker(pipeline=3, stage=0): 0.5})
 
 
 def test_a_slow_worker_beside_a_failed_one_runs_the_failure_plan():
