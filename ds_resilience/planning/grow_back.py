@@ -15,7 +15,11 @@ half, the same value on every participant:
    its first micro-batches again;
 2. **the decision** (:func:`decide_grow`): growing pays when its pause is shorter than what the
    iterations left save at the first grid's speed, ``pause < left x (small - full)``; the value
-   carries its inputs for the log, as the shrink's ``regrid_pays`` does.
+   carries its inputs for the log, as the shrink's ``regrid_pays`` does. Its figures:
+   :func:`full_grid_time` (the small grid's measured iteration scaled by 1F1B's estimate of the two
+   grids on the layers' costs, as ``ds_regrid.regrid_pays_for`` scales the fault-free time) and
+   :func:`busiest_receiver_bytes` (what the pause is priced on: ``sim.regrid_cost.RegridCost.pause_s``
+   takes the busiest receiver's bytes).
 
 Pure Python.
 """
@@ -31,7 +35,7 @@ from ..topology import Topology
 from .live_regrid import GridChoice, LiveRegridPlan, microbatch_map, one_f_one_b_time
 from .regrid import Position, name_sources
 
-__all__ = ["GrowDecision", "decide_grow", "plan_grow_back"]
+__all__ = ["GrowDecision", "busiest_receiver_bytes", "decide_grow", "full_grid_time", "plan_grow_back"]
 
 
 def _bounds(bounds: Sequence[int], pp: int, name: str) -> tuple[int, ...]:
@@ -157,3 +161,34 @@ def decide_grow(small_s: float, full_s: float, pause_s: float, iterations_left: 
         pays = pause_s < iterations_left * (small_s - full_s)
     return GrowDecision(small_s=float(small_s), full_s=float(full_s), pause_s=float(pause_s),
                         iterations_left=iterations_left, pays=pays)
+
+
+def busiest_receiver_bytes(plan: LiveRegridPlan) -> float:
+    """The most bytes any one rank receives under ``plan`` (the receives run in parallel, so the
+    busiest receiver bounds the transfer; 0 when nothing moves)."""
+    got: dict[Any, float] = {}
+    for m in plan.moves:
+        got[m.to] = got.get(m.to, 0.0) + m.nbytes
+    return max(got.values(), default=0.0)
+
+
+def full_grid_time(small_s: float, current_bounds: Sequence[int], current_microbatches: int,
+                   plan: LiveRegridPlan, layer_cost: Sequence[float] | None = None) -> float:
+    """The first grid's iteration time predicted from the small grid's measured ``small_s``: scaled
+    by 1F1B's estimate of the two grids (``(M + pp - 1) x`` the slowest stage) on ``layer_cost``
+    (default: the plan's layer bytes, which stand in for time as in the shrink's partition).
+
+    Raises:
+        PlanningError: a negative time, bounds over another layer count, or a zero estimate.
+    """
+    if not 0 <= small_s < float("inf"):
+        raise PlanningError(f"small_s must be a finite time >= 0, got {small_s!r}")
+    cost = list(layer_cost) if layer_cost is not None else list(plan.layer_bytes)
+    now = tuple(int(b) for b in current_bounds)
+    if now[-1] != plan.grid.bounds[-1] or len(cost) != now[-1]:
+        raise PlanningError(f"the small grid's bounds {list(now)} and {len(cost)} layer costs do not fit the "
+                            f"first grid's {list(plan.grid.bounds)}")
+    small = one_f_one_b_time(now, current_microbatches, cost)
+    if small <= 0:
+        raise PlanningError("the small grid's estimated iteration is 0: give layer costs")
+    return small_s * one_f_one_b_time(plan.grid.bounds, plan.grid.microbatches, cost) / small

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from ds_resilience.errors import PlanningError
-from ds_resilience.planning.grow_back import decide_grow, plan_grow_back
+from ds_resilience.planning.grow_back import busiest_receiver_bytes, decide_grow, full_grid_time, plan_grow_back
 from ds_resilience.planning.live_regrid import plan_live_regrid, uniform_bounds
 from ds_resilience.topology import Topology
 
@@ -108,3 +108,23 @@ def test_growing_pays_when_the_iterations_left_save_more_than_the_pause():
         args = dict(small_s=1.5, full_s=1.0, pause_s=1.0, iterations_left=3) | bad
         with pytest.raises(PlanningError):
             decide_grow(**args)
+
+
+def test_the_decisions_figures_the_busiest_receiver_and_the_first_grids_time():
+    first = Topology(dp=2, pp=3)
+    weights = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    shrink = plan_live_regrid(first, [2, 3], [0, 2, 4, 6], 4, memory_cap=3.0)  # 2 x 2: layers [0, 3), [3, 6)
+    grow = plan_grow_back(small_grid(shrink), shrink.grid.bounds, 4, first, [0, 2, 4, 6], 4, [2, 3],
+                          layer_bytes=weights)
+    # a joiner receives its whole first stage, layers 2 and 3 (7 bytes); the busiest receiver bounds the pause
+    got = {}
+    for mv in grow.moves:
+        got[mv.to] = got.get(mv.to, 0.0) + mv.nbytes
+    assert busiest_receiver_bytes(grow) == max(got.values()) >= 7.0
+    # small grid: stages of 6 and 15 (bytes as time), (4 + 1) x 15 = 75; first grid: stages 3, 7, 11, (4 + 2) x 11 = 66
+    assert full_grid_time(1.5, (0, 3, 6), 4, grow) == pytest.approx(1.5 * 66 / 75)
+    assert full_grid_time(1.5, (0, 3, 6), 4, grow, layer_cost=[1.0] * 6) == pytest.approx(1.5 * 12 / 15)
+    with pytest.raises(PlanningError, match="do not fit"):
+        full_grid_time(1.5, (0, 3, 7), 4, grow)
+    with pytest.raises(PlanningError):
+        full_grid_time(-1.0, (0, 3, 6), 4, grow)
