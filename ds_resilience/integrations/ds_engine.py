@@ -99,6 +99,8 @@ class ResilientPipelineEngine(SurvivorAPI, PipelineEngine):
         self.topology = Topology(dp=self.grid.data_parallel_size, pp=self.num_stages,
                                  ranks=regrid_from.ranks if regrid_from is not None else None)
         self.origin_topology = regrid_from.origin if regrid_from is not None else self.topology
+        # the first grid's layer partition (growing back re-forms it; this engine's is module.parts)
+        self.origin_parts = regrid_from.origin_bounds if regrid_from is not None else tuple(self.module.parts)
         self.gone = regrid_from.gone if regrid_from is not None else ()
         self.regrids = regrid_from.grid if regrid_from is not None else 0  # re-grids so far
         self.me = Worker(pipeline=self.grid.data_parallel_id, stage=self.stage_id)

@@ -97,6 +97,7 @@ class RegridContext:
     recovery_log: list
     progress: Any  # what the heartbeat reads of the main thread (a stalled one stops the beats)
     origin_microbatches: tuple  # new (pipeline, micro-batch) -> the first grid's (the data and dropout keys)
+    origin_bounds: tuple[int, ...]  # the first grid's layer partition (what growing back returns to)
     load: Callable[[Any], None] = field(repr=False)  # puts the moved state into the new engine
 
 
@@ -323,7 +324,7 @@ def regrid(engine: Any, record: Any, plan: RecoveryPlan) -> None:
                             origin=engine.origin_topology, gone=tuple(sorted(set(engine.gone) | set(failed))),
                             recovery_log=engine.recovery_log, progress=engine.progress,
                             origin_microbatches=_compose(engine.origin_microbatches, live),
-                            load=load)
+                            origin_bounds=engine.origin_parts, load=load)
     try:
         new = _build(engine, old_module, rebuild, live, position, context, layers)
     except (RegridError, RebuildError) as exc:  # nothing of the old engine is needed any more, but nothing new stands either
@@ -341,6 +342,10 @@ def regrid(engine: Any, record: Any, plan: RecoveryPlan) -> None:
     entry = {"epoch": record.epoch, "kind": "regrid", "failed": list(record.failed), "resume_step": plan.resume_step,
              "from_step": step,
              "plan": live.to_dict(), "position": [position.pipeline, position.stage, position.first, position.last],
+             # the first grid, what growing back re-forms (planning/grow_back.py)
+             "origin": {"dp": engine.origin_topology.dp, "pp": engine.origin_topology.pp,
+                        "bounds": list(engine.origin_parts), "microbatches": grid.dp * grid.microbatches
+                        // engine.origin_topology.dp},
              "sent_bytes": report.sent_bytes, "received_bytes": report.received_bytes,
              "fetched_ranks": sorted(fetched), "fetched_bytes": sum(tree_nbytes(t) for t in fetched.values()),
              "fetch_s": fetch_s, "transfer_s": report.seconds,

@@ -91,6 +91,11 @@ def assert_fault_free_state(dumps, reference, survivors, *, resume_step, pp_befo
         grid = entries[0]["plan"]["grid"]
         assert grid["dp"] * grid["pp"] <= len(survivors) and (grid["dp"], grid["pp"]) != (len(reference) // pp_before, pp_before)
         assert entries[0]["resume_step"] == resume_step and entries[0]["regrid_s"] > 0
+        # the first grid, which growing back re-forms: its shape, its partition, the same global batch
+        origin = entries[0]["origin"]
+        assert (origin["dp"], origin["pp"]) == (len(reference) // pp_before, pp_before), origin
+        assert len(origin["bounds"]) == pp_before + 1 and origin["bounds"][-1] == grid["bounds"][-1], origin
+        assert origin["dp"] * origin["microbatches"] == grid["dp"] * grid["microbatches"], origin
         positions.add((d["pipeline"], d["stage"]))
         assert d["params"], rank
         if bf16:
