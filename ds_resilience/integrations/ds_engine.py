@@ -53,6 +53,7 @@ from .ds_reporting import is_reporter, plan_line, report
 from .ds_data import DataIterFactory, engine_batch_source, unfed_by
 from .ds_relay import TrainingRelay, starved
 from .ds_regrid import RegridContext, regrid, regrid_blocker, regrid_pays_for
+from .ds_grow import grow
 from .ds_survivor_api import SurvivorAPI
 from .ds_stage import DeepSpeedStage, activation_checkpointing, refuse_unsupported, refuse_unsupported_live, tied_layout
 
@@ -190,6 +191,7 @@ class ResilientPipelineEngine(SurvivorAPI, PipelineEngine):
             view=SurvivorView(self.topology, self.me) if regrid_from is not None else None,
             regrid=functools.partial(regrid, self) if resilience.regrid else None,
             prefer_regrid=functools.partial(regrid_pays_for, self) if resilience.regrid else None,
+            grow=functools.partial(grow, self) if resilience.regrid else None,
             unfed=self._starved))
         # each layer's dropout from a stream of (iteration, micro-batch as the first grid numbered it, layer)
         self.layer_seeds = LayerSeeds(resilience.seed, self.device, lambda: self.executor.current,
@@ -229,7 +231,7 @@ class ResilientPipelineEngine(SurvivorAPI, PipelineEngine):
             restored = self.live.start(restore=self._restore_after_restart)
             if restored is not None:
                 self.recovery_log.append(restored)
-        if rejoin and self.alive:
+        if rejoin and self.alive and self.recovery.growing is None:  # growing back: at its first iteration
             check_joined(self.coordinator.store, self.plans.scope, self.plans.joined_record, rank=self.rank,
                          step=self.global_steps)
         # the profile (DSR_PROFILE_OUT, set by `ds-resilience profile`): a fresh, fault-free start only

@@ -71,7 +71,8 @@ from .ds_fused_adam import counts_steps_per_group
 from .ds_regrid_objects import RebuildError, rebuilt_optimizer, repointed_scheduler
 from .ds_regrid_zero import assemble, reshard_state, unshard, unsharded_param_groups
 
-__all__ = ["HORIZON", "RegridContext", "RegridError", "origin_source", "regrid", "regrid_blocker", "regrid_pays_for"]
+__all__ = ["HORIZON", "RegridContext", "RegridError", "origin_source", "regrid", "regrid_blocker", "regrid_pays_for",
+           "take_over"]
 
 HORIZON = 20
 """Iterations over which a re-grid must beat re-routing, its own pause (taken as two fault-free
@@ -333,7 +334,7 @@ def regrid(engine: Any, record: Any, plan: RecoveryPlan) -> None:
                               f"every worker from the in-memory snapshots", checkpoint_dir=None, step=step,
                               lost_stages=[], restart=True) from exc
     rebuild_s = time.perf_counter() - t1
-    object.__setattr__(engine, "__dict__", new.__dict__)  # the script's engine object is the new engine now
+    take_over(engine, new)  # the script's engine object is the new engine now
     membership.register_worker(engine.coordinator.store, WorkerInfo(
         rank=engine.rank, pipeline=position.pipeline, stage=position.stage, pid=os.getpid(),
         incarnation=engine.launch.incarnation, dp=grid.dp, pp=grid.pp,
@@ -353,6 +354,17 @@ def regrid(engine: Any, record: Any, plan: RecoveryPlan) -> None:
              "recovery_s": time.time() - record.detected_at if record.detected_at else None}
     engine.recovery_log.append(entry)
     _log(engine, f"re-grid done {json.dumps(entry, sort_keys=True)}")
+
+
+def take_over(engine: Any, new: Any) -> None:
+    """``engine`` (and every object sharing its state: the script's, and the engines of earlier
+    re-grids, whose hooks are bound to them) becomes ``new``: one ``__dict__`` for all of them,
+    filled with ``new``'s."""
+    shared = engine.__dict__
+    state = dict(new.__dict__)
+    shared.clear()
+    shared.update(state)
+    object.__setattr__(new, "__dict__", shared)
 
 
 def _not_one_stage(bounds_for: Callable[[int], tuple[int, ...] | None]) -> Callable[[int], tuple[int, ...] | None]:

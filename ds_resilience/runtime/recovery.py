@@ -196,6 +196,9 @@ class RecoveryHooks:
         prefer_regrid: whether re-forming the grid beats re-routing around a failed set that
             re-routing covers (``planning.recovery.plan_recovery``).
         unfed: why a failed set leaves micro-batches no worker can load (``None``: none).
+        grow: ``grow(record, plan)`` re-forms the first grid when ranks a re-grid left out come back
+            (a ``rejoin`` epoch naming ranks outside the re-formed grid): the survivors call it with
+            their plan, the joiners with ``None`` (the engine's; ``None``: such a re-join is refused).
     """
 
     export: Callable[..., None]
@@ -208,6 +211,7 @@ class RecoveryHooks:
     regrid: Callable[[EpochRecord, RecoveryPlan], None] | None = None
     prefer_regrid: Callable[[frozenset[Worker]], bool] | None = None
     unfed: Callable[[frozenset[Worker]], str | None] | None = None
+    grow: Callable[[EpochRecord, RecoveryPlan | None], None] | None = None
 
 
 class LiveRecovery:
@@ -242,6 +246,8 @@ class LiveRecovery:
         self.regrid = regrid
         self.prefer_regrid = prefer_regrid
         self.unfed = unfed
+        self.grow = hooks.grow
+        self.growing: EpochRecord | None = None  # a joiner's re-join epoch that grows the grid back (join)
         self.retired = False  # this rank's replica failed while it lives on (tensor parallelism): it idles
         self._steps: dict[int, int] = {}  # the step counts of the last plan
         self.coordinator = coordinator
@@ -340,6 +346,13 @@ class LiveRecovery:
         if record.kind in SWITCH_KINDS:
             self._switch(record)
         self.executor.reset()
+        if self.growing is not None and record.epoch == self.growing.epoch:  # a joiner growing the grid back
+            self.grow(record, None)  # marks the epoch applied and logs it; the engine is a new one after it
+            return
+        grows = record.kind == "rejoin" and any(not self.topology.has_rank(r) for r in record.joining)
+        if grows and self.grow is None:
+            raise ResilienceError(f"rank {self.rank}: ranks {list(record.joining)} re-join a grid the survivors "
+                                  f"re-formed without them, and this engine cannot grow back")
         if self.topology.rank(self.me) in self.view.workers(record).failed:
             self._retire(record)
             return
@@ -354,6 +367,9 @@ class LiveRecovery:
             self.executor.validator.forget_from(plan.resume_step, self.me.stage)
         if plan.action == "regrid":
             self.regrid(record, plan)  # marks the epoch applied and logs it; the engine is a new one after it
+            return
+        if grows and plan.action == "continue":
+            self.grow(record, plan)  # the survivors, at the resume step: the first grid with the joiners
             return
         if plan.action != "continue":
             self._beyond_tolerance(record, plan)
@@ -459,6 +475,13 @@ class LiveRecovery:
             if time.monotonic() > deadline:
                 raise ResilienceError(f"rank {self.rank}: no re-join epoch from the agent within {self.timeout_s:.0f} s")
             time.sleep(0.01)
+        if self.grow is not None and self.coordinator.store.check([keys.REGRIDDED]):
+            # the grid this worker left was re-formed without it: it grows the first grid back with the
+            # survivors at their next iteration boundary (the epoch stays pending until then)
+            self.growing = record
+            logger.info("rank %d: re-join epoch %d grows the re-formed grid back to the first one", self.rank,
+                        record.epoch)
+            return
         self.coordinator.begin(record)
         plan = plan_recovery(record, self.topology, {r: 0 for r in voters(record)}, covered=self.provider.covers,
                              tied=self.provider.tied)

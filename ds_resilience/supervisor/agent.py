@@ -12,8 +12,9 @@ Never inside a worker (a dead worker would take the store down with it). The age
 * publishes each change as an :class:`~.membership.EpochRecord`; when a stage has lost every
   replica it publishes a ``stop`` epoch, waits for the survivors to save and exit, and exits 3;
 * optionally relaunches a failed rank after ``rejoin_after_s`` (``DSR_REJOIN=1``) and publishes a
-  ``rejoin`` epoch once the new process has registered; not after the survivors re-formed the grid
-  (a relaunched worker joins the first grid, which is gone; the ranks left out stay out).
+  ``rejoin`` epoch once the new process has registered; after the survivors re-formed the grid only
+  with ``grow_back`` (the relaunched ranks and the survivors then re-form the first grid:
+  ``integrations/ds_grow.py``); without it the ranks left out stay out.
 
 * on SIGTERM or SIGINT (a scheduler's preemption or time limit, Ctrl-C), or when a worker that
   received one asks for it, publishes an ``interrupt`` epoch: every worker saves its stage (the
@@ -172,6 +173,9 @@ class Agent:
         regrid: the workers re-form a smaller grid when a stage loses every replica
             (``resilience.regrid``): such a failure is then published as any other, not as a stop
             (``None``: what the workers register).
+        grow_back: after such a re-grid, keep relaunching the ranks it left out (``rejoin_after_s``):
+            once they registered, their ``rejoin`` epoch has the survivors and them re-form the
+            first grid (``integrations/ds_grow.py``). Default: no relaunch after a re-grid.
         job_id: names the job (its snapshots' directory, its stop checkpoints); default
             ``DSR_JOB_ID``, else the scheduler's job id (``SLURM_JOB_ID``, ...), else a new one. A
             named job resumes from its newest stop checkpoint when started again.
@@ -194,7 +198,8 @@ class Agent:
                  env: Mapping[str, str] | None = None, log_dir: str | os.PathLike[str] | None = None,
                  echo: Callable[[str], None] | None = None, nnodes: int = 1, local_rank_arg: bool = True,
                  regrid: bool | None = False, preload: Sequence[str] | None = None, job_id: str | None = None,
-                 term_grace_s: float = 30.0, secret: str | None = None, head: bool = False) -> None:
+                 term_grace_s: float = 30.0, secret: str | None = None, head: bool = False,
+                 grow_back: bool = False) -> None:
         if num_workers < 1:
             raise AgentError(f"num_workers must be >= 1, got {num_workers}")
         if nnodes < 1:
@@ -239,6 +244,7 @@ class Agent:
         self._given = {"max_restarts": max_restarts, "regrid": regrid, "host_dir": host_dir}
         self.max_restarts, self.restarts = max_restarts or 0, 0
         self.regrid = bool(regrid)
+        self.grow_back = bool(grow_back)
         self.preload = preload_modules(preload)
         named = named_job_id(job_id, {**os.environ, **self.env})
         self.resume = named is not None  # a named job resumes from its stop checkpoints
@@ -655,10 +661,14 @@ class Agent:
         """The survivors re-form the grid (``why``): a relaunched worker would join the first grid,
         which is gone (re-joining a re-formed grid is not supported yet), so relaunches still due are
         dropped, relaunched workers that have not registered yet are stopped, and no rank is
-        relaunched any more: the ranks left out of the new grid stay out."""
+        relaunched any more: the ranks left out of the new grid stay out. With ``grow_back`` the
+        relaunches go on: once registered, the relaunched ranks grow the grid back."""
         if self._regridded:
             return
         self._regridded = True
+        if self.grow_back:
+            self._echo(f"[ds_resilience agent] the survivors re-form the grid ({why}); relaunched ranks will grow it back")
+            return
         self._cancel_rejoins(f"the survivors re-form the grid ({why}); a relaunched worker cannot join it")
 
     def _cancel_rejoins(self, why: str) -> None:
@@ -678,7 +688,7 @@ class Agent:
 
     def _join_failed(self, w: _Child) -> None:
         """A relaunched worker died before it re-joined: try again, a few times."""
-        if self._finished or self._regridded:
+        if self._finished or (self._regridded and not self.grow_back):
             return
         self._join_attempts[w.rank] = self._join_attempts.get(w.rank, 0) + 1
         if self._join_attempts[w.rank] < self.max_join_attempts:
@@ -731,7 +741,7 @@ class Agent:
             return time.monotonic() + grace
         kind = "crash" if any(f.kind in ("crash", "node") for f in failures) else "hang"
         self._record_failures(failures, self._publish(kind, reason))
-        if self.rejoin_after_s is not None and not self._finished and not self._regridded:
+        if self.rejoin_after_s is not None and not self._finished and (not self._regridded or self.grow_back):
             for f in failures:
                 w = self._workers[f.rank]
                 if w.incarnation > 0 and not self._check_admitted(w):  # registered, failed before it re-joined

@@ -20,7 +20,7 @@ STEPS = 7
 
 
 def run(tmp: Path, name: str, *, world: int, pp: int, faults=(), regrid=True, checkpoint=None, restarts=0, extra=(),
-        clipping=0.0, deepspeed=None):
+        clipping=0.0, deepspeed=None, steps=STEPS, **agent_kw):
     base = json.loads((REPO / "configs" / "gpt_cpu_pp2_dp2.json").read_text())
     base["optimizer"] = {"type": "Adam", "params": {"lr": 0.002, "torch_adam": True}}
     base["gradient_clipping"] = clipping
@@ -40,11 +40,11 @@ def run(tmp: Path, name: str, *, world: int, pp: int, faults=(), regrid=True, ch
     cfg = tmp / f"{name}.json"
     cfg.write_text(json.dumps(base))
     dump = tmp / name
-    agent = Agent(SCRIPT, ["--deepspeed_config", str(cfg), "--steps", str(STEPS), "--pp", str(pp), "--dump", str(dump),
+    agent = Agent(SCRIPT, ["--deepspeed_config", str(cfg), "--steps", str(steps), "--pp", str(pp), "--dump", str(dump),
                            "--min-step-seconds", "0.4", *extra],
                   num_workers=world, heartbeat_interval_s=0.2, heartbeat_timeout_s=4.0, max_restarts=restarts,
                   log_dir=tmp / f"{name}-logs", env={"PYTHONPATH": str(REPO), "DSR_SELF_PROFILE": "0"},
-                  echo=lambda msg: print(msg, file=sys.stderr), regrid=regrid)
+                  echo=lambda msg: print(msg, file=sys.stderr), regrid=regrid, **agent_kw)
     code = agent.run()
     dumps = {r: torch.load(f, weights_only=False) for r in range(world)
              if (f := Path(f"{dump}.rank{r}.pt")).exists()}
@@ -158,6 +158,46 @@ def test_both_replicas_of_a_stage_killed_the_survivors_regrid_and_end_at_the_fau
     assert grid["dp"] * grid["pp"] == 4 and grid["pp"] < 3
     moved = sum(d["recovery"][-1]["received_bytes"] for d in dumps.values() if d["recovery"][-1].get("kind") == "regrid")
     assert moved > 0
+
+
+@pytest.mark.timeout(900)
+def test_relaunched_workers_grow_the_regridded_grid_back_to_its_first_shape(tmp_path):
+    """PP=3 x DP=2, both replicas of stage 1 SIGKILLed: the survivors re-grid onto 2 x 2; the agent
+    (grow_back) relaunches ranks 2 and 3, and once they registered the survivors and they re-form
+    the first 2 x 3 grid at an iteration boundary, every rank at its first position, the layers
+    moved from the small grid's holders; the run ends at the fault-free state, and the log shows
+    both re-grids with their pauses."""
+    steps = 12
+    code, _, reference = run(tmp_path, "ref", world=6, pp=3, regrid=False, steps=steps)
+    assert code == 0, logs(tmp_path, "ref")
+    faults = pair_dies((2, 3), 2, "before_forward")
+    # slower steps: the relaunched workers (a fresh interpreter each) register while the small grid trains
+    code, agent, dumps = run(tmp_path, "grow", world=6, pp=3, faults=faults, steps=steps,
+                             extra=("--min-step-seconds", "2.5"), rejoin_after_s=0.2, grow_back=True)
+    assert code == 0, logs(tmp_path, "grow")
+    assert sorted(dumps) == list(range(6)), logs(tmp_path, "grow")
+    assert [e.rank for e in agent.events if e.kind == "relaunch"] and {2, 3} <= {
+        e.rank for e in agent.events if e.kind == "rejoin"}, agent.events
+    ref_params, ref_opt = by_name(reference, "params"), by_name(reference, "optimizer")
+    for rank, d in dumps.items():
+        assert d["steps"] == steps, f"rank {rank} stopped at step {d['steps']}"
+        # back at its first position: rank = stage * dp + pipeline
+        assert (d["stage"], d["pipeline"]) == divmod(rank, 2), (rank, d["stage"], d["pipeline"])
+        grows = [e for e in d["recovery"] if e.get("kind") == "grow"]
+        assert len(grows) == 1 and grows[0]["regrid_s"] > 0, d["recovery"]
+        assert grows[0]["plan"]["grid"]["dp"] == 2 and grows[0]["plan"]["grid"]["pp"] == 3
+        assert grows[0]["joiner"] == (rank in (2, 3)) and "pause_s" in grows[0]["decision"]
+        if rank not in (2, 3):  # the survivors logged the shrink before
+            shrinks = [e for e in d["recovery"] if e.get("kind") == "regrid"]
+            assert len(shrinks) == 1 and shrinks[0]["regrid_s"] > 0, d["recovery"]
+            assert d["recovery"].index(shrinks[0]) < d["recovery"].index(grows[0])
+        for name, t in d["params"].items():
+            assert torch.allclose(t, ref_params[name], rtol=1e-5, atol=1e-6), f"rank {rank} {name}"
+            for k, v in ref_opt[name].items():
+                mine = torch.as_tensor(d["optimizer"][name][k], dtype=torch.float64)
+                ref = torch.as_tensor(v, dtype=torch.float64)
+                assert (mine - ref).abs().max() <= 1e-4 * ref.abs().max() + 1e-12, f"rank {rank} {name} optimizer {k}"
+        assert d["lr"] == pytest.approx(reference[0]["lr"])
 
 
 TRAINING_DATA = ("--training-data", "--dataset-size", "40")  # the user's Dataset: 10 micro-batches per pipeline and epoch
