@@ -167,7 +167,7 @@ def test_relaunched_workers_grow_the_regridded_grid_back_to_its_first_shape(tmp_
     the first 2 x 3 grid at an iteration boundary, every rank at its first position, the layers
     moved from the small grid's holders; the run ends at the fault-free state, and the log shows
     both re-grids with their pauses."""
-    steps = 12
+    steps = 16  # the joiners must register before the end: a fresh interpreter each, ~20 s at a load of 30
     code, _, reference = run(tmp_path, "ref", world=6, pp=3, regrid=False, steps=steps)
     assert code == 0, logs(tmp_path, "ref")
     faults = pair_dies((2, 3), 2, "before_forward")
