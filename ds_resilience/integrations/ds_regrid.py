@@ -221,7 +221,7 @@ def regrid(engine: Any, record: Any, plan: RecoveryPlan) -> None:
     groups = build_groups(target, engine.me, session=f"{engine.session}/regrid", generation=record.epoch,
                           timeout_s=timeout, store=engine.coordinator.store, device=engine._comm_device())
     world = groups.world
-    lost_ranks = sorted(lost_stage_sources(old, failed).values())  # the plan fetches these
+    lost_ranks = snapshot_owners(old, failed, zero=engine.sharded_optimizer is not None)
     try:
         source = origin_source(engine, engine._rebuild)
         if source is None:  # train_batch(data_iter) replaced the training_data loader since initialize
@@ -440,6 +440,17 @@ def _give_up(engine: Any, record: Any, plan: RecoveryPlan, exc: Exception) -> No
     raise BeyondTolerance(f"the survivors could not re-form the grid ({exc}); the agent restarts every worker from "
                           f"the in-memory snapshots", checkpoint_dir=None, step=plan.resume_step,
                           lost_stages=list(plan.lost_stages), restart=True) from exc
+
+
+def snapshot_owners(old: Topology, failed: list[int], *, zero: bool) -> list[int]:
+    """The dead ranks whose snapshots the re-grid fetches, so the step it starts from must hold them
+    all (:func:`_agree_step`): one per lost stage (its layers), and with ZeRO-1 every dead rank (its
+    optimizer shard; CI caught a step agreed on the layers' owner alone while the other replica,
+    killed mid-commit, left that step uncommitted, and the fetch then found it held by no survivor)."""
+    owners = set(lost_stage_sources(old, failed).values())
+    if zero:
+        owners |= set(failed)
+    return sorted(owners)
 
 
 def _agree_step(engine: Any, world: Any, lost: list[int], resume: int) -> int:

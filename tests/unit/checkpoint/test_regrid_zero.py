@@ -83,3 +83,17 @@ def test_a_range_held_by_no_one_is_named():
         assert "pipelines [1]" in str(exc)
     else:
         raise AssertionError("a missing range must be an error")
+
+
+def test_with_zero1_the_regrid_starts_from_a_step_every_dead_ranks_snapshot_holds():
+    """PP=3 x DP=2, both replicas of stage 1 (ranks 2, 3) dead: the layers come from one of them,
+    the ZeRO-1 shards from both, so the step the survivors agree on must hold both snapshots (one
+    killed mid-commit leaves its newest step out); a dead rank of a stage that lives on counts too."""
+    from ds_resilience.integrations.ds_regrid import snapshot_owners
+    from ds_resilience.topology import Topology
+
+    grid = Topology(dp=2, pp=3)
+    assert snapshot_owners(grid, [2, 3], zero=False) == [2]
+    assert snapshot_owners(grid, [2, 3], zero=True) == [2, 3]
+    assert snapshot_owners(grid, [2, 3, 4], zero=True) == [2, 3, 4]
+    assert snapshot_owners(grid, [4], zero=False) == []
