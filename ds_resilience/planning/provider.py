@@ -195,16 +195,11 @@ class ScheduleProvider:
         if choice is None and len(speeds) == 1 and next(iter(speeds)).pipeline != 0:
             (worker, speed), = speeds.items()  # planned as pipeline 0's worker of its stage, relabelled
             base = self._planned_slow({Worker(pipeline=0, stage=worker.stage): speed})
-            dp = self.topology.dp
-            perm = list(range(dp))
+            perm = list(range(self.topology.dp))
             perm[0], perm[worker.pipeline] = worker.pipeline, 0
-            loads = list(base.figures["loads"])
-            for stage in range(self.topology.pp):  # worker index stage * dp + pipeline: 0 and p swap
-                a, b = stage * dp, stage * dp + worker.pipeline
-                loads[a], loads[b] = loads[b], loads[a]
-            figures = {**base.figures, "loads": loads, "speeds": {str(worker): speed}}
-            choice = self._slow.setdefault(key, ScheduleChoice(relabel_schedule(base.schedule, tuple(perm)),
-                                                               base.source, base.seconds, figures))
+            schedule = relabel_schedule(base.schedule, tuple(perm))
+            figures = {**base.figures, "loads": _forwards(schedule), "speeds": {str(worker): speed}}
+            choice = self._slow.setdefault(key, ScheduleChoice(schedule, base.source, base.seconds, figures))
         elif choice is None:
             choice = self._planned_slow(speeds)
         return ScheduleChoice(choice.schedule, choice.source, time.perf_counter() - started, choice.figures)
@@ -249,7 +244,12 @@ class ScheduleProvider:
                 schedule, predicted = slow.schedule, value
         figures = {"variant": variant, "iteration_time": predicted, "unadapted_time": unadapted,
                    "fault_free_iteration_time": iteration_time(healthy, self.cost, variant), "bound": bound,
-                   "loads": [sum(1 for a in actions if a.kind is ActionKind.F) for actions in schedule.workers],
+                   "loads": _forwards(schedule),
                    "speeds": {str(w): s for w, s in sorted(speeds.items())}}
         choice = ScheduleChoice(schedule, source, time.perf_counter() - started, figures)
         return self._slow.setdefault(key, choice)  # a concurrent warm-up's plan is the same plan
+
+
+def _forwards(schedule: Schedule) -> list[int]:
+    """Micro-batches (forwards) per worker index."""
+    return [sum(1 for a in actions if a.kind is ActionKind.F) for actions in schedule.workers]
