@@ -61,6 +61,19 @@ def pair_dies(ranks, step: int, point: str, kind: str = "sigkill") -> list[dict]
     return out + [{"rank": r, "step": s, "point": "in_recovery", "kind": kind} for r in ranks for s in range(STEPS + 1)]
 
 
+def stage_1_lost(tmp: Path, **kw):
+    """The fault-free run of PP=3 x DP=2 and the same run with both replicas of stage 1 SIGKILLed at
+    step 3 (``kw``: ``run``'s options for both); both end with exit code 0 and the second without a
+    restart, relaunch or stop (the survivors re-gridded). Returns (the reference's dumps, the
+    survivors')."""
+    code, _, reference = run(tmp, "ref", world=6, pp=3, regrid=False, **kw)
+    assert code == 0, logs(tmp, "ref")
+    code, agent, dumps = run(tmp, "regrid", world=6, pp=3, faults=pair_dies((2, 3), 3, "before_forward"), **kw)
+    assert code == 0, logs(tmp, "regrid")
+    assert not [e for e in agent.events if e.kind in ("restart", "relaunch", "stop")]  # nobody was relaunched
+    return reference, dumps
+
+
 def logs(tmp: Path, name: str) -> str:
     return "\n".join(f"--- {f.name}\n{f.read_text()[-4000:]}" for f in sorted((tmp / f"{name}-logs").glob("*.log")))
 
@@ -148,12 +161,7 @@ def test_both_replicas_of_a_stage_killed_the_survivors_regrid_and_end_at_the_fau
     activation checkpointing and dropout (every layer draws its masks from (iteration, micro-batch as
     the first grid numbered it, layer), so the re-formed grid draws the fault-free run's masks)."""
     user = ("--dropout", "0.1", "--activation-checkpoint-interval", "1")
-    code, _, reference = run(tmp_path, "ref", world=6, pp=3, regrid=False, extra=user, clipping=1.0)
-    assert code == 0, logs(tmp_path, "ref")
-    faults = pair_dies((2, 3), 3, "before_forward")  # stage 1 of 3
-    code, agent, dumps = run(tmp_path, "regrid", world=6, pp=3, faults=faults, extra=user, clipping=1.0)
-    assert code == 0, logs(tmp_path, "regrid")
-    assert not [e for e in agent.events if e.kind in ("restart", "relaunch", "stop")]  # nobody was relaunched
+    reference, dumps = stage_1_lost(tmp_path, extra=user, clipping=1.0)
     grid = assert_fault_free_state(dumps, reference, [0, 1, 4, 5], resume_step=3, pp_before=3)
     assert grid["dp"] * grid["pp"] == 4 and grid["pp"] < 3
     moved = sum(d["recovery"][-1]["received_bytes"] for d in dumps.values() if d["recovery"][-1].get("kind") == "regrid")
@@ -212,12 +220,7 @@ def test_with_training_data_the_regridded_pipelines_read_the_dataset_by_index(tm
     the next epoch) and no ``batch_source``: both replicas of stage 1 of 3 are SIGKILLed, the new
     grid reads each micro-batch it was dealt from the dataset by the index the first grid's sampler
     gave it, and ends at the fault-free state (the re-grid used to be refused at ``initialize``)."""
-    code, _, reference = run(tmp_path, "ref", world=6, pp=3, regrid=False, extra=TRAINING_DATA)
-    assert code == 0, logs(tmp_path, "ref")
-    faults = pair_dies((2, 3), 3, "before_forward")
-    code, agent, dumps = run(tmp_path, "regrid", world=6, pp=3, faults=faults, extra=TRAINING_DATA)
-    assert code == 0, logs(tmp_path, "regrid")
-    assert not [e for e in agent.events if e.kind in ("restart", "relaunch", "stop")]
+    reference, dumps = stage_1_lost(tmp_path, extra=TRAINING_DATA)
     assert_fault_free_state(dumps, reference, [0, 1, 4, 5], resume_step=3, pp_before=3)
 
 
@@ -228,13 +231,8 @@ def test_tied_embeddings_the_regrid_moves_each_stages_tied_copy(tmp_path):
     SIGKILLed; each copy moves with its stage's lowest layer of the key, the new first and last
     stages tie theirs again, and the job ends at the fault-free state (refused at ``initialize`` before)."""
     tied = ("--tied-embeddings",)
-    code, _, reference = run(tmp_path, "ref", world=6, pp=3, regrid=False, extra=tied)
-    assert code == 0, logs(tmp_path, "ref")
+    reference, dumps = stage_1_lost(tmp_path, extra=tied)
     assert any("tied_modules.embed.weight" in d["params"] for d in reference.values())
-    faults = pair_dies((2, 3), 3, "before_forward")
-    code, agent, dumps = run(tmp_path, "regrid", world=6, pp=3, faults=faults, extra=tied)
-    assert code == 0, logs(tmp_path, "regrid")
-    assert not [e for e in agent.events if e.kind in ("restart", "relaunch", "stop")]
     assert_fault_free_state(dumps, reference, [0, 1, 4, 5], resume_step=3, pp_before=3)
     holders = {d["stage"] for d in dumps.values() if "tied_modules.embed.weight" in d["params"]}
     assert len(holders) == 2 or holders == {0}, holders  # the first and the last stage (one, if the grid is 1 stage deep)
@@ -250,12 +248,7 @@ def test_bf16_fused_adam_the_regrid_moves_the_fp32_masters(tmp_path):
     clipping 1.0, with training_data: both replicas of stage 1 of 3 are SIGKILLed; each moved layer
     carries its fp32 masters (and the wrapper's scaler state), so the re-formed grid ends with the
     fault-free run's masters (within 1e-6) and bf16 weights (the masters rounded)."""
-    code, _, reference = run(tmp_path, "ref", world=6, pp=3, regrid=False, extra=TRAINING_DATA, deepspeed=USER)
-    assert code == 0, logs(tmp_path, "ref")
-    faults = pair_dies((2, 3), 3, "before_forward")
-    code, agent, dumps = run(tmp_path, "regrid", world=6, pp=3, faults=faults, extra=TRAINING_DATA, deepspeed=USER)
-    assert code == 0, logs(tmp_path, "regrid")
-    assert not [e for e in agent.events if e.kind in ("restart", "relaunch", "stop")]
+    reference, dumps = stage_1_lost(tmp_path, extra=TRAINING_DATA, deepspeed=USER)
     assert_fault_free_state(dumps, reference, [0, 1, 4, 5], resume_step=3, pp_before=3, bf16=True)
 
 
@@ -269,12 +262,7 @@ def test_in_the_users_configuration_with_zero1_both_replicas_of_a_stage_killed_t
     bf16 weights, each holding its range of its new stage's partition."""
     user = {**USER, "zero_optimization": {"stage": 1}}
     extra = (*TRAINING_DATA, "--tied-embeddings")
-    code, _, reference = run(tmp_path, "ref", world=6, pp=3, regrid=False, extra=extra, deepspeed=user)
-    assert code == 0, logs(tmp_path, "ref")
-    faults = pair_dies((2, 3), 3, "before_forward")
-    code, agent, dumps = run(tmp_path, "regrid", world=6, pp=3, faults=faults, extra=extra, deepspeed=user)
-    assert code == 0, logs(tmp_path, "regrid")
-    assert not [e for e in agent.events if e.kind in ("restart", "relaunch", "stop")]
+    reference, dumps = stage_1_lost(tmp_path, extra=extra, deepspeed=user)
     grid = assert_fault_free_state(dumps, reference, [0, 1, 4, 5], resume_step=3, pp_before=3, bf16=True)
     for rank, d in dumps.items():
         zero = d["zero"]
@@ -292,12 +280,7 @@ def test_optimizer_and_scheduler_objects_are_rebuilt_around_the_new_stages(tmp_p
     fault-free state (refused at ``initialize`` before)."""
     client = {"optimizer": None, "scheduler": None}
     extra = ("--client-optimizer",)
-    code, _, reference = run(tmp_path, "ref", world=6, pp=3, regrid=False, extra=extra, deepspeed=client)
-    assert code == 0, logs(tmp_path, "ref")
-    faults = pair_dies((2, 3), 3, "before_forward")
-    code, agent, dumps = run(tmp_path, "regrid", world=6, pp=3, faults=faults, extra=extra, deepspeed=client)
-    assert code == 0, logs(tmp_path, "regrid")
-    assert not [e for e in agent.events if e.kind in ("restart", "relaunch", "stop")]
+    reference, dumps = stage_1_lost(tmp_path, extra=extra, deepspeed=client)
     assert_fault_free_state(dumps, reference, [0, 1, 4, 5], resume_step=3, pp_before=3)
     for d in dumps.values():  # two groups (decay, no decay) and the warm-up's learning rate at step STEPS
         assert d["lr"] == pytest.approx([0.002 * min(1.0, (STEPS + 1) / 10)] * 2), d["lr"]
