@@ -62,6 +62,7 @@ Keys (under ``"resilience"``), defaults in brackets::
     checkpoint.idle_fraction        number in (0, 1]                      [0.8]
     checkpoint.max_restarts         int >= 0                              [3]
     regrid                          bool                                  [false]
+    grow_back                       bool                                  [true]
 
 ``configs/default_resilience.json`` is a complete CPU DeepSpeed config with every key at its default.
 A dataclass built directly in Python is checked the same way; its error paths are then relative to
@@ -431,6 +432,10 @@ class ResilienceConfig(_Section):
     regrid: bool = _opt(bool, "when a stage loses every replica, the survivors re-form a smaller dp x pp grid in "
                         "their running processes (layers moved between them, a lost stage's from the in-memory "
                         "snapshots) instead of every worker restarting from the snapshots", default=False)
+    grow_back: bool = _opt(bool, "after such a re-grid, the agent keeps relaunching the ranks it left out "
+                           "(ds-resilience run --rejoin_after) and, once they all registered and growing pays, the "
+                           "survivors and they re-form the first grid; false: the ranks left out stay out",
+                           default=True)
 
     def self_profile_steps(self, environ: Mapping[str, str] | None = None) -> int:
         """How many fused and decoupled iterations the engine profiles at start (0: none): only

@@ -57,6 +57,10 @@ class EpochRecord:
         speeds: with ``slow``: the workers found slow, ``(rank, speed)`` sorted by rank, each speed
             in (0, 1) (its stage peers' pace over its own); empty: none is slow any more (back to
             the schedule of the failed set). Empty for every other kind.
+        grows: with ``rejoin``: the survivors re-formed the grid without the joining ranks (a live
+            re-grid), and the joiners and they re-form the first grid (``integrations/ds_grow.py``)
+            instead of the joiners taking a peer's state; the agent publishes it only once the
+            survivors' re-grid is done and every rank left out came back.
     """
 
     epoch: int
@@ -69,6 +73,7 @@ class EpochRecord:
     kind: str = "start"
     restart: bool = False
     speeds: tuple[tuple[int, float], ...] = ()
+    grows: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speeds", _speeds(self.speeds))
@@ -88,6 +93,10 @@ class EpochRecord:
             raise MembershipError("restart=True needs stop=True")
         if self.speeds and self.kind != "slow":
             raise MembershipError(f"speeds {self.speeds!r} only go with kind 'slow', got {self.kind!r}")
+        if not isinstance(self.grows, bool):
+            raise MembershipError(f"grows must be true or false, got {self.grows!r}")
+        if self.grows and self.kind != "rejoin":
+            raise MembershipError(f"grows=True only goes with kind 'rejoin', got kind {self.kind!r}")
         if not {r for r, _ in self.speeds} <= set(self.alive):
             raise MembershipError(f"slow ranks {[r for r, _ in self.speeds]} must be alive ({self.alive})")
 

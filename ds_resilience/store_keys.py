@@ -55,6 +55,7 @@ ROOT = "dsr"
 LATEST_EPOCH = f"{ROOT}/epoch/latest"
 REGRID_FAILED = f"{ROOT}/regrid_failed"
 REGRIDDED = f"{ROOT}/regridded"
+GROW_FIGURES = f"{ROOT}/grow_figures"  # the re-formed grid's lead: what growing back would save (integrations/ds_grow.py)
 TRAINING_OVER = f"{ROOT}/training_over"
 STOP_REQUEST = f"{ROOT}/stop_request"  # a worker received SIGTERM/SIGINT itself: the agent stops the job gracefully
 SLOW_REQUEST_SEQ = f"{ROOT}/slow_request_seq"  # numbers the slow-worker requests (an add)
@@ -83,6 +84,12 @@ def status(rank: int) -> str:
 
 def admitted(rank: int) -> str:
     return f"{ROOT}/admitted/{rank}"
+
+
+def applied(rank: int) -> str:
+    """The newest epoch ``rank`` finished applying (the agent publishes a grow only after every
+    survivor finished its re-grid: supervisor/agent.py)."""
+    return f"{ROOT}/applied/{rank}"
 
 
 # --- recovery --------------------------------------------------------------------------------------

@@ -53,7 +53,7 @@ from .ds_reporting import is_reporter, plan_line, report
 from .ds_data import DataIterFactory, engine_batch_source, unfed_by
 from .ds_relay import TrainingRelay, starved
 from .ds_regrid import RegridContext, regrid, regrid_blocker, regrid_pays_for
-from .ds_grow import grow
+from .ds_grow import grow, post_figures
 from .ds_survivor_api import SurvivorAPI
 from .ds_stage import DeepSpeedStage, activation_checkpointing, refuse_unsupported, refuse_unsupported_live, tied_layout
 
@@ -446,6 +446,7 @@ class ResilientPipelineEngine(SurvivorAPI, PipelineEngine):
         dtype = stats.loss_dtype if self.stage_id == self.num_stages - 1 and stats.loss_dtype else torch.float32
         self.agg_train_loss = loss.reshape(()).to(device=self.device, dtype=dtype)
         report(self, elapsed)
+        post_figures(self)  # on a re-formed grid's lowest rank: what growing back would save (the agent decides)
         return self.agg_train_loss
 
     # --- evaluation ----------------------------------------------------------------------------

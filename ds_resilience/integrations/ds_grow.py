@@ -18,10 +18,19 @@ the joiners with ``plan=None``:
    grid's numbering again (the composed map is the identity), the moved layers' state loaded, and
    the script's engine object takes it; the coordinator re-registers the first position.
 
-The decision whether growing pays (``grow_back.decide_grow``) is logged with the entry, not yet
-enforced: the agent publishes the epoch once the joiners registered (the first grid's plan table
-and layout are what the job was planned for). Not yet: ZeRO-1 (:class:`GrowError`; the shards
-would be made whole and cut again, as the re-grid does); bf16/fp16 is not tested.
+Under ZeRO-1 each survivor's shard of the small grid is made whole first (``ds_regrid_zero.assemble``
+over every participant, the joiners bringing nothing) and cut into layers; the new engine loads
+its replica's range of the first grid's partition (``ds_regrid.layer_loader``). Under bf16/fp16 a
+layer carries its fp32 masters, as in the re-grid.
+
+Whether growing pays is decided before anything starts: the small grid's lowest rank posts after
+every iteration what growing would save (:func:`post_figures`: its measured iteration time, the
+first grid's predicted one, the pause priced by the measured re-grid cost, the iterations left when
+the scheduler knows the total), and the agent publishes the ``grows`` epoch only when
+``grow_back.decide_grow`` says it pays (``supervisor/agent.py``); the decision on the figures of the
+moment is logged again with the grow. A grow that cannot be done (a survivor's data from an
+iterator, a plan that does not fit) gives up before any state changes, as a failed re-grid does:
+the agent restarts every worker from the in-memory snapshots.
 """
 
 from __future__ import annotations
@@ -32,24 +41,27 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from .. import store_keys as keys
 from ..checkpoint.handover import recv_state, send_state
-from ..checkpoint.layer_state import inner_param_groups, inverse, layer_trees, renumber, stage_state
+from ..checkpoint.layer_state import layer_trees, renumber
 from ..checkpoint.layer_transfer import transfer
-from ..checkpoint.state import apply, capture, tree_nbytes
+from ..checkpoint.state import capture, tree_nbytes
 from ..comm.groups import build_groups
 from ..epochs import WorkerInfo
-from ..errors import ResilienceError
+from ..errors import PlanningError, ResilienceError
 from ..logs import get_logger
 from ..planning.grow_back import busiest_receiver_bytes, decide_grow, full_grid_time, plan_grow_back
 from ..planning.recovery import RecoveryPlan
 from ..planning.regrid import RegridPlan
 from ..runtime import membership
+from ..runtime.recovery import BeyondTolerance
 from ..sim.regrid_cost import MEASURED
 from ..topology import Topology
-from .ds_fused_adam import counts_steps_per_group
-from .ds_regrid import RegridContext, _build, _with_empty, origin_source, take_over
+from .ds_regrid import (RegridContext, RegridError, _build, _give_up, _unshard_own, _with_empty, layer_loader,
+                        origin_source, take_over)
+from .ds_regrid_zero import assemble
 
-__all__ = ["GrowError", "grow"]
+__all__ = ["GrowError", "grow", "post_figures"]
 
 logger = get_logger("ds_resilience.recovery")
 
@@ -65,50 +77,63 @@ def grow(engine: Any, record: Any, plan: RecoveryPlan | None) -> None:
     started = time.perf_counter()
     joiner = plan is None
     origin: Topology = engine.topology if joiner else engine.origin_topology
-    if engine.sharded_optimizer is not None:
-        raise GrowError("growing back with ZeRO-1 is not supported yet")
     me = origin.coord(engine.rank)[0]
     timeout = engine.resilience.detector.pg_timeout_s
     groups = build_groups(origin.healthy(), me, session=f"grow/e{record.epoch}", generation=record.epoch,
                           timeout_s=timeout, store=engine.coordinator.store, device=engine._comm_device())
     world = groups.world
-    state = None if joiner else capture(engine.stage_host, stage=engine.stage_id, rank=engine.rank).clone(host=True)
-    mine = {"rank": engine.rank, "joiner": joiner}
+    zero = engine.sharded_optimizer is not None
+    mine: dict[str, Any] = {"rank": engine.rank, "joiner": joiner, "zero": zero}
+    source = origin_source(engine, engine._rebuild)
     if not joiner:
         t = engine.topology
         mine.update(step=engine.global_steps, regrids=engine.regrids, bounds=list(engine.module.parts),
                     origin_bounds=list(engine.origin_parts), microbatches=engine.micro_batches,
                     grid={"dp": t.dp, "pp": t.pp, "ranks": list(t.ranks or range(t.num_workers))},
-                    seconds=[e["seconds"] for e in engine.iteration_log[-5:]])
+                    seconds=[e["seconds"] for e in engine.iteration_log[-5:]],
+                    left=iterations_left(engine), iterator=source is None)
     views = world.all_gather_json(mine)
-    survivors = sorted(v["rank"] for v in views if not v["joiner"])
-    joiners = sorted(v["rank"] for v in views if v["joiner"])
-    if not survivors:
-        raise GrowError("no survivor of the re-formed grid takes part in growing back")
-    lead = next(v for v in views if v["rank"] == survivors[0])
-    if {v["step"] for v in views if not v["joiner"]} != {lead["step"]}:
-        raise GrowError(f"the survivors are at different steps: {[(v['rank'], v['step']) for v in views]}")
-    g = lead["grid"]
-    current = Topology(dp=g["dp"], pp=g["pp"], ranks=tuple(g["ranks"]))
-    origin_m = current.dp * lead["microbatches"] // origin.dp
-    # every layer's state in bytes (the survivors' own layers)
-    held: dict[int, Any] = {}
-    if not joiner:
-        state = replace(state, optimizer=renumber(state.optimizer, engine.stage_host.optimizer_order))
-        held = _with_empty(layer_trees(state, engine.stage_host.param_layers), engine.module.parts, engine.stage_id)
-    sizes: dict[int, float] = {}
-    for part in world.all_gather_json({str(k): tree_nbytes(v) for k, v in held.items()}):
-        sizes.update({int(k): float(v) for k, v in part.items()})
-    layer_bytes = [sizes.get(i, 0.0) for i in range(lead["origin_bounds"][-1])]
-    live = plan_grow_back(current, lead["bounds"], lead["microbatches"], origin, lead["origin_bounds"], origin_m,
-                          joiners, layer_bytes=layer_bytes)
-    seconds = lead["seconds"]
-    small_s = sorted(seconds)[len(seconds) // 2] if seconds else 0.0
-    decision = decide_grow(small_s, full_grid_time(small_s, lead["bounds"], lead["microbatches"], live) if seconds
-                           else 0.0, MEASURED.pause_s(busiest_receiver_bytes(live)), None)
+    try:
+        survivors = sorted(v["rank"] for v in views if not v["joiner"])
+        joiners = sorted(v["rank"] for v in views if v["joiner"])
+        if not survivors:
+            raise GrowError("no survivor of the re-formed grid takes part in growing back")
+        lead = next(v for v in views if v["rank"] == survivors[0])
+        if {v["step"] for v in views if not v["joiner"]} != {lead["step"]}:
+            raise GrowError(f"the survivors are at different steps: {[(v['rank'], v.get('step')) for v in views]}")
+        if len({v["zero"] for v in views}) != 1:
+            raise GrowError("the joiners and the survivors disagree on ZeRO-1 (another config?)")
+        if any(v.get("iterator") for v in views):
+            raise GrowError("a survivor's data come from an iterator, which cannot be read by (pipeline, iteration, "
+                            "micro-batch)")
+        g = lead["grid"]
+        current = Topology(dp=g["dp"], pp=g["pp"], ranks=tuple(g["ranks"]))
+        origin_m = current.dp * lead["microbatches"] // origin.dp
+        state = held = None
+        if not joiner:
+            state = capture(engine.stage_host, stage=engine.stage_id, rank=engine.rank).clone(host=True)
+            if zero:  # the small grid's shards made whole (a collective the joiners take part in, below)
+                state, _ = _unshard_own(engine, world, state, {}, set())
+            else:  # the optimizer's parameter numbering as the module's
+                state = replace(state, optimizer=renumber(state.optimizer, engine.stage_host.optimizer_order))
+            held = _with_empty(layer_trees(state, engine.stage_host.param_layers), engine.module.parts,
+                               engine.stage_id)
+        elif zero:
+            assemble(world, [], set())
+        # every layer's state in bytes (the survivors' own layers)
+        sizes: dict[int, float] = {}
+        for part in world.all_gather_json({str(k): tree_nbytes(v) for k, v in (held or {}).items()}):
+            sizes.update({int(k): float(v) for k, v in part.items()})
+        layer_bytes = [sizes.get(i, 0.0) for i in range(lead["origin_bounds"][-1])]
+        live = plan_grow_back(current, lead["bounds"], lead["microbatches"], origin, lead["origin_bounds"],
+                              origin_m, joiners, layer_bytes=layer_bytes)
+    except (GrowError, RegridError, PlanningError) as exc:
+        _give_up(engine, record, plan, exc) if not joiner else _joiner_gives_up(engine, record, exc)
+        raise  # pragma: no cover - both give-ups raise
+    decision = _decision(lead["seconds"], lead["bounds"], lead["microbatches"], live, lead["left"])
     _log(engine, f"grow-back plan (at step {lead['step']}) {live.to_json()}; decision {decision.to_json()}")
     layers, report = transfer(RegridPlan(assignment=live.positions, idle=(), moves=live.moves), engine.rank,
-                              group=world, rank_of={r: r for r in survivors + joiners}, held=held,
+                              group=world, rank_of={r: r for r in survivors + joiners}, held=held or {},
                               from_snapshot=_nowhere, timeout_s=timeout)
     # the joiners' pattern of counters, scheduler and random generators: the lowest survivor's state
     for j in joiners:
@@ -118,9 +143,6 @@ def grow(engine: Any, record: Any, plan: RecoveryPlan | None) -> None:
             state = recv_state(world, survivors[0], timeout_s=timeout)
     count = lead["regrids"] + 1
     position = live.positions[engine.rank]
-    source = origin_source(engine, engine._rebuild)
-    if source is None:
-        raise GrowError("the data come from an iterator, which cannot be read by (pipeline, iteration, micro-batch)")
     t1 = time.perf_counter()
     engine.tier.close()
     old_module = engine.module
@@ -128,22 +150,12 @@ def grow(engine: Any, record: Any, plan: RecoveryPlan | None) -> None:
     old_data = engine.executor.batch_source
     if hasattr(old_data, "close") and old_data is not source:
         old_data.close()
-    like = state
-
-    def load(new: Any) -> None:
-        order = new.stage_host.optimizer_order
-        groups = renumber({"state": {}, "param_groups": inner_param_groups(new.optimizer.state_dict())},
-                          order)["param_groups"]
-        new_state = stage_state(layers, new.stage_host.param_layers, param_groups=groups, like=like,
-                                stage=new.stage_id, rank=new.rank, group_steps=counts_steps_per_group(new.optimizer))
-        new_state = replace(new_state, optimizer=renumber(new_state.optimizer, inverse(order)))
-        apply(new_state, new.stage_host, stage=new.stage_id)
-
     identity = tuple(tuple((p, i) for i in range(origin_m)) for p in range(origin.dp))
     context = RegridContext(ranks=tuple(origin.rank(w) for w in origin.workers()), coordinator=engine.coordinator,
                             session=f"live/regrid{count}", grid=count, origin=origin, gone=(),
                             recovery_log=engine.recovery_log, progress=engine.progress,
-                            origin_microbatches=identity, origin_bounds=tuple(lead["origin_bounds"]), load=load)
+                            origin_microbatches=identity, origin_bounds=tuple(lead["origin_bounds"]),
+                            load=layer_loader(layers, state))
     new = _build(engine, old_module, rebuild, live, position, context, layers)
     rebuild_s = time.perf_counter() - t1
     take_over(engine, new)  # the script's engine object (and the earlier engines) is the new engine now
@@ -162,6 +174,69 @@ def grow(engine: Any, record: Any, plan: RecoveryPlan | None) -> None:
              "recovery_s": time.time() - record.detected_at if record.detected_at else None}
     engine.recovery_log.append(entry)
     _log(engine, f"grow-back done {json.dumps(entry, sort_keys=True)}")
+
+
+def iterations_left(engine: Any) -> int | None:
+    """The iterations the job still trains, when its scheduler knows its total (DeepSpeed's
+    ``WarmupDecayLR``/``OneCycle``-style ``total_num_steps``); ``None`` otherwise."""
+    total = getattr(getattr(engine, "lr_scheduler", None), "total_num_steps", None)
+    if isinstance(total, bool) or not isinstance(total, int):
+        return None
+    return max(total - int(engine.global_steps), 0)
+
+
+def _decision(seconds: list[float], bounds: list[int], microbatches: int, live: Any, left: int | None):
+    """``decide_grow`` on the small grid's median measured iteration (of ``seconds``), the first
+    grid's predicted from it (scaled by 1F1B's estimate of the two grids, layer counts standing in
+    for time as in the shrink's ``ds_regrid.regrid_pays_for``), and the pause the measured re-grid
+    cost gives the busiest receiver."""
+    small_s = sorted(seconds)[len(seconds) // 2] if seconds else 0.0
+    unit = [1.0] * int(bounds[-1])
+    full_s = full_grid_time(small_s, bounds, microbatches, live, layer_cost=unit) if seconds else 0.0
+    return decide_grow(small_s, full_s, MEASURED.pause_s(busiest_receiver_bytes(live)), left)
+
+
+def post_figures(engine: Any) -> None:
+    """After an iteration on a re-formed (smaller) grid, its lowest rank posts what growing back
+    would save (``GROW_FIGURES``: the agent decides on them, ``supervisor/agent.py``). The plan is
+    made once per grid: the layers' bytes are the re-grid's, the joiners the first grid's ranks
+    this grid lacks."""
+    origin, t = engine.origin_topology, engine.topology
+    if not engine.regrids or (t.dp, t.pp) == (origin.dp, origin.pp) or engine.coordinator is None:
+        return
+    ranks = list(t.ranks or range(t.num_workers))
+    if engine.rank != min(ranks):
+        return
+    cached = getattr(engine, "_grow_figures_plan", None)
+    if cached is None:
+        entry = next((e for e in reversed(engine.recovery_log) if e.get("kind") == "regrid"), None)
+        if entry is None or "layer_bytes" not in entry:
+            return
+        joiners = sorted(set(origin.rank(w) for w in origin.workers()) - set(ranks))
+        origin_m = t.dp * engine.micro_batches // origin.dp
+        try:
+            cached = plan_grow_back(t, engine.module.parts, engine.micro_batches, origin, engine.origin_parts,
+                                    origin_m, joiners, layer_bytes=entry["layer_bytes"])
+        except PlanningError as exc:
+            _log(engine, f"no grow-back figures: {exc}")
+            cached = False
+        engine._grow_figures_plan = cached
+    if cached is False:
+        return
+    seconds = [e["seconds"] for e in engine.iteration_log[-5:]]
+    d = _decision(seconds, list(engine.module.parts), engine.micro_batches, cached, iterations_left(engine))
+    engine.coordinator.store.set(keys.GROW_FIGURES, json.dumps(
+        {"grid": engine.regrids, "step": engine.global_steps, "small_s": d.small_s, "full_s": d.full_s,
+         "pause_s": d.pause_s, "iterations_left": d.iterations_left}))
+
+
+def _joiner_gives_up(engine: Any, record: Any, exc: Exception) -> None:
+    """A joiner's side of a grow that cannot be done (nothing changed yet): the agent stops the job
+    and restarts every worker from the in-memory snapshots, as after a failed re-grid."""
+    engine.coordinator.store.set(membership.REGRID_FAILED_KEY, f"rank {engine.rank}: growing back: {exc}")
+    engine.coordinator.mark_applied(record)
+    raise BeyondTolerance(f"growing back failed ({exc}); the agent restarts every worker from the in-memory "
+                          f"snapshots", checkpoint_dir=None, step=0, lost_stages=[], restart=True) from exc
 
 
 def _nowhere(layer: int) -> Any:

@@ -71,8 +71,8 @@ from .ds_fused_adam import counts_steps_per_group
 from .ds_regrid_objects import RebuildError, rebuilt_optimizer, repointed_scheduler
 from .ds_regrid_zero import assemble, reshard_state, unshard, unsharded_param_groups
 
-__all__ = ["HORIZON", "RegridContext", "RegridError", "origin_source", "regrid", "regrid_blocker", "regrid_pays_for",
-           "take_over"]
+__all__ = ["HORIZON", "RegridContext", "RegridError", "layer_loader", "origin_source", "regrid", "regrid_blocker",
+           "regrid_pays_for", "take_over"]
 
 HORIZON = 20
 """Iterations over which a re-grid must beat re-routing, its own pause (taken as two fault-free
@@ -306,21 +306,7 @@ def regrid(engine: Any, record: Any, plan: RecoveryPlan) -> None:
     if hasattr(old_data, "close") and old_data is not source:
         old_data.close()  # training_data: the own pipeline's loader workers
     count = engine.regrids + 1
-
-    def load(new: Any) -> None:
-        sharded = new.sharded_optimizer is not None
-        order = None if sharded else new.stage_host.optimizer_order
-        groups = (unsharded_param_groups(new) if sharded else
-                  renumber({"state": {}, "param_groups": inner_param_groups(new.optimizer.state_dict())},
-                           order)["param_groups"])
-        new_state = stage_state(layers, new.stage_host.param_layers, param_groups=groups, like=state,
-                                stage=new.stage_id, rank=new.rank, group_steps=counts_steps_per_group(new.optimizer))
-        if sharded:  # ZeRO-1: this replica's range of the new stage's partition
-            new_state = replace(new_state, optimizer=reshard_state(new_state.optimizer, new))
-        else:  # back to the optimizer's own numbering
-            new_state = replace(new_state, optimizer=renumber(new_state.optimizer, inverse(order)))
-        apply(new_state, new.stage_host, stage=new.stage_id)
-
+    load = layer_loader(layers, state)
     context = RegridContext(ranks=ranks, coordinator=engine.coordinator, session=f"live/regrid{count}", grid=count,
                             origin=engine.origin_topology, gone=tuple(sorted(set(engine.gone) | set(failed))),
                             recovery_log=engine.recovery_log, progress=engine.progress,
@@ -349,11 +335,34 @@ def regrid(engine: Any, record: Any, plan: RecoveryPlan) -> None:
                         // engine.origin_topology.dp},
              "sent_bytes": report.sent_bytes, "received_bytes": report.received_bytes,
              "fetched_ranks": sorted(fetched), "fetched_bytes": sum(tree_nbytes(t) for t in fetched.values()),
-             "fetch_s": fetch_s, "transfer_s": report.seconds,
+             "fetch_s": fetch_s, "transfer_s": report.seconds, "layer_bytes": list(live.layer_bytes),
              "rebuild_s": rebuild_s, "regrid_s": time.perf_counter() - started,
              "recovery_s": time.time() - record.detected_at if record.detected_at else None}
     engine.recovery_log.append(entry)
     _log(engine, f"re-grid done {json.dumps(entry, sort_keys=True)}")
+
+
+def layer_loader(layers: dict[int, Any], like: StageState) -> Callable[[Any], None]:
+    """``load(new)``: the new engine's stage state built from the moved ``layers`` (their weights,
+    masters and optimizer state; counters, scheduler and random generators as in ``like``) and
+    applied to it: the optimizer's own numbering, or under ZeRO-1 this replica's range of the new
+    stage's partition."""
+
+    def load(new: Any) -> None:
+        sharded = new.sharded_optimizer is not None
+        order = None if sharded else new.stage_host.optimizer_order
+        groups = (unsharded_param_groups(new) if sharded else
+                  renumber({"state": {}, "param_groups": inner_param_groups(new.optimizer.state_dict())},
+                           order)["param_groups"])
+        new_state = stage_state(layers, new.stage_host.param_layers, param_groups=groups, like=like,
+                                stage=new.stage_id, rank=new.rank, group_steps=counts_steps_per_group(new.optimizer))
+        if sharded:  # ZeRO-1: this replica's range of the new stage's partition
+            new_state = replace(new_state, optimizer=reshard_state(new_state.optimizer, new))
+        else:  # back to the optimizer's own numbering
+            new_state = replace(new_state, optimizer=renumber(new_state.optimizer, inverse(order)))
+        apply(new_state, new.stage_host, stage=new.stage_id)
+
+    return load
 
 
 def take_over(engine: Any, new: Any) -> None:

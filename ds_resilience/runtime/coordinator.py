@@ -190,6 +190,7 @@ class Coordinator:
     def mark_applied(self, record) -> None:
         self.applied = record.epoch
         self.applying = 0
+        membership.mark_applied(self.store, self.rank, record.epoch)  # the agent waits on it before a grow
 
     def wait_pending(self, grace_s: float):
         """Wait up to ``grace_s`` for a new epoch (after an in-band error); ``None`` if none came."""

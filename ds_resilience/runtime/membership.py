@@ -217,6 +217,17 @@ def admitted(store: dist.Store, rank: int) -> int | None:
     return None if raw is None else int(raw)
 
 
+def mark_applied(store: dist.Store, rank: int, epoch: int) -> None:
+    """``rank`` finished applying ``epoch`` (every epoch it applies, so the newest)."""
+    store.set(keys.applied(rank), str(epoch))
+
+
+def applied(store: dist.Store, rank: int) -> int:
+    """The newest epoch ``rank`` finished applying (0: none since it started); never blocks."""
+    raw = _get(store, keys.applied(rank))
+    return 0 if raw is None else int(raw)
+
+
 def register_worker(store: dist.Store, info: WorkerInfo, *, secret: str | None = None) -> None:
     """Publish ``info`` under ``dsr/worker/{rank}`` (the agent uses it to judge tolerance), sealed
     with the job's secret (``secret``, else ``$DSR_JOB_SECRET``)."""

@@ -349,10 +349,14 @@ class LiveRecovery:
         if self.growing is not None and record.epoch == self.growing.epoch:  # a joiner growing the grid back
             self.grow(record, None)  # marks the epoch applied and logs it; the engine is a new one after it
             return
-        grows = record.kind == "rejoin" and any(not self.topology.has_rank(r) for r in record.joining)
+        grows = record.grows
         if grows and self.grow is None:
             raise ResilienceError(f"rank {self.rank}: ranks {list(record.joining)} re-join a grid the survivors "
-                                  f"re-formed without them, and this engine cannot grow back")
+                                  f"re-formed without them, and this engine cannot grow back (resilience.regrid off)")
+        if not grows and any(not self.topology.has_rank(r) for r in record.joining):
+            raise ResilienceError(f"rank {self.rank}: ranks {list(record.joining)} re-join a grid re-formed without "
+                                  f"them, but epoch {record.epoch} does not grow it back (an agent older than this "
+                                  f"worker?)")
         if self.topology.rank(self.me) in self.view.workers(record).failed:
             self._retire(record)
             return
@@ -475,9 +479,12 @@ class LiveRecovery:
             if time.monotonic() > deadline:
                 raise ResilienceError(f"rank {self.rank}: no re-join epoch from the agent within {self.timeout_s:.0f} s")
             time.sleep(0.01)
-        if self.grow is not None and self.coordinator.store.check([keys.REGRIDDED]):
+        if record.grows:
             # the grid this worker left was re-formed without it: it grows the first grid back with the
             # survivors at their next iteration boundary (the epoch stays pending until then)
+            if self.grow is None:
+                raise ResilienceError(f"rank {self.rank}: epoch {record.epoch} grows a re-formed grid back, and this "
+                                      f"engine cannot (resilience.regrid off)")
             self.growing = record
             logger.info("rank %d: re-join epoch %d grows the re-formed grid back to the first one", self.rank,
                         record.epoch)

@@ -30,6 +30,7 @@ Exit codes: 0 all live workers finished, 1 a worker failed before registering (a
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import shutil
@@ -49,9 +50,10 @@ import torch.distributed as dist
 
 from .. import store_keys as keys
 from ..config import DetectorConfig
-from ..errors import ResilienceError
+from ..errors import PlanningError, ResilienceError
 from ..job_secret import SECRET_VAR, new_secret
 from ..launch import DEFAULT_HOST_DIR, LaunchEnv, snapshot_root
+from ..planning.grow_back import decide_grow
 from ..planning.recovery import lost_stages
 from ..epochs import STOP_KINDS, MembershipError, SlowRequest
 from ..runtime import membership as mb
@@ -174,8 +176,11 @@ class Agent:
             (``resilience.regrid``): such a failure is then published as any other, not as a stop
             (``None``: what the workers register).
         grow_back: after such a re-grid, keep relaunching the ranks it left out (``rejoin_after_s``):
-            once they registered, their ``rejoin`` epoch has the survivors and them re-form the
-            first grid (``integrations/ds_grow.py``). Default: no relaunch after a re-grid.
+            once every one of them registered, the survivors finished their re-grid and growing
+            pays (``planning/grow_back.decide_grow`` on the figures the re-formed grid's lead
+            posts), their ``rejoin`` epoch (``grows``) has the survivors and them re-form the first
+            grid (``integrations/ds_grow.py``). ``None``: what the workers register
+            (``resilience.grow_back``, default true); ``False``: the ranks left out stay out.
         job_id: names the job (its snapshots' directory, its stop checkpoints); default
             ``DSR_JOB_ID``, else the scheduler's job id (``SLURM_JOB_ID``, ...), else a new one. A
             named job resumes from its newest stop checkpoint when started again.
@@ -197,9 +202,9 @@ class Agent:
                  max_restarts: int = 0, host_dir: str | os.PathLike[str] | None = None, keep_snapshots: bool = False,
                  env: Mapping[str, str] | None = None, log_dir: str | os.PathLike[str] | None = None,
                  echo: Callable[[str], None] | None = None, nnodes: int = 1, local_rank_arg: bool = True,
-                 regrid: bool | None = False, preload: Sequence[str] | None = None, job_id: str | None = None,
-                 term_grace_s: float = 30.0, secret: str | None = None, head: bool = False,
-                 grow_back: bool = False) -> None:
+                 regrid: bool | None = False, grow_back: bool | None = None, preload: Sequence[str] | None = None,
+                 job_id: str | None = None, term_grace_s: float = 30.0, secret: str | None = None,
+                 head: bool = False) -> None:
         if num_workers < 1:
             raise AgentError(f"num_workers must be >= 1, got {num_workers}")
         if nnodes < 1:
@@ -241,7 +246,7 @@ class Agent:
             raise AgentError(f"term_grace_s must be >= 0, got {term_grace_s}")
         self.env = dict(env or {})
         # None: learnt from the workers' registrations (their config, however it was given)
-        self._given = {"max_restarts": max_restarts, "regrid": regrid, "host_dir": host_dir}
+        self._given = {"max_restarts": max_restarts, "regrid": regrid, "host_dir": host_dir, "grow_back": grow_back}
         self.max_restarts, self.restarts = max_restarts or 0, 0
         self.regrid = bool(regrid)
         self.grow_back = bool(grow_back)
@@ -273,7 +278,9 @@ class Agent:
         self._rejoin_due: dict[int, float] = {}  # rank -> monotonic time of its relaunch
         self._join_attempts: dict[int, int] = {}  # rank -> relaunches that died before re-joining
         self._finished = False  # a member exited 0: training is over, nobody re-joins any more
-        self._regridded = False  # the survivors re-formed the grid: nobody re-joins any more
+        self._regridded = False  # the survivors re-form(ed) the grid without some ranks (until they grow it back)
+        self._regrid_raw: bytes | None = None  # the survivors' newest re-grid word (dsr/regridded) acted on
+        self._grow_declined: str | None = None  # growing back did not pay: why (no relaunch until the next re-grid)
         self._slow_seq = 0  # the newest slow-worker request acted on (SlowRequest.seq), this attempt
         self._slow_raw: bytes | None = None  # the request last read (each is read once)
         self._t0 = time.time()
@@ -391,6 +398,7 @@ class Agent:
         self._join_attempts.clear()
         self._restart_pending = self._export_pending = False
         self._finished = self._regridded = False
+        self._grow_declined, self._regrid_raw = None, None
         self.exit_code, self.message = None, ""
         self._start_attempt()
 
@@ -516,8 +524,11 @@ class Agent:
                                 detail=f.reason + " (while stopping)")
             if stop_deadline is None and self.regrid and self.store.check([mb.REGRID_FAILED_KEY]):
                 stop_deadline = self._regrid_failed()
-            if stop_deadline is None and self.regrid and not self._regridded and self.store.check([mb.REGRIDDED_KEY]):
-                self._no_more_rejoins(self.store.get(mb.REGRIDDED_KEY).decode(errors="replace"))
+            if stop_deadline is None and self.regrid and self.store.check([mb.REGRIDDED_KEY]):
+                raw = self.store.get(mb.REGRIDDED_KEY)
+                if raw != self._regrid_raw:  # a re-grid the agent did not decide itself (re-forming paid)
+                    self._regrid_raw = raw
+                    self._no_more_rejoins(raw.decode(errors="replace"))
             if stop_deadline is None:
                 self._rejoins()
                 self._slow_requests()
@@ -658,14 +669,15 @@ class Agent:
         self._cancel_rejoins(f"rank {rank} finished training")
 
     def _no_more_rejoins(self, why: str) -> None:
-        """The survivors re-form the grid (``why``): a relaunched worker would join the first grid,
-        which is gone (re-joining a re-formed grid is not supported yet), so relaunches still due are
-        dropped, relaunched workers that have not registered yet are stopped, and no rank is
-        relaunched any more: the ranks left out of the new grid stay out. With ``grow_back`` the
-        relaunches go on: once registered, the relaunched ranks grow the grid back."""
+        """The survivors re-form the grid (``why``): a relaunched worker cannot join the first grid,
+        which is gone, so without ``grow_back`` relaunches still due are dropped, relaunched workers
+        that have not registered yet are stopped, and no rank is relaunched any more: the ranks left
+        out of the new grid stay out. With ``grow_back`` the relaunches go on: once every rank left
+        out registered, they grow the grid back (:meth:`_grow_ready`)."""
         if self._regridded:
             return
         self._regridded = True
+        self._grow_declined = None
         if self.grow_back:
             self._echo(f"[ds_resilience agent] the survivors re-form the grid ({why}); relaunched ranks will grow it back")
             return
@@ -688,7 +700,7 @@ class Agent:
 
     def _join_failed(self, w: _Child) -> None:
         """A relaunched worker died before it re-joined: try again, a few times."""
-        if self._finished or (self._regridded and not self.grow_back):
+        if self._finished or (self._regridded and not self._growing_back()):
             return
         self._join_attempts[w.rank] = self._join_attempts.get(w.rank, 0) + 1
         if self._join_attempts[w.rank] < self.max_join_attempts:
@@ -708,6 +720,8 @@ class Agent:
             self.max_restarts = int(settings.get("max_restarts") or 0)
         if self._given["regrid"] is None:
             self.regrid = bool(settings.get("regrid"))
+        if self._given["grow_back"] is None:
+            self.grow_back = bool(settings.get("grow_back"))
         if self._given["host_dir"] is None and settings.get("host_dir"):
             self.host_dir = settings["host_dir"]
 
@@ -741,7 +755,7 @@ class Agent:
             return time.monotonic() + grace
         kind = "crash" if any(f.kind in ("crash", "node") for f in failures) else "hang"
         self._record_failures(failures, self._publish(kind, reason))
-        if self.rejoin_after_s is not None and not self._finished and (not self._regridded or self.grow_back):
+        if self.rejoin_after_s is not None and not self._finished and (not self._regridded or self._growing_back()):
             for f in failures:
                 w = self._workers[f.rank]
                 if w.incarnation > 0 and not self._check_admitted(w):  # registered, failed before it re-joined
@@ -818,16 +832,71 @@ class Agent:
         first = min((w.registered_at for w in registered), default=None)
         if first is None or (unregistered and now - first < self.join_batch_s):
             return
+        grows = self._regridded
+        if grows and not self._grow_ready(registered):
+            return
         for w in registered:
             w.state = "running"
             self._failed.discard(w.rank)
         ranks = tuple(sorted(w.rank for w in registered))
         record = self._publish("rejoin", ", ".join(f"rank {w.rank} re-joins (incarnation {w.incarnation})"
-                                                   for w in sorted(registered, key=lambda w: w.rank)), joining=ranks)
+                                                   for w in sorted(registered, key=lambda w: w.rank))
+                               + (": the grid grows back to its first shape" if grows else ""),
+                               joining=ranks, grows=grows)
+        if grows:
+            self._regridded = False  # the first grid again: a later lost stage re-grids anew
         for w in registered:
             self._event("register", w.rank, epoch=record.epoch, latency_s=now - w.launched_at,
                         detail=f"incarnation {w.incarnation} registered; epoch {record.epoch} asks the "
                                f"survivors to take it in")
+
+    def _growing_back(self) -> bool:
+        """After a re-grid: whether the ranks it left out are relaunched to grow the grid back."""
+        return self.grow_back and self._grow_declined is None
+
+    def _grow_ready(self, registered: list[_Child]) -> bool:
+        """Whether the relaunched ``registered`` workers can grow the re-formed grid back now: every
+        rank the re-grid left out is among them, every survivor finished applying every epoch (its
+        re-grid: a grow published while one runs would interrupt it), and growing pays
+        (``planning/grow_back.decide_grow`` on the figures the re-formed grid's lead posts after
+        each iteration: its iteration time, the first grid's predicted one, the pause and the
+        iterations left). When it does not pay, the relaunched workers are stopped and nobody is
+        relaunched until the next re-grid."""
+        back = {w.rank for w in registered}
+        out = set(self._failed) - back
+        if out:
+            if not any(r in self._rejoin_due or self._workers[r].state == "joining" for r in out):
+                self._decline_grow(f"ranks {sorted(out)} are not coming back (their relaunches gave up)")
+            return False
+        newest = self.epochs[-1].epoch if self.epochs else 0
+        running = [w.rank for w in self._workers.values() if w.state == "running" and w.rank not in back]
+        if any(mb.applied(self.store, r) < newest for r in running):
+            return False
+        if not self.store.check([keys.GROW_FIGURES]):
+            return False
+        try:
+            figures = json.loads(self.store.get(keys.GROW_FIGURES))
+            decision = decide_grow(float(figures["small_s"]), float(figures["full_s"]), float(figures["pause_s"]),
+                                   figures.get("iterations_left"))
+        except (ValueError, KeyError, TypeError, PlanningError) as exc:
+            self._decline_grow(f"the re-formed grid's figures are unreadable ({exc})")
+            return False
+        detail = (f"small grid {decision.small_s:.3g} s/iteration, first grid {decision.full_s:.3g} s predicted, "
+                  f"pause {decision.pause_s:.3g} s, iterations left "
+                  f"{'unknown' if decision.iterations_left is None else decision.iterations_left} (step "
+                  f"{figures.get('step')})")
+        if not decision.pays:
+            self._decline_grow(f"growing back does not pay: {detail}")
+            return False
+        self._event("grow", None, detail=f"growing back pays: {detail}")
+        self._echo(f"[ds_resilience agent] growing back pays: {detail}")
+        return True
+
+    def _decline_grow(self, why: str) -> None:
+        self._grow_declined = why
+        self._event("grow_declined", None, detail=why)
+        self._echo(f"[ds_resilience agent] {why}; the re-formed grid trains on")
+        self._cancel_rejoins(why)
 
     def _slow_requests(self) -> None:
         """The reporting rank found a worker slow, or recovered (``runtime/stragglers.py``): publish
@@ -878,11 +947,11 @@ class Agent:
 
     # --- helpers --------------------------------------------------------------------------------
     def _publish(self, kind: str, reason: str, joining: tuple[int, ...] = (), restart: bool = False,
-                 speeds: tuple[tuple[int, float], ...] = ()) -> mb.EpochRecord:
+                 speeds: tuple[tuple[int, float], ...] = (), grows: bool = False) -> mb.EpochRecord:
         alive = tuple(r for r in range(self.num_workers) if r not in self._failed)
         record = mb.EpochRecord(epoch=len(self.epochs) + 1, failed=tuple(self._failed), alive=alive,
                                 joining=joining, stop=kind in STOP_KINDS, reason=reason, detected_at=time.time(),
-                                kind=kind, restart=restart, speeds=speeds)
+                                kind=kind, restart=restart, speeds=speeds, grows=grows)
         mb.publish_epoch(self.store, record, secret=self.secret)
         self.epochs.append(record)
         self._echo(f"[ds_resilience agent] epoch {record.epoch} ({kind}): {reason}; alive {list(alive)}")

@@ -63,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat_timeout", type=float, default=None, metavar="S",
                    help="silence after which a worker is killed as hung (default: resilience.detector, else 5)")
     p.add_argument("--rejoin_after", type=float, default=None, metavar="S",
-                   help="relaunch a failed worker S seconds after its failure (default: never)")
+                   help="relaunch a failed worker S seconds after its failure (default: never); after a re-grid "
+                        "(resilience.regrid) the relaunched workers grow the grid back to its first shape "
+                        "(resilience.grow_back, default true)")
     p.add_argument("--stop_grace", type=float, default=300.0, metavar="S",
                    help="time survivors get to save a checkpoint and exit after a stop")
     p.add_argument("--term_grace_s", type=float, default=30.0, metavar="S",

@@ -22,7 +22,7 @@ class AgentEvent:
     register and an exit, no rejoin."""
 
     time: float  # time.time()
-    kind: str  # start | crash | hang | node | nodelost | nodeback | stop | relaunch | register | rejoin | slow | exit | killed | giveup | cancel
+    kind: str  # start | crash | hang | node | nodelost | nodeback | stop | relaunch | register | rejoin | slow | grow | grow_declined | exit | killed | giveup | cancel
     rank: int | None = None
     epoch: int | None = None
     latency_s: float | None = None
