@@ -87,6 +87,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
+    if os.environ.get("DSR_EXAMPLE_CPU_FP16") == "1":
+        # tests of fp16 on CPU: DeepSpeed refuses fp16 where the CPU lacks native fp16 (mkldnn), torch
+        # runs it on any CPU (as tests/dist/conformance_programs.py does)
+        from deepspeed.accelerator import get_accelerator
+
+        get_accelerator().is_fp16_supported = lambda: True
     ds_resilience.init_distributed()
     world = dist.get_world_size()
     if world % args.pp:
@@ -224,6 +230,9 @@ def main(argv=None) -> int:
                               for k, v in getattr(engine.optimizer, "state", {}).get(p, {}).items()}
                           for n, p in module.named_parameters()},
             "lr": [g["lr"] for g in getattr(engine.optimizer, "param_groups", [])],
+            # fp16: the dynamic loss scale and its count of good steps (None without one)
+            "loss_scale": getattr(getattr(engine.optimizer, "scaler", None), "scale", None),
+            "good_steps": getattr(getattr(engine.optimizer, "scaler", None), "good_steps", None),
             # bf16/fp16: the fp32 master weights (what the optimizer steps; the module holds their rounding)
             "masters": {n: master_of[id(p)].detach().clone() for n, p in module.named_parameters() if id(p) in master_of},
             "validation": None if getattr(engine, "validator", None) is None else {

@@ -20,7 +20,7 @@ STEPS = 7
 
 
 def run(tmp: Path, name: str, *, world: int, pp: int, faults=(), regrid=True, checkpoint=None, restarts=0, extra=(),
-        clipping=0.0, deepspeed=None, steps=STEPS, **agent_kw):
+        clipping=0.0, deepspeed=None, steps=STEPS, env=None, **agent_kw):
     base = json.loads((REPO / "configs" / "gpt_cpu_pp2_dp2.json").read_text())
     base["optimizer"] = {"type": "Adam", "params": {"lr": 0.002, "torch_adam": True}}
     base["gradient_clipping"] = clipping
@@ -43,7 +43,7 @@ def run(tmp: Path, name: str, *, world: int, pp: int, faults=(), regrid=True, ch
     agent = Agent(SCRIPT, ["--deepspeed_config", str(cfg), "--steps", str(steps), "--pp", str(pp), "--dump", str(dump),
                            "--min-step-seconds", "0.4", *extra],
                   num_workers=world, heartbeat_interval_s=0.2, heartbeat_timeout_s=4.0, max_restarts=restarts,
-                  log_dir=tmp / f"{name}-logs", env={"PYTHONPATH": str(REPO), "DSR_SELF_PROFILE": "0"},
+                  log_dir=tmp / f"{name}-logs", env={"PYTHONPATH": str(REPO), "DSR_SELF_PROFILE": "0", **(env or {})},
                   echo=lambda msg: print(msg, file=sys.stderr), regrid=regrid, **agent_kw)
     code = agent.run()
     dumps = {r: torch.load(f, weights_only=False) for r in range(world)
@@ -86,13 +86,15 @@ def by_name(dumps, key):
     return out
 
 
-def assert_fault_free_state(dumps, reference, survivors, *, resume_step, pp_before, bf16=False):
+def assert_fault_free_state(dumps, reference, survivors, *, resume_step, pp_before, bf16=None):
     """Every survivor ends at step STEPS with the weights, Adam moments and step counts, and the
     learning rate of the fault-free run, by parameter name, on a re-formed grid; each logged one
     re-grid. Tolerances as in test_live.py: re-routed iterations sum micro-batches in another
-    order (measured: at most 9e-7 on a weight of about 1e-2). ``bf16``: the fp32 masters are held
-    to those tolerances instead and each bf16 weight is its master rounded (the moments sit in the
-    mixed-precision wrapper, keyed by the masters: the masters are what they step)."""
+    order (measured: at most 9e-7 on a weight of about 1e-2). ``bf16``: the low-precision dtype
+    (``True``: bfloat16) of a mixed-precision run: the fp32 masters are held to those tolerances
+    instead and each weight is its master rounded (the moments sit in the mixed-precision wrapper,
+    keyed by the masters: the masters are what they step)."""
+    low = torch.bfloat16 if bf16 is True else bf16
     assert sorted(dumps) == survivors
     ref_params, ref_opt = by_name(reference, "params"), by_name(reference, "optimizer")
     ref_masters = by_name(reference, "masters")
@@ -111,13 +113,13 @@ def assert_fault_free_state(dumps, reference, survivors, *, resume_step, pp_befo
         assert origin["dp"] * origin["microbatches"] == grid["dp"] * grid["microbatches"], origin
         positions.add((d["pipeline"], d["stage"]))
         assert d["params"], rank
-        if bf16:
+        if low is not None:
             assert d["masters"].keys() == d["params"].keys(), rank
             for name, t in d["masters"].items():
                 r = ref_masters[name]
-                assert t.dtype == torch.float32 and d["params"][name].dtype == torch.bfloat16
+                assert t.dtype == torch.float32 and d["params"][name].dtype == low
                 assert torch.allclose(t, r, rtol=1e-5, atol=1e-6), f"rank {rank} {name}: {(t - r).abs().max():.3e}"
-                assert torch.equal(d["params"][name], t.to(torch.bfloat16)), f"rank {rank} {name}"
+                assert torch.equal(d["params"][name], t.to(low)), f"rank {rank} {name}"
             assert d["lr"] == pytest.approx(reference[0]["lr"])
             continue
         for name, t in d["params"].items():
@@ -172,22 +174,16 @@ TRAINING_DATA = ("--training-data", "--dataset-size", "40")  # the user's Datase
 
 
 @pytest.mark.timeout(900)
-def test_with_training_data_the_regridded_pipelines_read_the_dataset_by_index(tmp_path):
-    """The user's own data (``initialize(training_data=...)``, DeepSpeed's sampler, wrapping into
-    the next epoch) and no ``batch_source``: both replicas of stage 1 of 3 are SIGKILLed, the new
-    grid reads each micro-batch it was dealt from the dataset by the index the first grid's sampler
-    gave it, and ends at the fault-free state (the re-grid used to be refused at ``initialize``)."""
-    reference, dumps = stage_1_lost(tmp_path, extra=TRAINING_DATA)
-    assert_fault_free_state(dumps, reference, [0, 1, 4, 5], resume_step=3, pp_before=3)
-
-
-@pytest.mark.timeout(900)
-def test_tied_embeddings_the_regrid_moves_each_stages_tied_copy(tmp_path):
+def test_tied_embeddings_and_training_data_the_regrid_moves_each_stages_tied_copy_and_reads_by_index(tmp_path):
     """GPT-2's tied embeddings (``TiedLayerSpec``: the token embedding is also the output
-    projection, a copy on the first and on the last stage): both replicas of stage 1 of 3 are
-    SIGKILLed; each copy moves with its stage's lowest layer of the key, the new first and last
-    stages tie theirs again, and the job ends at the fault-free state (refused at ``initialize`` before)."""
-    tied = ("--tied-embeddings",)
+    projection, a copy on the first and on the last stage) and the user's own data
+    (``initialize(training_data=...)``, DeepSpeed's sampler, wrapping into the next epoch, no
+    ``batch_source``): both replicas of stage 1 of 3 are SIGKILLed; each tied copy moves with its
+    stage's lowest layer of the key, the new first and last stages tie theirs again, the new grid
+    reads each micro-batch it was dealt from the dataset by the index the first grid's sampler gave
+    it, and the job ends at the fault-free state, Adam moments included (both were refused at
+    ``initialize`` before)."""
+    tied = ("--tied-embeddings", *TRAINING_DATA)
     reference, dumps = stage_1_lost(tmp_path, extra=tied)
     assert any("tied_modules.embed.weight" in d["params"] for d in reference.values())
     assert_fault_free_state(dumps, reference, [0, 1, 4, 5], resume_step=3, pp_before=3)
@@ -200,13 +196,24 @@ USER = {"optimizer": {"type": "Adam", "params": {"lr": 0.002}}, "gradient_clippi
 
 
 @pytest.mark.timeout(900)
-def test_bf16_fused_adam_the_regrid_moves_the_fp32_masters(tmp_path):
-    """bf16 with fp32 masters, DeepSpeed's default optimizer (``"type": "Adam"``: FusedAdam) and
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_fused_adam_the_regrid_moves_the_fp32_masters_and_the_loss_scale(tmp_path, precision):
+    """bf16, or fp16 with its dynamic loss scale (DeepSpeed's defaults: 2^16, halved on each
+    overflow), with fp32 masters, DeepSpeed's default optimizer (``"type": "Adam"``: FusedAdam) and
     clipping 1.0, with training_data: both replicas of stage 1 of 3 are SIGKILLed; each moved layer
     carries its fp32 masters (and the wrapper's scaler state), so the re-formed grid ends with the
-    fault-free run's masters (within 1e-6) and bf16 weights (the masters rounded)."""
-    reference, dumps = stage_1_lost(tmp_path, extra=TRAINING_DATA, deepspeed=USER)
-    assert_fault_free_state(dumps, reference, [0, 1, 4, 5], resume_step=3, pp_before=3, bf16=True)
+    fault-free run's masters (within 1e-6), low-precision weights (the masters rounded) and loss scale."""
+    # fp16: a scale of 2^8 doubling after every 2 good steps, so it moves during the run
+    user = USER if precision == "bf16" else {**USER, "bf16": None, "fp16": {"enabled": True, "initial_scale_power": 8,
+                                                                             "loss_scale_window": 2}}
+    reference, dumps = stage_1_lost(tmp_path, extra=TRAINING_DATA, deepspeed=user,
+                                    env={"DSR_EXAMPLE_CPU_FP16": "1"} if precision == "fp16" else None)
+    assert_fault_free_state(dumps, reference, [0, 1, 4, 5], resume_step=3, pp_before=3,
+                            bf16=torch.bfloat16 if precision == "bf16" else torch.float16)
+    want = (reference[0]["loss_scale"], reference[0]["good_steps"])
+    assert {(d["loss_scale"], d["good_steps"]) for d in dumps.values()} == {want}, want
+    if precision == "fp16":  # the scale moved: it is not the initial 2^8 any more
+        assert want[0] is not None and want[0] != 2.0 ** 8, want
 
 
 @pytest.mark.timeout(900)

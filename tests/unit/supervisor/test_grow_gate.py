@@ -122,3 +122,14 @@ def test_grows_goes_with_a_rejoin_only():
     old = json.loads(EpochRecord(epoch=3, failed=(), alive=(0, 1), joining=(1,), kind="rejoin").to_json())
     old.pop("grows")  # a record from an agent older than the field
     assert EpochRecord.from_json(json.dumps(old)).grows is False
+
+
+def test_the_iterations_left_come_from_the_schedulers_total_when_it_has_one():
+    from ds_resilience.integrations.ds_grow import iterations_left
+
+    engine = SimpleNamespace(global_steps=30, lr_scheduler=SimpleNamespace(total_num_steps=100))  # WarmupDecayLR's
+    assert iterations_left(engine) == 70
+    engine.global_steps = 120
+    assert iterations_left(engine) == 0
+    assert iterations_left(SimpleNamespace(global_steps=3, lr_scheduler=None)) is None  # unknown: taken as many
+    assert iterations_left(SimpleNamespace(global_steps=3, lr_scheduler=SimpleNamespace(total_num_steps=True))) is None
