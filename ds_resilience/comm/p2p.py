@@ -24,6 +24,7 @@ from typing import Sequence
 import torch
 
 from ..errors import ResilienceError
+from ..polling import Backoff
 from .groups import CommError, Group
 
 __all__ = ["CommError", "Messenger", "Posted", "message_tag", "DTYPES"]
@@ -131,14 +132,14 @@ class Messenger:
 
     def _header_from(self, key: str) -> torch.Tensor:
         """A header the sender put in the group's store (waits for it, bounded by the store's timeout)."""
-        store, deadline = self.group.meta_store, time.monotonic() + self.timeout_s
+        store, deadline, backoff = self.group.meta_store, time.monotonic() + self.timeout_s, Backoff()
         try:
             while not store.check([key]):  # polled: a poisoned group (a failure) ends the wait at once
                 if self.group.poisoned:
                     raise CommError(f"{self.group.name}: released while waiting for the header {key}")
                 if time.monotonic() > deadline:
                     raise CommError(f"{self.group.name}: the header {key} did not appear within {self.timeout_s:.0f}s")
-                time.sleep(0.001)
+                backoff.sleep()
             raw = store.get(key)
         except RuntimeError as exc:
             raise CommError(f"{self.group.name}: reading the header {key}: {exc}") from exc

@@ -17,6 +17,7 @@ from ..launch import LaunchEnv, launch_env
 from ..logs import get_logger
 from ..runtime.build_locks import guard_build_locks
 from ..runtime.coordinator import TrainingOver
+from ..runtime.cpu_probe import memoize_cpu_info
 from ..runtime.executor import BatchSource
 from ..runtime.recovery import BeyondTolerance
 from .ds_data import DataIterFactory, planned_tolerance, reroute_data_error, unfed_reason
@@ -156,6 +157,7 @@ def initialize(
         raise ConfigError("mesh_param", "a sequence-parallel device mesh is not supported with pipeline parallelism")
     launch = launch_env()  # the agent's contract, read once
     guard_build_locks()  # the optimizer's op, loaded as DeepSpeed builds the engine
+    memoize_cpu_info()  # the op's build flags ask py-cpuinfo twice (a subprocess each)
     if launch is not None:  # a pipeline may lose both ends within the tolerance: its data must be addressable
         error = reroute_data_error(training_data, batch_source, data_iter_factory,
                                    unfed=unfed_reason(model.num_stages, planned_tolerance(resilience)))

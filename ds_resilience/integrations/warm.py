@@ -3,8 +3,10 @@ once in the fork server that ``ds-resilience run --preload`` forks the workers f
 
 Building the engine imports ``torch._dynamo`` (``torch.optim``'s first optimizer: about 9 s of one
 core on this project's 2-core CI machine) and ``torch.distributed.fsdp`` (3 s), and DeepSpeed probes
-which of its ops compile here (``deepspeed.ops.__compatible_ops__``: a C compiler run, 1 s). A
-worker forked from a server that did all three starts training in a fraction of that. Nothing here
+which of its ops compile here (``deepspeed.ops.__compatible_ops__``: a C compiler run, 1 s), and
+loading a CPU op (DeepSpeed's default ``FusedAdam``) asks py-cpuinfo twice (a subprocess each, about
+3.5 s: ``runtime/cpu_probe.py``). A worker forked from a server that did all four starts training
+in a fraction of that. Nothing here
 starts a thread or touches a GPU. Use: ``--preload torch,deepspeed,ds_resilience.integrations.warm``.
 """
 
@@ -15,3 +17,7 @@ import torch.distributed.fsdp  # noqa: F401
 import deepspeed.ops
 
 deepspeed.ops.__compatible_ops__  # noqa: B018 - probed once, cached in the module
+
+from ds_resilience.runtime.cpu_probe import memoize_cpu_info  # noqa: E402
+
+memoize_cpu_info(warm=True)  # the answer, inherited by every forked worker

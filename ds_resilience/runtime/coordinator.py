@@ -28,6 +28,7 @@ from ..comm.groups import poison
 from ..epochs import SWITCH_KINDS
 from ..errors import ResilienceError
 from ..launch import LaunchEnv
+from ..polling import Backoff
 from . import membership
 
 __all__ = ["Reconfigure", "TrainingOver", "Coordinator", "poison"]
@@ -194,12 +195,12 @@ class Coordinator:
 
     def wait_pending(self, grace_s: float):
         """Wait up to ``grace_s`` for a new epoch (after an in-band error); ``None`` if none came."""
-        deadline = time.monotonic() + grace_s
+        deadline, backoff = time.monotonic() + grace_s, Backoff(0.001)
         while time.monotonic() < deadline:
             record = self.pending()
             if record is not None:
                 return record
-            time.sleep(0.002)
+            backoff.sleep()
         return None
 
     def wait_key(self, key: str, *, store=None, timeout_s: float | None = None) -> bytes:
@@ -207,7 +208,7 @@ class Coordinator:
         work in flight is latched (:meth:`interrupting`). ``timeout_s``: default the store timeout."""
         store = store or self.store
         timeout_s = self.store_timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout_s
+        deadline, backoff = time.monotonic() + timeout_s, Backoff()
         while True:
             if store.check([key]):
                 return store.get(key)
@@ -217,7 +218,7 @@ class Coordinator:
             self.check_training_over()
             if time.monotonic() > deadline:
                 raise ResilienceError(f"timed out after {timeout_s:.0f}s waiting for store key {key}")
-            time.sleep(0.001)
+            backoff.sleep()
 
     def gather_steps(self, epoch: int, value: int, ranks: Iterable[int]) -> dict[int, int]:
         """Every survivor posts its step count ``value``; returns ``{rank: steps}`` for ``ranks``

@@ -32,6 +32,7 @@ LAYERS: dict[str, int] = {
     "ds_resilience.epochs": 0,
     "ds_resilience.logs": 0,
     "ds_resilience.durable": 0,
+    "ds_resilience.polling": 0,
     "ds_resilience.job_secret": 0,  # the job's secret and sealed values: agents and workers alike
     "ds_resilience.ir": 0,
     # L1: schedule generators, the planner, the plan table, placement
