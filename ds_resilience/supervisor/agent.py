@@ -30,7 +30,6 @@ Exit codes: 0 all live workers finished, 1 a worker failed before registering (a
 
 from __future__ import annotations
 
-import json
 import os
 import select
 import shutil
@@ -50,14 +49,14 @@ import torch.distributed as dist
 
 from .. import store_keys as keys
 from ..config import DetectorConfig
-from ..errors import PlanningError, ResilienceError
+from ..errors import ResilienceError
 from ..job_secret import SECRET_VAR, new_secret
 from ..launch import DEFAULT_HOST_DIR, LaunchEnv, snapshot_root
-from ..planning.grow_back import decide_grow
 from ..planning.recovery import lost_stages
 from ..epochs import STOP_KINDS, MembershipError, SlowRequest
 from ..runtime import membership as mb
 from .events import AgentEvent, event_table
+from .grow_gate import grow_verdict
 from .host_memory import claim, disown, owner_alive, reclaim_orphans
 from .nodes import NodeBeats, RemoteProc, end_message, job_description, post_launch, signed_set
 from .spawn import WorkerProcess, preload_modules, start_worker
@@ -855,42 +854,21 @@ class Agent:
         return self.grow_back and self._grow_declined is None
 
     def _grow_ready(self, registered: list[_Child]) -> bool:
-        """Whether the relaunched ``registered`` workers can grow the re-formed grid back now: every
-        rank the re-grid left out is among them, every survivor finished applying every epoch (its
-        re-grid: a grow published while one runs would interrupt it), and growing pays
-        (``planning/grow_back.decide_grow`` on the figures the re-formed grid's lead posts after
-        each iteration: its iteration time, the first grid's predicted one, the pause and the
-        iterations left). When it does not pay, the relaunched workers are stopped and nobody is
-        relaunched until the next re-grid."""
+        """Whether the relaunched ``registered`` workers grow the re-formed grid back now
+        (``grow_gate.grow_verdict``); when growing does not pay (or cannot be done) the relaunched
+        workers are stopped and nobody is relaunched until the next re-grid."""
         back = {w.rank for w in registered}
-        out = set(self._failed) - back
-        if out:
-            if not any(r in self._rejoin_due or self._workers[r].state == "joining" for r in out):
-                self._decline_grow(f"ranks {sorted(out)} are not coming back (their relaunches gave up)")
-            return False
-        newest = self.epochs[-1].epoch if self.epochs else 0
-        running = [w.rank for w in self._workers.values() if w.state == "running" and w.rank not in back]
-        if any(mb.applied(self.store, r) < newest for r in running):
-            return False
-        if not self.store.check([keys.GROW_FIGURES]):
-            return False
-        try:
-            figures = json.loads(self.store.get(keys.GROW_FIGURES))
-            decision = decide_grow(float(figures["small_s"]), float(figures["full_s"]), float(figures["pause_s"]),
-                                   figures.get("iterations_left"))
-        except (ValueError, KeyError, TypeError, PlanningError) as exc:
-            self._decline_grow(f"the re-formed grid's figures are unreadable ({exc})")
-            return False
-        detail = (f"small grid {decision.small_s:.3g} s/iteration, first grid {decision.full_s:.3g} s predicted, "
-                  f"pause {decision.pause_s:.3g} s, iterations left "
-                  f"{'unknown' if decision.iterations_left is None else decision.iterations_left} (step "
-                  f"{figures.get('step')})")
-        if not decision.pays:
-            self._decline_grow(f"growing back does not pay: {detail}")
-            return False
-        self._event("grow", None, detail=f"growing back pays: {detail}")
-        self._echo(f"[ds_resilience agent] growing back pays: {detail}")
-        return True
+        verdict = grow_verdict(
+            self.store, left_out=self._failed, back=back,
+            coming=lambda r: r in self._rejoin_due or self._workers[r].state == "joining",
+            survivors=[w.rank for w in self._workers.values() if w.state == "running" and w.rank not in back],
+            newest_epoch=self.epochs[-1].epoch if self.epochs else 0)
+        if verdict.action == "decline":
+            self._decline_grow(verdict.detail)
+        elif verdict.action == "grow":
+            self._event("grow", None, detail=verdict.detail)
+            self._echo(f"[ds_resilience agent] {verdict.detail}")
+        return verdict.action == "grow"
 
     def _decline_grow(self, why: str) -> None:
         self._grow_declined = why

@@ -133,3 +133,15 @@ def test_the_iterations_left_come_from_the_schedulers_total_when_it_has_one():
     assert iterations_left(engine) == 0
     assert iterations_left(SimpleNamespace(global_steps=3, lr_scheduler=None)) is None  # unknown: taken as many
     assert iterations_left(SimpleNamespace(global_steps=3, lr_scheduler=SimpleNamespace(total_num_steps=True))) is None
+
+
+def test_figures_that_cannot_be_read_decline_the_grow():
+    from ds_resilience.supervisor.grow_gate import grow_verdict
+
+    store = dist.HashStore()
+    store.set(keys.GROW_FIGURES, json.dumps({"small_s": "fast", "full_s": 1.0, "pause_s": 0.1}))
+    verdict = grow_verdict(store, left_out={2}, back={2}, coming=lambda r: False, survivors=[], newest_epoch=0)
+    assert verdict.action == "decline" and "figures are unreadable" in verdict.detail
+    store.set(keys.GROW_FIGURES, json.dumps({"small_s": 1.0, "full_s": 0.5, "pause_s": -1.0}))  # a negative pause
+    assert grow_verdict(store, left_out={2}, back={2}, coming=lambda r: False, survivors=[],
+                        newest_epoch=0).action == "decline"
