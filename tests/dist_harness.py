@@ -55,9 +55,12 @@ def _context():
     if _CTX is None:
         from ds_resilience.supervisor.spawn import fork_context, preload_modules
 
-        # the agent's list (conftest sets DSR_PRELOAD): one fork server per process serves both
-        _CTX = fork_context(preload_modules() or ("torch", "torch.distributed", "deepspeed", "ds_resilience",
-                                                  "ds_resilience.integrations.warm"))
+        # the agent's list (conftest sets DSR_PRELOAD), and DeepSpeed's Muon optimizer: vanilla DeepSpeed
+        # engines with ZeRO (the reference runs) import it to check their optimizer, about 6 s of a core
+        # per rank under load (integrations/warm.py); one fork server per process serves them all
+        preload = preload_modules() or ("torch", "torch.distributed", "deepspeed", "ds_resilience",
+                                        "ds_resilience.integrations.warm")
+        _CTX = fork_context((*preload, "deepspeed.runtime.zero.muon.muon_optimizer"))
     return _CTX
 
 

@@ -5,11 +5,13 @@ Building the engine imports ``torch._dynamo`` (``torch.optim``'s first optimizer
 core on this project's 2-core CI machine) and ``torch.distributed.fsdp`` (3 s), and DeepSpeed probes
 which of its ops compile here (``deepspeed.ops.__compatible_ops__``: a C compiler run, 1 s), and
 loading a CPU op (DeepSpeed's default ``FusedAdam``) asks py-cpuinfo twice (a subprocess each, about
-3.5 s: ``runtime/cpu_probe.py``). A DeepSpeed engine with ZeRO asks whether its optimizer is
-supported, which imports DeepSpeed's Muon optimizer, whose ``torch.compile`` decorators import
-inductor and render its templates (about 6 s of a core per rank under load; a quarter of the dist
-tier's conformance jobs), and the config imports the expert-parallel module. A worker forked from
-a server that did all of these starts training in a fraction of that. Nothing here
+3.5 s, kept on disk since: ``runtime/cpu_probe.py``), and the config imports the expert-parallel
+module. A worker forked from a server that did all of these starts training in a fraction of that.
+Not here: DeepSpeed's Muon optimizer, which its own engine imports to check a ZeRO optimizer (its
+``torch.compile`` decorators import inductor: 1.2 s alone, about 6 s of a core under load). Our
+engines never run that check, so a server that runs them would pay it for nothing; preload
+``deepspeed.runtime.zero.muon.muon_optimizer`` too for vanilla DeepSpeed ZeRO jobs (the test
+harness does). Nothing here
 starts a thread or touches a GPU. Use: ``--preload torch,deepspeed,ds_resilience.integrations.warm``.
 """
 
@@ -21,10 +23,6 @@ import deepspeed.module_inject.auto_ep_config  # noqa: F401
 import deepspeed.ops
 
 deepspeed.ops.__compatible_ops__  # noqa: B018 - probed once, cached in the module
-try:  # as deepspeed.runtime.zero.utils.is_zero_supported_optimizer imports it
-    import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
-except ImportError:  # pragma: no cover - a DeepSpeed without Muon
-    pass
 
 from ds_resilience.runtime.cpu_probe import memoize_cpu_info  # noqa: E402
 
