@@ -54,7 +54,6 @@ from ..planning.grow_back import busiest_receiver_bytes, decide_grow, full_grid_
 from ..planning.recovery import RecoveryPlan
 from ..planning.regrid import RegridPlan
 from ..runtime import membership
-from ..runtime.recovery import BeyondTolerance
 from ..sim.regrid_cost import MEASURED
 from ..topology import Topology
 from .ds_regrid import (RegridContext, RegridError, _build, _give_up, _unshard_own, _with_empty, layer_loader,
@@ -109,7 +108,7 @@ def grow(engine: Any, record: Any, plan: RecoveryPlan | None) -> None:
         g = lead["grid"]
         current = Topology(dp=g["dp"], pp=g["pp"], ranks=tuple(g["ranks"]))
         origin_m = current.dp * lead["microbatches"] // origin.dp
-        state = held = None
+        state, held = None, {}
         if not joiner:
             state = capture(engine.stage_host, stage=engine.stage_id, rank=engine.rank).clone(host=True)
             if zero:  # the small grid's shards made whole (a collective the joiners take part in, below)
@@ -122,18 +121,17 @@ def grow(engine: Any, record: Any, plan: RecoveryPlan | None) -> None:
             assemble(world, [], set())
         # every layer's state in bytes (the survivors' own layers)
         sizes: dict[int, float] = {}
-        for part in world.all_gather_json({str(k): tree_nbytes(v) for k, v in (held or {}).items()}):
+        for part in world.all_gather_json({str(k): tree_nbytes(v) for k, v in held.items()}):
             sizes.update({int(k): float(v) for k, v in part.items()})
         layer_bytes = [sizes.get(i, 0.0) for i in range(lead["origin_bounds"][-1])]
         live = plan_grow_back(current, lead["bounds"], lead["microbatches"], origin, lead["origin_bounds"],
                               origin_m, joiners, layer_bytes=layer_bytes)
     except (GrowError, RegridError, PlanningError) as exc:
-        _give_up(engine, record, plan, exc) if not joiner else _joiner_gives_up(engine, record, exc)
-        raise  # pragma: no cover - both give-ups raise
+        _give_up(engine, record, plan, exc)  # raises: the agent restarts every worker from the snapshots
     decision = _decision(lead["seconds"], lead["bounds"], lead["microbatches"], live, lead["left"])
     _log(engine, f"grow-back plan (at step {lead['step']}) {live.to_json()}; decision {decision.to_json()}")
     layers, report = transfer(RegridPlan(assignment=live.positions, idle=(), moves=live.moves), engine.rank,
-                              group=world, rank_of={r: r for r in survivors + joiners}, held=held or {},
+                              group=world, rank_of={r: r for r in survivors + joiners}, held=held,
                               from_snapshot=_nowhere, timeout_s=timeout)
     # the joiners' pattern of counters, scheduler and random generators: the lowest survivor's state
     for j in joiners:
@@ -165,6 +163,8 @@ def grow(engine: Any, record: Any, plan: RecoveryPlan | None) -> None:
         heartbeat_interval_s=engine.coordinator.heartbeat_interval_s, grid=count))
     if joiner:
         engine.coordinator.admitted()  # the agent records its re-join
+    elif engine.rank == survivors[0]:  # the small grid's figures are stale now (a later re-grid posts its own)
+        engine.coordinator.store.delete_key(keys.GROW_FIGURES)
     engine.coordinator.mark_applied(record)
     entry = {"epoch": record.epoch, "kind": "grow", "joining": list(record.joining), "joiner": joiner,
              "resume_step": lead["step"], "plan": live.to_dict(), "decision": decision.to_dict(),
@@ -228,15 +228,6 @@ def post_figures(engine: Any) -> None:
     engine.coordinator.store.set(keys.GROW_FIGURES, json.dumps(
         {"grid": engine.regrids, "step": engine.global_steps, "small_s": d.small_s, "full_s": d.full_s,
          "pause_s": d.pause_s, "iterations_left": d.iterations_left}))
-
-
-def _joiner_gives_up(engine: Any, record: Any, exc: Exception) -> None:
-    """A joiner's side of a grow that cannot be done (nothing changed yet): the agent stops the job
-    and restarts every worker from the in-memory snapshots, as after a failed re-grid."""
-    engine.coordinator.store.set(membership.REGRID_FAILED_KEY, f"rank {engine.rank}: growing back: {exc}")
-    engine.coordinator.mark_applied(record)
-    raise BeyondTolerance(f"growing back failed ({exc}); the agent restarts every worker from the in-memory "
-                          f"snapshots", checkpoint_dir=None, step=0, lost_stages=[], restart=True) from exc
 
 
 def _nowhere(layer: int) -> Any:

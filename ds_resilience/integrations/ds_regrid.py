@@ -42,7 +42,7 @@ import json
 import os
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -436,19 +436,21 @@ def _templates(layer_bytes: list[float], cap: float) -> Callable[[int], tuple[in
     return bounds_for
 
 
-def _give_up(engine: Any, record: Any, plan: RecoveryPlan, exc: Exception) -> None:
-    """This survivor cannot re-form the grid (nothing changed yet): tell the agent, which stops the
+def _give_up(engine: Any, record: Any, plan: RecoveryPlan | None, exc: Exception) -> NoReturn:
+    """This worker cannot re-form the grid (nothing changed yet): tell the agent, which stops the
     job with a restart of every worker from the in-memory snapshots (the tier below), make sure the
-    snapshot of the resume step is committed, and leave the training loop."""
+    snapshot of the resume step is committed, and leave the training loop. ``plan``: a survivor's
+    recovery plan; ``None`` on a worker growing the grid back as a joiner (it holds no snapshot)."""
     engine.coordinator.store.set(membership.REGRID_FAILED_KEY, f"rank {engine.rank}: {exc}")
-    ready = engine.tier.ready_for_restart(plan.resume_step)
+    step = plan.resume_step if plan is not None else engine.global_steps
+    ready = engine.tier.ready_for_restart(step) if plan is not None else {}
     engine.coordinator.mark_applied(record)
-    engine.recovery_log.append({"epoch": record.epoch, "kind": "regrid_failed", "resume_step": plan.resume_step,
+    engine.recovery_log.append({"epoch": record.epoch, "kind": "regrid_failed", "resume_step": step,
                                 "reason": str(exc), **ready})
     _log(engine, f"cannot re-form the grid: {exc}; the agent restarts every worker from the snapshots")
     raise BeyondTolerance(f"the survivors could not re-form the grid ({exc}); the agent restarts every worker from "
-                          f"the in-memory snapshots", checkpoint_dir=None, step=plan.resume_step,
-                          lost_stages=list(plan.lost_stages), restart=True) from exc
+                          f"the in-memory snapshots", checkpoint_dir=None, step=step,
+                          lost_stages=list(plan.lost_stages) if plan is not None else [], restart=True) from exc
 
 
 def snapshot_owners(old: Topology, failed: list[int], *, zero: bool) -> list[int]:

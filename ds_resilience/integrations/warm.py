@@ -11,8 +11,7 @@ Not here: DeepSpeed's Muon optimizer, which its own engine imports to check a Ze
 ``torch.compile`` decorators import inductor: 1.2 s alone, about 6 s of a core under load). Our
 engines never run that check, so a server that runs them would pay it for nothing; preload
 ``deepspeed.runtime.zero.muon.muon_optimizer`` too for vanilla DeepSpeed ZeRO jobs (the test
-harness does). Nothing here
-starts a thread or touches a GPU. Use: ``--preload torch,deepspeed,ds_resilience.integrations.warm``.
+harness does). Nothing here starts a thread or touches a GPU. Use: ``--preload torch,deepspeed,ds_resilience.integrations.warm``.
 """
 
 from __future__ import annotations

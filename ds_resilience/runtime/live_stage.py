@@ -123,8 +123,9 @@ def agent_settings(config: ResilienceConfig) -> dict[str, Any]:
     """What the agent needs of the config, registered by every worker: the agent reads it there,
     however the script was given its config (a file, a dict in code, a launcher flag)."""
     ckpt = config.checkpoint
-    return {"max_restarts": ckpt.max_restarts if ckpt.enabled else 0, "regrid": bool(config.regrid), "grow_back": bool(config.grow_back),
-            "host_dir": str(ckpt.host_dir) if ckpt.host_dir else None, "snapshots": bool(ckpt.enabled)}
+    return {"max_restarts": ckpt.max_restarts if ckpt.enabled else 0, "regrid": bool(config.regrid),
+            "grow_back": bool(config.grow_back), "host_dir": str(ckpt.host_dir) if ckpt.host_dir else None,
+            "snapshots": bool(ckpt.enabled)}
 
 
 class LiveStage:

@@ -525,7 +525,7 @@ class Agent:
                 stop_deadline = self._regrid_failed()
             if stop_deadline is None and self.regrid and self.store.check([mb.REGRIDDED_KEY]):
                 raw = self.store.get(mb.REGRIDDED_KEY)
-                if raw != self._regrid_raw:  # a re-grid the agent did not decide itself (re-forming paid)
+                if raw != self._regrid_raw:  # each re-grid the survivors announce, once (the agent may know it already)
                     self._regrid_raw = raw
                     self._no_more_rejoins(raw.decode(errors="replace"))
             if stop_deadline is None:
@@ -842,8 +842,9 @@ class Agent:
                                                    for w in sorted(registered, key=lambda w: w.rank))
                                + (": the grid grows back to its first shape" if grows else ""),
                                joining=ranks, grows=grows)
-        if grows:
-            self._regridded = False  # the first grid again: a later lost stage re-grids anew
+        if grows:  # the first grid again: a later lost stage re-grids anew, this one's word is acted on
+            self._regridded = False
+            self._regrid_raw = self.store.get(mb.REGRIDDED_KEY) if self.store.check([mb.REGRIDDED_KEY]) else None
         for w in registered:
             self._event("register", w.rank, epoch=record.epoch, latency_s=now - w.launched_at,
                         detail=f"incarnation {w.incarnation} registered; epoch {record.epoch} asks the "

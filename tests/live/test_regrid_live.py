@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ds_resilience import store_keys as keys
 from ds_resilience.runtime import membership as mb
 from ds_resilience.supervisor.agent import Agent
 
@@ -408,6 +409,7 @@ def test_in_the_users_configuration_relaunched_workers_grow_the_regridded_grid_b
     assert {2, 3} <= {e.rank for e in agent.events if e.kind == "rejoin"}, agent.events
     assert "grow" in kinds and "grow_declined" not in kinds and "stop" not in kinds, agent.events
     assert "growing back pays" in next(e.detail for e in agent.events if e.kind == "grow")
+    assert not agent.store.check([keys.GROW_FIGURES])  # the small grid's figures went with it
     grow_epochs = [r for r in agent.epochs if r.grows]
     assert len(grow_epochs) == 1 and grow_epochs[0].joining == (2, 3), agent.epochs
     ref_masters = by_name(reference, "masters")

@@ -107,10 +107,12 @@ def test_the_published_grow_is_a_rejoin_that_says_it_grows(tmp_path):
     for r in (2, 3):
         mb.register_worker(agent.store, mb.WorkerInfo(rank=r, pipeline=r % 2, stage=r // 2, pid=1, incarnation=1,
                                                       dp=2, pp=3), secret=agent.secret)
+    agent.store.set(mb.REGRIDDED_KEY, "epoch 2: 4 survivors of 2 x 3")
     agent._rejoins()
     record = agent.epochs[-1]
     assert record.kind == "rejoin" and record.grows and record.joining == (2, 3), record
     assert not agent._regridded  # the first grid again: a later lost stage re-grids anew
+    assert agent._regrid_raw == b"epoch 2: 4 survivors of 2 x 3"  # that re-grid's word is not acted on again
     assert EpochRecord.from_json(record.to_json()) == record
 
 
